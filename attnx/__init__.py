@@ -1,0 +1,35 @@
+"""attnx: exact, fast attention on the CPU over numpy arrays.
+
+Softmax (scaled dot product) attention computed FlashAttention-style, and the
+kernelised "linear" family, in C with OpenBLAS. Every function takes
+q (..., n, d), k (..., m, d), v (..., m, e) and returns (..., n, e); the
+leading axes broadcast like a gufunc. See README.md for the conventions.
+"""
+from . import _C
+from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
+from ._inspect import attention_weights, similarity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "softmax_attention",
+    "gaussian_attention",
+    "attention_weights",
+    "similarity",
+    "get_num_threads",
+    "set_num_threads",
+    "show_config",
+]
+
+
+def show_config():
+    """Print the BLAS, SIMD level, thread count and numpy version in use."""
+    import numpy
+
+    info = _C.build_info()
+    print(f"attnx {__version__}")
+    print(f"  BLAS:     {info['blas']} (single-threaded inside attnx's OpenMP pool)")
+    print(f"  SIMD:     {info['simd']}")
+    print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
+    print(f"  numpy:    {numpy.__version__}")
+    print(f"  compiler: {info['compiler']}")

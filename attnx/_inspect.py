@@ -1,0 +1,55 @@
+"""attention_weights and similarity: the full (..., n, m) matrices of any
+variant, for plots, teaching and tests. They reuse the attention kernels
+themselves (values = identity), so they show exactly what the kernels do."""
+import numpy as np
+
+from . import _C
+
+
+def _identity_values(q, k, m):
+    dtype = np.result_type(np.asarray(q).dtype, np.asarray(k).dtype)
+    if dtype.kind not in "fiub":
+        dtype = np.float64  # let the kernel raise the dtype error
+    elif dtype.kind != "f":
+        dtype = np.float64
+    return np.eye(m, dtype=dtype)
+
+
+def _softmax_family(variant, q, k, options):
+    k_arr = np.asarray(k)
+    if k_arr.ndim < 2:
+        raise ValueError(f"k must have at least 2 dimensions, got shape {k_arr.shape}")
+    m = k_arr.shape[-2]
+    fn = {"softmax": _C.softmax_attention, "gaussian": _C.gaussian_attention}[variant]
+    if "out" in options or "return_lse" in options:
+        raise TypeError("attention_weights and similarity take no out= or return_lse=")
+    weights, lse = fn(q, k, _identity_values(q, k, m), return_lse=True, **options)
+    return weights, lse
+
+
+_VARIANTS = ("softmax", "gaussian")
+
+
+def _check_variant(variant):
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(map(repr, _VARIANTS))}")
+
+
+def attention_weights(q, k, variant="softmax", **options):
+    """The normalised weights w_ij, shape (..., n, m), of `variant` under the
+    given options (those of its front end, e.g. causal=, mask=, scale=).
+    Rows that see no key are all zero. O(n m) memory."""
+    _check_variant(variant)
+    weights, _ = _softmax_family(variant, q, k, options)
+    return weights
+
+
+def similarity(q, k, variant="softmax", **options):
+    """The unnormalised similarities s_ij >= 0, shape (..., n, m); masked
+    entries are 0. For softmax, s_ij = exp(scale q_i.k_j + bias_ij), which
+    overflows to inf where that exponent exceeds the dtype's range."""
+    _check_variant(variant)
+    weights, lse = _softmax_family(variant, q, k, options)
+    with np.errstate(over="ignore", invalid="ignore"):
+        row_mass = np.exp(lse)[..., None]
+        return np.where(weights == 0, 0, weights * row_mass).astype(weights.dtype, copy=False)

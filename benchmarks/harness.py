@@ -1,0 +1,116 @@
+"""Interleaved timing harness.
+
+Competitors of one case are timed round-robin (A, B, C, A, B, C, ...), so a
+slow phase of the shared machine hits all of them alike and ratios taken
+from the medians of one run are meaningful even when absolute times drift.
+
+Per case:
+1. warm-up: each competitor runs until `warmup_s` has passed (at least once);
+   its first result is kept so the caller can check the answers agree, and
+   its fastest call sets the number of inner repetitions, chosen so that one
+   sample lasts at least `min_sample_s` (tiny calls loop thousands of times);
+2. rounds: as many as fit in `budget_s`, clamped to [min_rounds, max_rounds];
+   every round takes one sample of every competitor in a fixed order;
+3. a sample is the mean time of its inner repetitions (time.perf_counter,
+   garbage collector off); a short pause before each sample lets the spinning
+   worker threads of the previous competitor's thread pool fall asleep.
+"""
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Settings:
+    min_rounds: int = 3
+    max_rounds: int = 9
+    budget_s: float = 20.0      # target time for the timed rounds of one case
+    warmup_s: float = 0.2
+    min_sample_s: float = 0.02
+    pause_s: float = 0.005
+
+
+@dataclass
+class Stats:
+    """Per-call times (seconds) of one competitor, one value per round."""
+    samples: list
+    number: int                  # inner repetitions per sample
+    median: float = field(init=False)
+    q1: float = field(init=False)
+    q3: float = field(init=False)
+    min: float = field(init=False)
+    max: float = field(init=False)
+
+    def __post_init__(self):
+        self.median = statistics.median(self.samples)
+        if len(self.samples) >= 2:
+            self.q1, _, self.q3 = statistics.quantiles(self.samples, n=4, method="inclusive")
+        else:
+            self.q1 = self.q3 = self.median
+        self.min, self.max = min(self.samples), max(self.samples)
+
+    @property
+    def iqr_fraction(self):
+        return (self.q3 - self.q1) / self.median
+
+    def as_dict(self):
+        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3,
+                "min_s": self.min, "max_s": self.max, "number": self.number,
+                "samples_s": self.samples}
+
+
+def warm_up(call, warmup_s):
+    """Run `call` for about warmup_s (at least once). Return (first result,
+    fastest single-call time)."""
+    first_result, fastest = None, math.inf
+    started = time.perf_counter()
+    calls = 0
+    while calls == 0 or time.perf_counter() - started < warmup_s:
+        t0 = time.perf_counter()
+        result = call()
+        fastest = min(fastest, time.perf_counter() - t0)
+        if calls == 0:
+            first_result = result
+        calls += 1
+    return first_result, fastest
+
+
+def take_sample(call, number):
+    """Mean seconds per call over `number` back-to-back calls."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(number):
+            call()
+        return (time.perf_counter() - t0) / number
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def round_count(seconds_per_round, settings):
+    fitting = int(settings.budget_s / max(seconds_per_round, 1e-9))
+    return max(settings.min_rounds, min(settings.max_rounds, fitting))
+
+
+def measure(calls, settings):
+    """Time the zero-argument callables in `calls` ({name: call}), interleaved.
+
+    Returns ({name: Stats}, {name: result of the first warm-up call}).
+    """
+    first_results, numbers = {}, {}
+    seconds_per_round = 0.0
+    for name, call in calls.items():
+        first_results[name], fastest = warm_up(call, settings.warmup_s)
+        numbers[name] = max(1, math.ceil(settings.min_sample_s / max(fastest, 1e-9)))
+        seconds_per_round += numbers[name] * fastest + settings.pause_s
+    samples = {name: [] for name in calls}
+    for _ in range(round_count(seconds_per_round, settings)):
+        for name, call in calls.items():
+            time.sleep(settings.pause_s)
+            samples[name].append(take_sample(call, numbers[name]))
+    stats = {name: Stats(samples[name], numbers[name]) for name in calls}
+    return stats, first_results

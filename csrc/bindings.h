@@ -1,0 +1,12 @@
+/* bindings.h - the Python-callable functions, one group per family file. */
+#ifndef ATTNX_BINDINGS_H
+#define ATTNX_BINDINGS_H
+#include <Python.h>
+
+PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs);
+
+extern const char attnx_softmax_attention_doc[];
+extern const char attnx_gaussian_attention_doc[];
+
+#endif

@@ -1,0 +1,183 @@
+/* softmax.c - exact softmax attention, FlashAttention-style.
+ *
+ * For each head and each tile of Q_TILE query rows, walk the key tiles that
+ * the rows can see (the causal/window band skips the rest), and keep per
+ * row an online softmax: the running max, the running sum of exp(s - max),
+ * and the unnormalised output in the output rows themselves. Memory is one
+ * scores tile per thread: nothing grows with n * m.
+ *
+ * Legend: n queries, m keys, d features, e value features.
+ *   scores (rows, KEY_TILE)  scale * Q_tile K_tile^T, then p = exp(s - max)
+ *   out    (rows, e)         sum_j p_ij v_j, rescaled when the max grows
+ */
+#ifndef REAL
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "attnx.h"
+#include "blas.h"
+
+/* Tile sizes: a scores tile of Q_TILE x KEY_TILE floats stays in L2 and the
+ * two GEMMs per tile are large enough for BLAS to run near peak. */
+#define Q_TILE 64
+#define KEY_TILE 256
+
+#define ATTNX_FAMILY_FILE "softmax.c"
+#include "real.h"
+
+#else /* REAL: the body, compiled once per type */
+
+/* Pass 2 for one row of a tile: add bias, mask, then fold the tile into the
+ * online softmax. Invariant, per row: out = sum_j exp(s_j - row_max) v_j
+ * and row_sum = sum_j exp(s_j - row_max) over the keys seen so far; a row
+ * that has seen no visible key keeps row_max = -inf, row_sum = 0, out = 0.
+ * Returns the factor by which `out` must be rescaled (1 when unchanged). */
+static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrdiff_t vis_lo,
+                                              ptrdiff_t vis_hi, const REAL *bias_row,
+                                              ptrdiff_t bias_col, const unsigned char *mask_row,
+                                              ptrdiff_t mask_col, const REAL *key_bias,
+                                              REAL *row_max, REAL *row_sum)
+{
+    const REAL neg_inf = -(REAL)INFINITY;
+    if (bias_row)
+        for (ptrdiff_t j = vis_lo; j < vis_hi; j++) scores[j] += bias_row[j * bias_col];
+    if (key_bias)
+        for (ptrdiff_t j = vis_lo; j < vis_hi; j++) scores[j] += key_bias[j];
+    if (mask_row)
+        for (ptrdiff_t j = vis_lo; j < vis_hi; j++)
+            scores[j] = mask_row[j * mask_col] ? scores[j] : neg_inf;
+
+    REAL tile_max = neg_inf;
+    for (ptrdiff_t j = vis_lo; j < vis_hi; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+    REAL new_max = tile_max > *row_max ? tile_max : *row_max;
+
+    for (ptrdiff_t j = 0; j < vis_lo; j++) scores[j] = 0;
+    for (ptrdiff_t j = vis_hi; j < cols; j++) scores[j] = 0;
+    if (new_max == neg_inf) {
+        /* Nothing visible yet (exp(-inf - -inf) would be NaN), unless the
+         * max skipped NaN scores: then the row must come out NaN. */
+        for (ptrdiff_t j = vis_lo; j < vis_hi; j++) {
+            if (scores[j] != scores[j]) *row_sum = scores[j];
+            scores[j] = 0;
+        }
+        return 1;
+    }
+    REAL tile_sum = 0;
+#pragma omp simd reduction(+ : tile_sum)
+    for (ptrdiff_t j = vis_lo; j < vis_hi; j++) {
+        REAL p = SFX(vexp)(scores[j] - new_max);
+        scores[j] = p;
+        tile_sum += p;
+    }
+    REAL correction = *row_max == new_max ? 1 : SFX(vexp)(*row_max - new_max);
+    *row_sum = *row_sum * correction + tile_sum;
+    *row_max = new_max;
+    return correction;
+}
+
+static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
+{
+    for (ptrdiff_t j = 0; j < count; j++) row[j] *= factor;
+}
+
+/* key_bias[j] = coef * |k_j|^2 for gaussian attention */
+static ATTNX_HOT void SFX(key_sqnorm_bias)(REAL *key_bias, const REAL *k_tile, ptrdiff_t k_row,
+                                           ptrdiff_t cols, ptrdiff_t d, REAL coef)
+{
+    for (ptrdiff_t j = 0; j < cols; j++) {
+        const REAL *k_j = k_tile + j * k_row;
+        REAL sq = 0;
+        for (ptrdiff_t c = 0; c < d; c++) sq += k_j[c] * k_j[c];
+        key_bias[j] = coef * sq;
+    }
+}
+
+/* One query tile [i0, i0 + rows) of one head. */
+static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdiff_t i0,
+                              ptrdiff_t rows, REAL *scores, REAL *key_bias, REAL *row_max,
+                              REAL *row_sum)
+{
+    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
+    const REAL *q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]) + i0 * a->q_row;
+    const REAL *k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]);
+    const REAL *v = (const REAL *)((const char *)a->v + off[ATTNX_SM_V]);
+    REAL *out = (REAL *)((char *)a->out + off[ATTNX_SM_OUT]) + i0 * a->out_row;
+    const REAL *bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL;
+    const unsigned char *mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL;
+    const ptrdiff_t e = a->e;
+
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        row_max[r] = -(REAL)INFINITY;
+        row_sum[r] = 0;
+        for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
+    }
+
+    /* pass 1 range: the keys any row of the tile can see */
+    ptrdiff_t key_first = attnx_band_first(&a->band, i0);
+    ptrdiff_t key_end = attnx_band_end(&a->band, i0 + rows - 1);
+    for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
+        ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0);
+        /* pass 1: scores = scale * Q_tile K_tile^T */
+        SFX(gemm)(0, 1, rows, cols, a->d, (REAL)a->scale, q, a->q_row, k + j0 * a->k_row,
+                  a->k_row, 0, scores, KEY_TILE);
+        if (a->key_sqnorm_coef != 0)
+            SFX(key_sqnorm_bias)(key_bias, k + j0 * a->k_row, a->k_row, cols, a->d,
+                                 (REAL)a->key_sqnorm_coef);
+        /* pass 2: bias, mask, online softmax, rescale what is accumulated */
+        for (ptrdiff_t r = 0; r < rows; r++) {
+            ptrdiff_t i = i0 + r;
+            ptrdiff_t vis_lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
+            ptrdiff_t vis_hi = ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0;
+            if (vis_hi < vis_lo) vis_hi = vis_lo;
+            REAL correction = SFX(online_softmax_row)(
+                scores + r * KEY_TILE, cols, vis_lo, vis_hi,
+                bias ? bias + i * a->bias_row + j0 * a->bias_col : NULL, a->bias_col,
+                mask ? mask + i * a->mask_row + j0 * a->mask_col : NULL, a->mask_col,
+                a->key_sqnorm_coef != 0 ? key_bias : NULL, &row_max[r], &row_sum[r]);
+            if (correction != 1) SFX(scale_row)(out + r * a->out_row, e, correction);
+        }
+        /* pass 3: out += P V_tile */
+        SFX(gemm)(0, 0, rows, e, cols, 1, scores, KEY_TILE, v + j0 * a->v_row, a->v_row, 1, out,
+                  a->out_row);
+    }
+
+    /* pass 4: normalise; a row that saw nothing has row_sum 0 and gives 0 */
+    REAL *lse = a->lse ? (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0 : NULL;
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        REAL inv_sum = row_sum[r] == 0 ? 0 : 1 / row_sum[r];
+        SFX(scale_row)(out + r * a->out_row, e, inv_sum);
+        if (lse) lse[r] = row_sum[r] == 0 ? -(REAL)INFINITY : row_max[r] + log(row_sum[r]);
+    }
+}
+
+int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
+{
+    ptrdiff_t q_tiles = (a->n + Q_TILE - 1) / Q_TILE;
+    ptrdiff_t work = a->heads * q_tiles;
+    if (work == 0) return ATTNX_OK;
+    int threads = a->num_threads;
+    if (threads > work) threads = (int)work;
+    if (threads < 1) threads = 1;
+
+    /* per-thread scratch: scores tile, key bias, row max, row sum */
+    size_t per_thread = (size_t)Q_TILE * KEY_TILE + KEY_TILE + 2 * Q_TILE;
+    REAL *scratch = malloc(per_thread * threads * sizeof(REAL));
+    if (!scratch) return ATTNX_ENOMEM;
+
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (ptrdiff_t item = 0; item < work; item++) {
+        REAL *scores = scratch + per_thread * omp_get_thread_num();
+        REAL *key_bias = scores + Q_TILE * KEY_TILE;
+        REAL *row_max = key_bias + KEY_TILE;
+        REAL *row_sum = row_max + Q_TILE;
+        ptrdiff_t head = item / q_tiles;
+        ptrdiff_t i0 = (item % q_tiles) * Q_TILE;
+        SFX(softmax_tile)(a, head, i0, ATTNX_MIN(Q_TILE, a->n - i0), scores, key_bias, row_max,
+                          row_sum);
+    }
+    free(scratch);
+    return ATTNX_OK;
+}
+
+#endif /* REAL */

@@ -1,0 +1,125 @@
+/* vec_real.h - typed building blocks for the kernels, included by real.h
+ * once per REAL. Everything here is static inline, named through SFX().
+ *
+ * ATTNX_HOT marks the functions holding the elementwise loops: gcc compiles
+ * them for AVX-512, AVX2+FMA and baseline x86-64 and picks one at load time,
+ * so a wheel built for any x86-64 still runs the wide loops where it can. */
+#ifndef ATTNX_VEC_COMMON
+#define ATTNX_VEC_COMMON
+#include <math.h>
+#include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#define ATTNX_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ATTNX_HOT
+#endif
+#define ATTNX_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define ATTNX_MAX(a, b) ((a) > (b) ? (a) : (b))
+#endif
+
+#if REAL_IS_DOUBLE
+#define GEMM_BLAS ATTNX_CBLAS(cblas_dgemm)
+#else
+#define GEMM_BLAS ATTNX_CBLAS(cblas_sgemm)
+#endif
+
+/* C (M x N) = alpha op(A) op(B) + beta C, row-major; trans_a/trans_b say
+ * whether A is stored (K x M) and B (N x K). Sizes are checked to fit the
+ * 32-bit BLAS interface by the binding. */
+static inline void SFX(gemm)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                             REAL alpha, const REAL *A, ptrdiff_t lda,
+                             const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C, ptrdiff_t ldc)
+{
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+        /* BLAS may leave C untouched when K == 0; spell out C = beta C. */
+        for (ptrdiff_t i = 0; i < M; i++)
+            for (ptrdiff_t j = 0; j < N; j++)
+                C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
+        return;
+    }
+    GEMM_BLAS(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, alpha,
+              A, (int)(lda > 0 ? lda : 1), B, (int)(ldb > 0 ? ldb : 1), beta, C,
+              (int)(ldc > 0 ? ldc : 1));
+}
+#undef GEMM_BLAS
+
+/* exp written to vectorise: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite
+ * split of ln2), e^r by its Taylor series (truncation below half an ulp on
+ * that interval), 2^n built in the exponent bits. The round-to-nearest of
+ * x log2(e) uses the 1.5 * 2^p trick, so no libm call blocks vectorisation.
+ * exp(-inf) = 0, exp(nan) = nan; results below the smallest normal flush
+ * to 0 and arguments above EXP_HI give +inf (kernels only exponentiate
+ * stabilised, non-positive arguments). */
+#if REAL_IS_DOUBLE
+#define EXP_LO (-708.0)
+#define EXP_HI 709.0
+#define EXP_MAGIC 6755399441055744.0          /* 1.5 * 2^52 */
+#define EXP_LN2_HI 6.93147180369123816490e-01
+#define EXP_LN2_LO 1.90821492927058770002e-10
+typedef int64_t SFX(bits_t);
+#define EXP_MANT_BITS 52
+#define EXP_BIAS 1023
+#else
+#define EXP_LO (-87.0f)
+#define EXP_HI 88.37f
+#define EXP_MAGIC 12582912.0f                 /* 1.5 * 2^23 */
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+typedef int32_t SFX(bits_t);
+#define EXP_MANT_BITS 23
+#define EXP_BIAS 127
+#endif
+
+static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
+{
+    REAL xc = x < EXP_LO ? EXP_LO : x;
+    xc = xc > EXP_HI ? EXP_HI : xc;
+    REAL shifted = xc * (REAL)1.44269504088896340736 + EXP_MAGIC;
+    REAL nf = shifted - EXP_MAGIC;
+    SFX(bits_t) shifted_bits, magic_bits, pow2_bits;
+    REAL magic = EXP_MAGIC, pow2;
+    memcpy(&shifted_bits, &shifted, sizeof shifted);
+    memcpy(&magic_bits, &magic, sizeof magic);
+    pow2_bits = (SFX(bits_t))((shifted_bits - magic_bits) + EXP_BIAS) << EXP_MANT_BITS;
+    memcpy(&pow2, &pow2_bits, sizeof pow2);
+    REAL r = xc - nf * EXP_LN2_HI;
+    r = r - nf * EXP_LN2_LO;
+#if REAL_IS_DOUBLE
+    REAL p = 1.0 / 6227020800.0;              /* Taylor to r^13 */
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+#else
+    REAL p = 1.0f / 5040.0f;                  /* Taylor to r^7 */
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+#endif
+    REAL y = p * pow2;
+    y = x < EXP_LO ? 0 : y;
+    y = x > EXP_HI ? (REAL)INFINITY : y;
+    return y;
+}
+#undef EXP_LO
+#undef EXP_HI
+#undef EXP_MAGIC
+#undef EXP_LN2_HI
+#undef EXP_LN2_LO
+#undef EXP_MANT_BITS
+#undef EXP_BIAS

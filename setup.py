@@ -1,0 +1,131 @@
+"""Build the attnx extension.
+
+BLAS choice (environment variable ATTNX_BLAS):
+  unset / "scipy-openblas"  OpenBLAS from the scipy-openblas32 wheel (a build
+                            requirement); its shared library and licence are
+                            copied into the package and found through an
+                            $ORIGIN rpath, as a wheel repair tool would do.
+  "system"                  a system OpenBLAS found by pkg-config (Debian:
+                            apt-get install libopenblas-dev pkg-config).
+ATTNX_DEBUG=1 builds -O0 -g with AddressSanitizer and UBSan (see
+tests/run_sanitizers.sh).
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SOURCES = sorted(glob.glob("csrc/*.c"))
+
+
+def fail(message):
+    sys.exit("attnx build error: " + message)
+
+
+def scipy_openblas():
+    try:
+        import scipy_openblas32 as sob
+    except ImportError:
+        fail("no BLAS found. Install one of:\n"
+             "  pip install scipy-openblas32        (the default; pip does this\n"
+             "                                       itself for `pip install .`)\n"
+             "  apt-get install libopenblas-dev pkg-config, then build with\n"
+             "  ATTNX_BLAS=system")
+    lib_dir = sob.get_lib_dir()
+    lib_file = os.path.join(lib_dir, sob.get_library(fullname=True))
+    info = {
+        "include_dirs": [sob.get_include_dir()],
+        "library_dirs": [lib_dir],
+        "libraries": [sob.get_library()],
+        "define_macros": [("ATTNX_BLAS_SCIPY_PREFIX", "1"),
+                          ("ATTNX_BLAS_NAME", '"scipy-openblas32 %s"' % sob.__version__)],
+        "bundle": [lib_file],
+        "licenses": [],
+    }
+    dist = os.path.dirname(os.path.dirname(sob.__file__))
+    for entry in os.listdir(dist):
+        if entry.startswith("scipy_openblas32") and entry.endswith(".dist-info"):
+            lic_dir = os.path.join(dist, entry, "licenses")
+            if os.path.isdir(lic_dir):
+                info["licenses"] += [os.path.join(lic_dir, f) for f in os.listdir(lic_dir)]
+    if not info["licenses"]:
+        fail("the scipy-openblas32 wheel has no licence text to ship with its library")
+    return info
+
+
+def system_openblas():
+    try:
+        cflags = subprocess.check_output(["pkg-config", "--cflags", "openblas"], text=True).split()
+        libs = subprocess.check_output(["pkg-config", "--libs", "openblas"], text=True).split()
+        version = subprocess.check_output(["pkg-config", "--modversion", "openblas"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        fail("ATTNX_BLAS=system but pkg-config finds no 'openblas'. Install it\n"
+             "  (Debian: apt-get install libopenblas-dev pkg-config) or unset ATTNX_BLAS\n"
+             "  to use the scipy-openblas32 wheel.")
+    return {
+        "include_dirs": [f[2:] for f in cflags if f.startswith("-I")],
+        "library_dirs": [f[2:] for f in libs if f.startswith("-L")],
+        "libraries": [f[2:] for f in libs if f.startswith("-l")],
+        "define_macros": [("ATTNX_BLAS_NAME", '"system openblas %s"' % version)],
+        "bundle": [],
+        "licenses": [],
+    }
+
+
+choice = os.environ.get("ATTNX_BLAS", "scipy-openblas")
+if choice == "system":
+    blas = system_openblas()
+elif choice in ("", "scipy-openblas", "scipy-openblas32"):
+    blas = scipy_openblas()
+else:
+    fail("unknown ATTNX_BLAS=%r (use 'system' or leave it unset)" % choice)
+
+debug = os.environ.get("ATTNX_DEBUG", "") not in ("", "0")
+if debug:
+    opt = ["-O0", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+           "-fno-sanitize-recover=undefined"]
+    link_opt = ["-fsanitize=address,undefined"]
+else:
+    # No -ffast-math: inf and NaN must keep their IEEE meaning (masked rows,
+    # propagation of NaN inputs). Hot loops are vectorised by target_clones.
+    opt = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
+    link_opt = []
+
+ext = Extension(
+    "attnx._C",
+    sources=SOURCES,
+    depends=[os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".h")],
+    include_dirs=[numpy.get_include(), "csrc"] + blas["include_dirs"],
+    library_dirs=blas["library_dirs"],
+    libraries=blas["libraries"] + ["m"],
+    define_macros=blas["define_macros"] + [
+        ("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION"),
+        ("NPY_TARGET_VERSION", "NPY_1_22_API_VERSION"),
+    ],
+    extra_compile_args=["-std=gnu11", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                        "-Wno-missing-field-initializers", "-Wno-cast-function-type"] + opt,
+    extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN"] + link_opt,
+)
+
+
+class BuildExtBundlingBlas(build_ext):
+    """Copy the bundled BLAS library and its licences next to the module."""
+
+    def run(self):
+        super().run()
+        package_dir = os.path.dirname(self.get_ext_fullpath("attnx._C"))
+        for lib in blas["bundle"]:
+            shutil.copy2(lib, os.path.join(package_dir, os.path.basename(lib)))
+        if blas["licenses"]:
+            lic_dir = os.path.join(package_dir, "licenses")
+            os.makedirs(lic_dir, exist_ok=True)
+            for lic in blas["licenses"]:
+                shutil.copy2(lic, os.path.join(lic_dir, "OpenBLAS-" + os.path.basename(lic)))
+
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtBundlingBlas})

@@ -1,0 +1,444 @@
+"""Plain numpy float64 reference implementations of the attnx variants.
+
+Written straight from the formulas of design.md (sections 2 and 3), with
+explicit n x m matrices: slow, simple and meant to be obviously correct.
+Nothing here imports attnx.
+
+Conventions (design.md section 2):
+
+* ``q`` is ``(..., n, d)``, ``k`` is ``(..., m, d)``, ``v`` is ``(..., m, e)``;
+  leading axes broadcast like numpy's matmul.
+* Every variant is ``o_i = sum_j w_ij v_j`` with ``w_ij = s_ij / sum_j' s_ij'``
+  over the visible keys; a row that sees no key gives zeros (lse ``-inf``).
+"""
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "visibility",
+    "softmax_similarity",
+    "softmax_weights",
+    "softmax_attention",
+    "gaussian_similarity",
+    "gaussian_weights",
+    "gaussian_attention",
+    "apply_feature_map",
+    "FEATURE_MAPS",
+    "linear_similarity",
+    "linear_weights",
+    "linear_attention",
+    "cosformer_similarity",
+    "cosformer_weights",
+    "cosformer_attention",
+    "efficient_weights",
+    "efficient_attention",
+]
+
+
+def _f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+# --------------------------------------------------------------------------
+# Visibility
+# --------------------------------------------------------------------------
+
+def visibility(n, m, causal=False, mask=None, window=None):
+    """Boolean ``(..., n, m)`` array: may query i see key j?
+
+    design.md "Visibility": all of these must hold
+
+    * ``causal=True`` / ``"lower_right"``: ``j <= i + (m - n)``;
+      ``causal="upper_left"``: ``j <= i``;
+    * ``mask`` (bool, broadcastable to ``(..., n, m)``) is True;
+    * ``window=w`` means ``(w, w)``; ``window=(left, right)`` with None for
+      an open side: with ``i' = i + (m - n)``, ``i' - left <= j <= i' + right``.
+
+    Without a mask the result is ``(n, m)``.
+    """
+    i = np.arange(n)[:, None]
+    j = np.arange(m)[None, :]
+    vis = np.ones((n, m), dtype=bool)
+
+    if causal is True or causal == "lower_right":
+        vis &= j <= i + (m - n)
+    elif causal == "upper_left":
+        vis &= j <= i
+    elif causal is False or causal is None:
+        pass
+    else:
+        raise ValueError("causal: unknown value %r" % (causal,))
+
+    if window is not None:
+        if isinstance(window, (tuple, list)):
+            left, right = window
+        else:
+            left = right = window
+        ip = i + (m - n)
+        if left is not None:
+            vis &= ip - left <= j
+        if right is not None:
+            vis &= j <= ip + right
+
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise TypeError("mask must be boolean")
+        vis = vis & mask  # broadcasts to (..., n, m)
+    return vis
+
+
+# --------------------------------------------------------------------------
+# Softmax (scaled dot product) attention, design.md 3.1
+# --------------------------------------------------------------------------
+
+def softmax_logits(q, k, scale=None, bias=None):
+    """``a_ij = scale * q_i . k_j + b_ij`` (scale defaults to 1/sqrt(d))."""
+    q = _f64(q)
+    k = _f64(k)
+    d = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    a = scale * np.matmul(q, np.swapaxes(k, -1, -2))
+    if bias is not None:
+        a = a + _f64(bias)
+    return a
+
+
+def _stable_softmax(a, vis):
+    """Row softmax of logits ``a`` over the visible entries.
+
+    Returns ``(weights, lse)``. Subtracts the row max of the visible logits
+    before exponentiating. A row with no visible key (or whose visible
+    logits are all -inf) gives zero weights and lse -inf. NaN logits give
+    a NaN row.
+    """
+    a, vis = np.broadcast_arrays(a, vis)
+    masked = np.where(vis, a, -np.inf)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mx = np.max(masked, axis=-1, keepdims=True) if a.shape[-1] else \
+            np.full(a.shape[:-1] + (1,), -np.inf)
+        finite_mx = np.where(np.isfinite(mx), mx, 0.0)
+        e = np.where(vis, np.exp(masked - finite_mx), 0.0)
+        tot = e.sum(axis=-1, keepdims=True)
+        w = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
+        lse = np.where(tot > 0, np.log(np.where(tot > 0, tot, 1.0)) + finite_mx,
+                       -np.inf)
+    # a NaN logit in a visible position poisons exactly its row
+    bad = np.any(vis & np.isnan(a), axis=-1, keepdims=True)
+    # mx == +inf: overflowed logit; the result is not finite either
+    bad |= np.isposinf(mx)
+    w = np.where(bad, np.nan, w)
+    lse = np.where(bad, np.nan, lse)
+    return w, lse[..., 0]
+
+
+def softmax_similarity(q, k, scale=None, bias=None, causal=False, mask=None,
+                       window=None):
+    """Unnormalised ``s_ij = exp(scale * q_i . k_j + b_ij)``; 0 where not visible.
+
+    ``scale`` defaults to ``1/sqrt(d)``. Not stabilised (it is the literal
+    definition), so it overflows for large logits.
+    """
+    a = softmax_logits(q, k, scale, bias)
+    vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
+    a, vis = np.broadcast_arrays(a, vis)
+    with np.errstate(over="ignore"):
+        return np.where(vis, np.exp(np.where(vis, a, 0.0)), 0.0)
+
+
+def softmax_weights(q, k, scale=None, bias=None, causal=False, mask=None,
+                    window=None):
+    """``w_ij = s_ij / sum_j' s_ij'`` over visible keys (stable, row max
+    subtracted); all-zero rows for queries that see nothing."""
+    a = softmax_logits(q, k, scale, bias)
+    vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
+    w, _ = _stable_softmax(a, vis)
+    return w
+
+
+def softmax_attention(q, k, v, scale=None, causal=False, mask=None, bias=None,
+                      window=None, return_lse=False):
+    """``o_i = sum_j w_ij v_j``, ``w_ij = softmax_j(scale q_i.k_j + b_ij)``.
+
+    With ``return_lse`` also ``lse_i = log sum_j exp(scale q_i.k_j + b_ij)``
+    over the visible keys (``-inf`` for a row that sees nothing).
+    """
+    a = softmax_logits(q, k, scale, bias)
+    vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
+    w, lse = _stable_softmax(a, vis)
+    o = np.matmul(w, _f64(v))
+    if return_lse:
+        return o, lse
+    return o
+
+
+# --------------------------------------------------------------------------
+# Gaussian kernel attention, design.md 3.1
+# --------------------------------------------------------------------------
+
+def _check_sigma(sigma):
+    if not (np.isfinite(sigma) and sigma > 0):
+        raise ValueError("sigma must be finite and > 0")
+
+
+def gaussian_logits(q, k, sigma=1.0, bias=None):
+    """``a_ij = -|q_i - k_j|^2 / (2 sigma^2) + b_ij`` from the distance itself."""
+    _check_sigma(sigma)
+    q = _f64(q)
+    k = _f64(k)
+    diff = q[..., :, None, :] - k[..., None, :, :]
+    a = -np.sum(diff * diff, axis=-1) / (2.0 * sigma * sigma)
+    if bias is not None:
+        a = a + _f64(bias)
+    return a
+
+
+def gaussian_similarity(q, k, sigma=1.0, bias=None, causal=False, mask=None,
+                        window=None):
+    """``s_ij = exp(-|q_i - k_j|^2 / (2 sigma^2) + b_ij)``; 0 where not visible."""
+    a = gaussian_logits(q, k, sigma, bias)
+    vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
+    a, vis = np.broadcast_arrays(a, vis)
+    with np.errstate(over="ignore"):
+        return np.where(vis, np.exp(np.where(vis, a, 0.0)), 0.0)
+
+
+def gaussian_weights(q, k, sigma=1.0, bias=None, causal=False, mask=None,
+                     window=None):
+    """Normalised gaussian weights, stabilised per row (row max subtracted)."""
+    a = gaussian_logits(q, k, sigma, bias)
+    vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
+    w, _ = _stable_softmax(a, vis)
+    return w
+
+
+def gaussian_attention(q, k, v, sigma=1.0, causal=False, mask=None, bias=None,
+                       window=None, return_lse=False):
+    """Nadaraya-Watson: ``o_i = sum_j s_ij v_j / sum_j s_ij`` with
+    ``s_ij = exp(-|q_i - k_j|^2 / (2 sigma^2) + b_ij)``.
+
+    ``lse_i = log sum_j s_ij`` (the log of this variant's own normaliser,
+    i.e. ``log(gaussian_similarity(...).sum(-1))``).
+    """
+    a = gaussian_logits(q, k, sigma, bias)
+    vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
+    w, lse = _stable_softmax(a, vis)
+    o = np.matmul(w, _f64(v))
+    if return_lse:
+        return o, lse
+    return o
+
+
+# --------------------------------------------------------------------------
+# Kernelised (linear) attention, design.md 3.2
+# --------------------------------------------------------------------------
+
+def _fm_elu(x, **_):
+    """``elu(x) + 1`` = ``x + 1`` for x > 0, ``exp(x)`` otherwise."""
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _fm_relu(x, **_):
+    """``max(x, 0)``."""
+    return np.maximum(x, 0.0)
+
+
+def _fm_softmax(x, **_):
+    """``softmax(x)`` over the feature (last) axis."""
+    mx = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - mx)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _fm_taylor(x, **_):
+    """``[1, x/|x|]`` (size d+1); a zero vector gives ``[1, 0, ..., 0]``."""
+    nrm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        u = np.where(nrm > 0, x / np.where(nrm > 0, nrm, 1.0), 0.0)
+    ones = np.ones(x.shape[:-1] + (1,))
+    return np.concatenate([ones, u], axis=-1)
+
+
+def _fm_focused(x, p=3, **_):
+    """``f_p(relu(x))`` with ``f_p(y) = |y| * y**p / |y**p|`` (norms over the
+    head's feature vector); a zero vector gives 0."""
+    y = np.maximum(x, 0.0)
+    ny = np.sqrt(np.sum(y * y, axis=-1, keepdims=True))
+    yp = y ** p
+    nyp = np.sqrt(np.sum(yp * yp, axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(nyp > 0, ny * yp / np.where(nyp > 0, nyp, 1.0), 0.0)
+
+
+def _fm_favor(x, projection=None, **_):
+    """FAVOR+: ``r**-0.5 * exp(W x~ - |x~|^2 / 2)``, ``x~ = d**-0.25 x``,
+    with ``W = projection`` of shape ``(r, d)``. Unstabilised (literal)."""
+    if projection is None:
+        raise ValueError("favor needs projection=")
+    W = _f64(projection)
+    r, d = W.shape
+    if x.shape[-1] != d:
+        raise ValueError("projection must be (r, d)")
+    xt = x * d ** -0.25
+    return r ** -0.5 * np.exp(xt @ W.T - 0.5 * np.sum(xt * xt, axis=-1,
+                                                       keepdims=True))
+
+
+def _fm_identity(x, **_):
+    """The inputs themselves (must be non-negative)."""
+    if np.any(x < 0):
+        raise ValueError("identity features must be non-negative")
+    return x
+
+
+FEATURE_MAPS = {
+    "elu": _fm_elu,
+    "relu": _fm_relu,
+    "softmax": _fm_softmax,
+    "taylor": _fm_taylor,
+    "focused": _fm_focused,
+    "favor": _fm_favor,
+    "identity": _fm_identity,
+}
+
+
+def apply_feature_map(x, name="elu", projection=None, p=3):
+    """Apply the named feature map (or a callable) to the last axis of x."""
+    x = _f64(x)
+    if callable(name):
+        return _f64(name(x))
+    return FEATURE_MAPS[name](x, projection=projection, p=p)
+
+
+def _key_mask_to_mask(key_mask, mask):
+    """key_mask ``(..., m)`` -> mask ``(..., 1, m)``, combined with ``mask``."""
+    if key_mask is None:
+        return mask
+    km = np.asarray(key_mask)
+    if km.dtype != np.bool_:
+        raise TypeError("key_mask must be boolean")
+    km = km[..., None, :]
+    if mask is None:
+        return km
+    return np.asarray(mask) & km
+
+
+def linear_similarity(q, k, feature_map="elu", causal=False, key_mask=None,
+                      mask=None, window=None, projection=None, p=3):
+    """``s_ij = phi(q_i) . psi(k_j)`` over visible keys (0 elsewhere)."""
+    fq = apply_feature_map(q, feature_map, projection, p)
+    fk = apply_feature_map(k, feature_map, projection, p)
+    s = np.matmul(fq, np.swapaxes(fk, -1, -2))
+    vis = visibility(s.shape[-2], s.shape[-1], causal,
+                     _key_mask_to_mask(key_mask, mask), window)
+    s, vis = np.broadcast_arrays(s, vis)
+    return np.where(vis, s, 0.0)
+
+
+def _clamped_weights(s, eps):
+    """``w_ij = s_ij / max(sum_j s_ij, eps)``; a zero row stays zero."""
+    tot = s.sum(axis=-1, keepdims=True)
+    return s / np.maximum(tot, eps)
+
+
+def linear_weights(q, k, feature_map="elu", causal=False, key_mask=None,
+                   mask=None, window=None, eps=1e-6, projection=None, p=3):
+    """``w_ij = s_ij / max(sum_j s_ij, eps)`` with the linear ``s_ij``."""
+    s = linear_similarity(q, k, feature_map, causal, key_mask, mask, window,
+                          projection, p)
+    return _clamped_weights(s, eps)
+
+
+def linear_attention(q, k, v, feature_map="elu", causal=False, key_mask=None,
+                     mask=None, window=None, eps=1e-6, projection=None, p=3):
+    """``o_i = phi(q_i) S / max(phi(q_i) . z, eps)``, ``S = sum_j psi(k_j) v_j^T``,
+    ``z = sum_j psi(k_j)`` over the visible keys; computed as
+    ``o = W @ v`` with ``W = linear_weights(...)``."""
+    w = linear_weights(q, k, feature_map, causal, key_mask, mask, window, eps,
+                       projection, p)
+    return np.matmul(w, _f64(v))
+
+
+# --------------------------------------------------------------------------
+# cosFormer
+# --------------------------------------------------------------------------
+
+def cosformer_similarity(q, k, causal=False, key_mask=None, M=None, offset=0,
+                         mask=None, window=None):
+    """``s_ij = relu(q_i) . relu(k_j) * cos(pi/2 * (i - j) / M)`` with 1-based
+    positions (queries 1..n, keys 1..m, both shifted by ``offset``);
+    ``M`` defaults to ``max(n, m)``."""
+    q = _f64(q)
+    k = _f64(k)
+    n, m = q.shape[-2], k.shape[-2]
+    if M is None:
+        M = max(n, m)
+    pi = offset + np.arange(1, n + 1, dtype=np.float64)
+    pj = offset + np.arange(1, m + 1, dtype=np.float64)
+    c = np.cos(np.pi / 2 * (pi[:, None] - pj[None, :]) / M)
+    s = np.matmul(np.maximum(q, 0.0), np.swapaxes(np.maximum(k, 0.0), -1, -2))
+    s = s * c
+    vis = visibility(n, m, causal, _key_mask_to_mask(key_mask, mask), window)
+    s, vis = np.broadcast_arrays(s, vis)
+    return np.where(vis, s, 0.0)
+
+
+def cosformer_weights(q, k, causal=False, key_mask=None, M=None, offset=0,
+                      mask=None, window=None, eps=1e-6):
+    """``w_ij = s_ij / max(sum_j s_ij, eps)`` with the cosFormer ``s_ij``."""
+    s = cosformer_similarity(q, k, causal, key_mask, M, offset, mask, window)
+    return _clamped_weights(s, eps)
+
+
+def cosformer_attention(q, k, v, causal=False, key_mask=None, M=None, offset=0,
+                        mask=None, window=None, eps=1e-6):
+    """``o = W @ v`` with the cosFormer weights."""
+    w = cosformer_weights(q, k, causal, key_mask, M, offset, mask, window, eps)
+    return np.matmul(w, _f64(v))
+
+
+# --------------------------------------------------------------------------
+# Efficient attention (Shen et al.)
+# --------------------------------------------------------------------------
+
+def _efficient_features(q, k, key_mask=None):
+    """``rho_q(Q)`` = softmax of each query over its features;
+    ``rho_k(K)`` = softmax of each key feature over the visible keys
+    (masked keys get 0; a feature with no visible key is all 0)."""
+    q = _f64(q)
+    k = _f64(k)
+    rq = _fm_softmax(q)
+    if key_mask is None:
+        km = np.ones(k.shape[:-1], dtype=bool)
+    else:
+        km = np.asarray(key_mask)
+        if km.dtype != np.bool_:
+            raise TypeError("key_mask must be boolean")
+    shape = np.broadcast_shapes(k.shape[:-1], km.shape)
+    k = np.broadcast_to(k, shape + k.shape[-1:])
+    km = np.broadcast_to(km, shape)[..., None]  # (..., m, 1)
+    kk = np.where(km, k, -np.inf)
+    with np.errstate(invalid="ignore"):
+        mx = np.max(kk, axis=-2, keepdims=True) if k.shape[-2] else \
+            np.zeros(k.shape[:-2] + (1, k.shape[-1]))
+        mx = np.where(np.isfinite(mx), mx, 0.0)
+        e = np.where(km, np.exp(kk - mx), 0.0)
+        tot = e.sum(axis=-2, keepdims=True)
+        rk = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
+    return rq, rk
+
+
+def efficient_weights(q, k, key_mask=None):
+    """``W = rho_q(Q) rho_k(K)^T`` (n x m); rows sum to 1 exactly whenever
+    some key is visible."""
+    rq, rk = _efficient_features(q, k, key_mask)
+    return np.matmul(rq, np.swapaxes(rk, -1, -2))
+
+
+def efficient_attention(q, k, v, key_mask=None):
+    """``o = rho_q(Q) (rho_k(K)^T V)``."""
+    rq, rk = _efficient_features(q, k, key_mask)
+    return np.matmul(rq, np.matmul(np.swapaxes(rk, -1, -2), _f64(v)))
