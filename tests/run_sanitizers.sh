@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Build attnx in place with -O0 -g -fsanitize=address,undefined and run the
+# test suite under it. Python itself is not instrumented, so the ASan runtime
+# is preloaded; leak checking is off because CPython keeps its arenas.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ATTNX_DEBUG=1 python setup.py build_ext --inplace --force -q
+export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+PYTHONPATH="$PWD" python -m pytest tests -q -p no:cacheprovider -x "$@"
