@@ -189,8 +189,12 @@ def gaussian_logits(q, k, sigma=1.0, bias=None):
     _check_sigma(sigma)
     q = _f64(q)
     k = _f64(k)
-    diff = q[..., :, None, :] - k[..., None, :, :]
-    a = -np.sum(diff * diff, axis=-1) / (2.0 * sigma * sigma)
+    n, m = q.shape[-2], k.shape[-2]
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    a = np.empty(lead + (n, m))
+    for i in range(n):  # one query row at a time: O(m d) memory per row
+        diff = q[..., i:i + 1, :] - k  # (..., m, d)
+        a[..., i, :] = -np.sum(diff * diff, axis=-1) / (2.0 * sigma * sigma)
     if bias is not None:
         a = a + _f64(bias)
     return a
