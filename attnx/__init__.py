@@ -5,7 +5,28 @@ kernelised "linear" family, in C with OpenBLAS. Every function takes
 q (..., n, d), k (..., m, d), v (..., m, e) and returns (..., n, e); the
 leading axes broadcast like a gufunc. See README.md for the conventions.
 """
-from . import _C
+import os as _os
+
+import numpy as _numpy  # noqa: F401  (numpy's own BLAS loads under the user's settings)
+
+
+def _load_extension():
+    """Import the extension with its OpenBLAS told to start no threads:
+    attnx runs BLAS single-threaded inside its own OpenMP pool, and an idle
+    BLAS thread pool would spin on the cores that pool needs."""
+    saved = _os.environ.get("OPENBLAS_NUM_THREADS")
+    _os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        from . import _C
+    finally:
+        if saved is None:
+            del _os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            _os.environ["OPENBLAS_NUM_THREADS"] = saved
+    return _C
+
+
+_C = _load_extension()
 from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
 from ._inspect import attention_weights, similarity
 

@@ -115,6 +115,7 @@ int attnx_operand_convert(attnx_operand *op, PyObject *obj, int typenum, int min
         array = copy;
     }
     op->array = array;
+    op->source = obj;
     return 0;
 }
 
@@ -130,6 +131,7 @@ int attnx_mask_convert(attnx_operand *op, PyObject *obj)
     }
     op->core_ndim = PyArray_NDIM(array) < op->core_ndim ? PyArray_NDIM(array) : op->core_ndim;
     op->array = array;
+    op->source = obj;
     return 0;
 }
 
@@ -270,12 +272,27 @@ static void memory_extent(PyArrayObject *array, char **low, char **high)
     *high = hi + PyArray_ITEMSIZE(array);
 }
 
-static int may_overlap(PyArrayObject *a, PyArrayObject *b)
+/* 1 if a and b share an element, 0 if not, -1 with an exception set.
+ * Disjoint extents answer at once; interleaved views go to numpy's exact
+ * np.shares_memory (bounded work; too hard counts as overlapping). */
+static int overlap(PyArrayObject *a, PyArrayObject *b)
 {
     char *a_lo, *a_hi, *b_lo, *b_hi;
     memory_extent(a, &a_lo, &a_hi);
     memory_extent(b, &b_lo, &b_hi);
-    return a_lo < b_hi && b_lo < a_hi;
+    if (!(a_lo < b_hi && b_lo < a_hi)) return 0;
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    PyObject *shares = numpy ? PyObject_CallMethod(numpy, "shares_memory", "OOi", (PyObject *)a,
+                                                   (PyObject *)b, 100000) : NULL;
+    Py_XDECREF(numpy);
+    if (!shares) {
+        if (!PyErr_Occurred()) return -1;
+        PyErr_Clear(); /* numpy.exceptions.TooHardError */
+        return 1;
+    }
+    int result = PyObject_IsTrue(shares);
+    Py_DECREF(shares);
+    return result;
 }
 
 int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batch *batch,
@@ -319,8 +336,13 @@ int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batc
             return -1;
         }
         for (int i = 0; i < n_inputs; i++) {
-            if (inputs[i].array && PyArray_SIZE(inputs[i].array) > 0 && PyArray_SIZE(out) > 0 &&
-                may_overlap(out, inputs[i].array)) {
+            /* the caller's array, not a converted copy of it */
+            PyArrayObject *input = inputs[i].source && PyArray_Check(inputs[i].source)
+                                       ? (PyArrayObject *)inputs[i].source : inputs[i].array;
+            if (!input || PyArray_SIZE(input) == 0 || PyArray_SIZE(out) == 0) continue;
+            int shared = overlap(out, input);
+            if (shared < 0) return -1;
+            if (shared) {
                 PyErr_Format(PyExc_ValueError, "out must not overlap the input %s", inputs[i].name);
                 return -1;
             }

@@ -21,6 +21,7 @@ typedef struct {
     const char *name;      /* argument name for messages */
     PyArrayObject *array;  /* owned reference, NULL when the argument is absent */
     int core_ndim;         /* trailing axes that are not broadcast batch axes */
+    PyObject *source;      /* borrowed: what the caller passed (out= must not overlap it) */
 } attnx_operand;
 
 /* A result type for computing: float32 or float64; out_typenum is what the

@@ -90,6 +90,24 @@ def visibility(n, m, causal=False, mask=None, window=None):
     return vis
 
 
+def _weighted_sum(w, v):
+    """``o_i = sum_j w_ij v_j`` over the keys with ``w_ij != 0`` only, so a
+    NaN/inf value of a key a row does not see cannot reach that row (plain
+    matmul would give 0 * nan = nan)."""
+    v = _f64(v)
+    if np.all(np.isfinite(v)):
+        return np.matmul(w, v)
+    lead = np.broadcast_shapes(w.shape[:-2], v.shape[:-2])
+    w = np.broadcast_to(w, lead + w.shape[-2:])
+    v = np.broadcast_to(v, lead + v.shape[-2:])
+    o = np.empty(lead + (w.shape[-2], v.shape[-1]))
+    for i in range(w.shape[-2]):
+        wi = w[..., i, :, None]  # (..., m, 1)
+        with np.errstate(invalid="ignore"):
+            o[..., i, :] = np.where(wi != 0, wi * v, 0.0).sum(axis=-2)
+    return o
+
+
 # --------------------------------------------------------------------------
 # Softmax (scaled dot product) attention, design.md 3.1
 # --------------------------------------------------------------------------
@@ -169,7 +187,7 @@ def softmax_attention(q, k, v, scale=None, causal=False, mask=None, bias=None,
     a = softmax_logits(q, k, scale, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
     w, lse = _stable_softmax(a, vis)
-    o = np.matmul(w, _f64(v))
+    o = _weighted_sum(w, v)
     if return_lse:
         return o, lse
     return o
@@ -230,7 +248,7 @@ def gaussian_attention(q, k, v, sigma=1.0, causal=False, mask=None, bias=None,
     a = gaussian_logits(q, k, sigma, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
     w, lse = _stable_softmax(a, vis)
-    o = np.matmul(w, _f64(v))
+    o = _weighted_sum(w, v)
     if return_lse:
         return o, lse
     return o
@@ -363,7 +381,7 @@ def linear_attention(q, k, v, feature_map="elu", causal=False, key_mask=None,
     ``o = W @ v`` with ``W = linear_weights(...)``."""
     w = linear_weights(q, k, feature_map, causal, key_mask, mask, window, eps,
                        projection, p)
-    return np.matmul(w, _f64(v))
+    return _weighted_sum(w, v)
 
 
 # --------------------------------------------------------------------------
@@ -401,7 +419,7 @@ def cosformer_attention(q, k, v, causal=False, key_mask=None, M=None, offset=0,
                         mask=None, window=None, eps=1e-6):
     """``o = W @ v`` with the cosFormer weights."""
     w = cosformer_weights(q, k, causal, key_mask, M, offset, mask, window, eps)
-    return np.matmul(w, _f64(v))
+    return _weighted_sum(w, v)
 
 
 # --------------------------------------------------------------------------

@@ -223,6 +223,24 @@ def test_softmax_nan_row_isolated():
                                ref.softmax_attention(q[clean], k, v), **EXACT)
 
 
+def test_nan_value_of_invisible_key_stays_out():
+    rng = np.random.default_rng(55)
+    q, k, v = rnd(rng, 4, 3), rnd(rng, 4, 3), rnd(rng, 4, 2)
+    v2 = v.copy()
+    v2[3] = np.nan
+    v2[2, 0] = np.inf
+    o = ref.softmax_attention(q, k, v2, causal=True)
+    np.testing.assert_allclose(o[:2], ref.softmax_attention(q, k, v,
+                                                            causal=True)[:2],
+                               **EXACT)
+    assert np.isposinf(o[2, 0]) or np.isneginf(o[2, 0])
+    assert np.isfinite(o[2, 1]) and np.all(np.isnan(o[3]))
+    o = ref.linear_attention(q, k, v2, "elu", causal=True)
+    np.testing.assert_allclose(o[:2], ref.linear_attention(q, k, v, "elu",
+                                                           causal=True)[:2],
+                               **EXACT)
+
+
 # --------------------------------------------------------------------------
 # gaussian
 # --------------------------------------------------------------------------
@@ -469,12 +487,14 @@ def test_linear_callable_feature_map():
 # cosFormer
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,m,M,offset", [(6, 6, None, 0), (4, 9, None, 0),
-                                          (9, 4, None, 0), (5, 5, 20, 7)])
-@pytest.mark.parametrize("causal", [False, True])
+COSFORMER_SHAPES = [(6, 6, None, 0), (4, 9, None, 0), (9, 4, None, 0), (5, 5, 20, 7)]
+
+
+# causal cosFormer is defined for n == m only
+@pytest.mark.parametrize("n,m,M,offset,causal",
+                         [shape + (False,) for shape in COSFORMER_SHAPES]
+                         + [shape + (True,) for shape in COSFORMER_SHAPES if shape[0] == shape[1]])
 def test_cosformer_equals_reweighted_relu(n, m, M, offset, causal):
-    if causal and n != m:
-        pytest.skip("causal cosFormer needs n == m")
     rng = np.random.default_rng(15)
     q, k, v = rnd(rng, 2, n, 4), rnd(rng, 2, m, 4), rnd(rng, 2, m, 3)
     Mv = max(n, m) if M is None else M
