@@ -29,12 +29,30 @@ def _load_extension():
 _C = _load_extension()
 from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
 from ._inspect import attention_weights, similarity
+from ._linear import (
+    LinearAttentionState,
+    cosformer_attention,
+    efficient_attention,
+    focused_linear_attention,
+    linear_attention,
+    performer_attention,
+    random_features,
+    taylor_attention,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "softmax_attention",
     "gaussian_attention",
+    "linear_attention",
+    "cosformer_attention",
+    "focused_linear_attention",
+    "taylor_attention",
+    "performer_attention",
+    "efficient_attention",
+    "random_features",
+    "LinearAttentionState",
     "attention_weights",
     "similarity",
     "get_num_threads",

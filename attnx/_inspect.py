@@ -1,9 +1,11 @@
 """attention_weights and similarity: the full (..., n, m) matrices of any
 variant, for plots, teaching and tests. They reuse the attention kernels
 themselves (values = identity), so they show exactly what the kernels do."""
+import inspect
+
 import numpy as np
 
-from . import _C
+from . import _C, _linear
 
 
 def _identity_values(q, k, m):
@@ -15,11 +17,15 @@ def _identity_values(q, k, m):
     return np.eye(m, dtype=dtype)
 
 
-def _softmax_family(variant, q, k, options):
+def _key_count(k):
     k_arr = np.asarray(k)
     if k_arr.ndim < 2:
         raise ValueError(f"k must have at least 2 dimensions, got shape {k_arr.shape}")
-    m = k_arr.shape[-2]
+    return k_arr.shape[-2]
+
+
+def _softmax_family(variant, q, k, options):
+    m = _key_count(k)
     fn = {"softmax": _C.softmax_attention, "gaussian": _C.gaussian_attention}[variant]
     if "out" in options or "return_lse" in options:
         raise TypeError("attention_weights and similarity take no out= or return_lse=")
@@ -27,7 +33,20 @@ def _softmax_family(variant, q, k, options):
     return weights, lse
 
 
-_VARIANTS = ("softmax", "gaussian")
+def _linear_family(variant, q, k, options, normalise):
+    """The kernelised variants run their own kernel on values eye(m);
+    unnormalised, its output rows are the similarities themselves."""
+    m = _key_count(k)
+    if {"out", "initial_state", "return_state"} & options.keys():
+        raise TypeError("attention_weights and similarity take no out=, initial_state= or return_state=")
+    front = _linear.FRONT_ENDS[variant]
+    # binding checks the options against the front end's own signature
+    arguments = inspect.signature(front).bind(q, k, _identity_values(q, k, m), **options)
+    arguments.apply_defaults()
+    return _linear._attend(variant, arguments.arguments, normalise)
+
+
+_VARIANTS = ("softmax", "gaussian") + tuple(_linear.FRONT_ENDS)
 
 
 def _check_variant(variant):
@@ -38,8 +57,12 @@ def _check_variant(variant):
 def attention_weights(q, k, variant="softmax", **options):
     """The normalised weights w_ij, shape (..., n, m), of `variant` under the
     given options (those of its front end, e.g. causal=, mask=, scale=).
+    Variants: "softmax", "gaussian", "linear" (with feature_map=),
+    "cosformer", "focused", "taylor", "performer", "efficient".
     Rows that see no key are all zero. O(n m) memory."""
     _check_variant(variant)
+    if variant in _linear.FRONT_ENDS:
+        return _linear_family(variant, q, k, options, normalise=True)
     weights, _ = _softmax_family(variant, q, k, options)
     return weights
 
@@ -47,8 +70,12 @@ def attention_weights(q, k, variant="softmax", **options):
 def similarity(q, k, variant="softmax", **options):
     """The unnormalised similarities s_ij >= 0, shape (..., n, m); masked
     entries are 0. For softmax, s_ij = exp(scale q_i.k_j + bias_ij), which
-    overflows to inf where that exponent exceeds the dtype's range."""
+    overflows to inf where that exponent exceeds the dtype's range; for the
+    kernelised variants s_ij = phi(q_i) . psi(k_j) (FAVOR+ likewise may
+    overflow to inf for large inputs)."""
     _check_variant(variant)
+    if variant in _linear.FRONT_ENDS:
+        return _linear_family(variant, q, k, options, normalise=False)
     weights, lse = _softmax_family(variant, q, k, options)
     with np.errstate(over="ignore", invalid="ignore"):
         row_mass = np.exp(lse)[..., None]

@@ -77,6 +77,100 @@ typedef struct {
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);
 int attnx_softmax_fwd_f64(const attnx_softmax_args *args);
 
+/* ------------------------------------------------------------------------
+ * Kernelised (linear) attention over non-negative features (linear.c).
+ *   out_i = phi(q_i) S / max(phi(q_i) . z, eps),
+ *   S = S0 + sum_j psi(k_j) v_j^T (r, e),  z = z0 + sum_j psi(k_j) (r,)
+ * over the keys visible to query i (band, key_mask, mask); a row whose
+ * denominator is exactly 0 is zero. S0, z0: a carried (streaming) state.
+ */
+
+/* Feature maps (features.c): phi for queries, psi for keys. */
+enum {
+    ATTNX_FM_ELU,        /* elu(x) + 1 */
+    ATTNX_FM_RELU,       /* max(x, 0) */
+    ATTNX_FM_SOFTMAX,    /* softmax over the feature axis */
+    ATTNX_FM_TAYLOR,     /* [1, x / |x|], r = d + 1 */
+    ATTNX_FM_FOCUSED,    /* FLatten f_p(relu(x)) */
+    ATTNX_FM_FAVOR,      /* Performer FAVOR+, r = rows of the projection */
+    ATTNX_FM_IDENTITY,   /* the inputs are the features */
+    ATTNX_FM_COSFORMER,  /* [relu(x) sin(theta_t), relu(x) cos(theta_t)], r = 2 d */
+    ATTNX_FM_EFFICIENT,  /* Shen et al.: softmax over features (queries), over keys (keys) */
+};
+
+typedef struct {
+    int kind;                 /* ATTNX_FM_* */
+    ptrdiff_t d, r;           /* input and feature sizes */
+    double power;             /* focused: p > 0 */
+    const void *projection;   /* favor: W (r, d), C order, compute dtype */
+    double period;            /* cosformer: M, theta_t = pi/2 * t / M */
+    ptrdiff_t first_position; /* 0-based position of the first query and key (streaming offset) */
+} attnx_feature_map;
+
+/* Features of `rows` rows of x (row stride x_row) at 0-based positions
+ * first_position + pos0 + t, into feat (rows, r), rows contiguous.
+ * Queries (is_key 0): log_scale[t] receives the stabiliser removed from
+ * row t (favor: its largest exponent; 0 for every other map), so that
+ * phi(x_t) = feat[t] * exp(log_scale[t]). Keys (is_key 1): the favor
+ * features are scaled by exp(-key_log_scale); efficient-attention keys are
+ * exp(x - col_shift), normalised over the keys later. */
+void attnx_features_f32(const attnx_feature_map *fm, int is_key, const float *x, ptrdiff_t x_row,
+                        ptrdiff_t rows, ptrdiff_t pos0, double key_log_scale,
+                        const float *col_shift, float *feat, float *log_scale);
+void attnx_features_f64(const attnx_feature_map *fm, int is_key, const double *x, ptrdiff_t x_row,
+                        ptrdiff_t rows, ptrdiff_t pos0, double key_log_scale,
+                        const double *col_shift, double *feat, double *log_scale);
+
+/* favor: c = max_f |W_f|^2 / 2, a bound on every key exponent that needs no
+ * other key (w.x - |x|^2/2 <= |w|^2/2); 0 for the other maps. */
+double attnx_key_log_scale_f32(const attnx_feature_map *fm);
+double attnx_key_log_scale_f64(const attnx_feature_map *fm);
+
+/* efficient attention: col_max[c] = max over the visible keys of x[j][c]
+ * (0 for a column without a visible key); key_mask NULL = all visible. */
+void attnx_key_column_max_f32(const float *x, ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t d,
+                              const unsigned char *key_mask, ptrdiff_t key_mask_col, float *col_max);
+void attnx_key_column_max_f64(const double *x, ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t d,
+                              const unsigned char *key_mask, ptrdiff_t key_mask_col,
+                              double *col_max);
+
+enum {
+    ATTNX_LIN_Q, ATTNX_LIN_K, ATTNX_LIN_V, ATTNX_LIN_OUT, ATTNX_LIN_KEY_MASK, ATTNX_LIN_MASK,
+    ATTNX_LIN_S0, ATTNX_LIN_Z0, ATTNX_LIN_S_OUT, ATTNX_LIN_Z_OUT, ATTNX_LIN_NOPS
+};
+
+enum { ATTNX_METHOD_CHUNK, ATTNX_METHOD_RECURRENT, ATTNX_METHOD_CUMSUM, ATTNX_METHOD_QUADRATIC };
+
+/* method cumsum materialises (m + 1) prefix states of r * (e + 1) numbers
+ * per head; it refuses above this many bytes, and runs only as many heads
+ * at once as fit under it. */
+#define ATTNX_CUMSUM_LIMIT ((size_t)2 << 30)
+
+typedef struct {
+    ptrdiff_t n, m, d, e;
+    ptrdiff_t heads;
+    const ptrdiff_t *offsets;          /* (heads, ATTNX_LIN_NOPS) byte offsets */
+    const void *q, *k, *v;             /* (n, d), (m, d), (m, e) per head */
+    void *out;                         /* (n, e) per head */
+    const unsigned char *key_mask;     /* broadcast (m,) bool view, or NULL */
+    const unsigned char *mask;         /* broadcast (n, m) bool view, or NULL (quadratic only) */
+    const void *S0, *z0;               /* initial state (r, e), (r,) per head, or NULL */
+    void *S_out, *z_out;               /* final state, C order, or NULL */
+    ptrdiff_t q_row, k_row, v_row, out_row, S0_row;  /* row strides, elements */
+    ptrdiff_t key_mask_col;            /* byte stride, 0 when broadcast */
+    ptrdiff_t mask_row, mask_col;      /* byte strides, 0 when broadcast */
+    attnx_feature_map features;
+    attnx_band band;                   /* causal (and, for quadratic, window) */
+    int method;                        /* ATTNX_METHOD_*; window and mask need quadratic */
+    ptrdiff_t chunk;                   /* chunk / tile length C >= 1 */
+    double eps;                        /* clamp of the denominator, >= 0 */
+    int normalise;                     /* 0: out_i = phi(q_i) S unnormalised (similarities) */
+    int num_threads;
+} attnx_linear_args;
+
+int attnx_linear_fwd_f32(const attnx_linear_args *args);
+int attnx_linear_fwd_f64(const attnx_linear_args *args);
+
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
 void attnx_set_num_threads(int num_threads);

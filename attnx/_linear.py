@@ -1,0 +1,255 @@
+"""Kernelised ("linear") attention, design.md 3.2.
+
+    o_i = phi(q_i) S / max(phi(q_i) . z, eps),  S = sum_j psi(k_j) v_j^T,  z = sum_j psi(k_j)
+
+over the keys query i sees, with non-negative features phi (queries) and
+psi (keys) of size r. Every front end here is a thin wrapper around one C
+kernel, attnx._C.linear_attention, which validates the arguments, computes
+the feature maps and runs the chosen method with the GIL released. Only
+Python callables as feature maps and the random draw of Performer
+projections run in Python.
+"""
+import math
+import operator
+
+import numpy as np
+
+from . import _C
+
+__all__ = [
+    "LinearAttentionState",
+    "linear_attention",
+    "cosformer_attention",
+    "focused_linear_attention",
+    "taylor_attention",
+    "performer_attention",
+    "efficient_attention",
+    "random_features",
+]
+
+
+class LinearAttentionState:
+    """The state kernelised attention carries between calls (streaming,
+    decoding), returned by ``return_state=True`` and taken back by
+    ``initial_state=``:
+
+    * ``S``: array (..., r, e), ``sum_j psi(k_j) v_j^T`` over the keys seen;
+    * ``z``: array (..., r), ``sum_j psi(k_j)``;
+    * ``offset``: int, how many key positions were consumed (cosFormer
+      numbers the next call's positions after it).
+
+    The arrays have the dtype the calls compute in (float32 for float16
+    inputs) and the broadcast batch shape of the calls. FAVOR+ key features
+    are stored divided by the constant ``exp(c)``, ``c = max_f |W_f|^2 / 2``,
+    so a state only continues calls with the same feature map and
+    projection."""
+
+    __slots__ = ("S", "z", "offset")
+
+    def __init__(self, S, z, offset):
+        self.S = S
+        self.z = z
+        self.offset = offset
+
+    def __repr__(self):
+        return (f"LinearAttentionState(S: {self.S.dtype}{self.S.shape}, "
+                f"z: {self.z.dtype}{self.z.shape}, offset={self.offset})")
+
+
+# front end -> (kernel variant, fixed feature map or None for feature_map=)
+_KERNEL = {
+    "linear": ("linear", None),
+    "cosformer": ("cosformer", None),
+    "focused": ("linear", "focused"),
+    "taylor": ("linear", "taylor"),
+    "performer": ("linear", "favor"),
+    "efficient": ("efficient", None),
+}
+
+
+def _attend(front, a, normalise=True):
+    """Run the kernel for front end `front` with its arguments `a` (by
+    name; options a front end does not have take their defaults).
+    normalise=False returns phi(q_i) S undivided (similarities)."""
+    variant, feature_map = _KERNEL[front]
+    q, k = a["q"], a["k"]
+    if feature_map is None:
+        feature_map = a.get("feature_map", "elu")
+    if callable(feature_map):
+        q, k = _callable_features(feature_map, q, k, a["v"])
+        feature_map = "identity"
+    projection = a.get("projection")
+    if front == "performer":
+        projection = _performer_projection(q, projection, a["num_features"], a["seed"])
+    result = _C.linear_attention(
+        q, k, a["v"], variant, feature_map, a.get("causal", False), a.get("key_mask"),
+        a.get("mask"), a.get("window"), a.get("method"), a.get("chunk_size"),
+        a.get("eps", 1e-6), projection, a.get("p", 3), a.get("M"), a.get("initial_state"),
+        a.get("return_state", False), a.get("out"), normalise)
+    if not a.get("return_state"):
+        return result
+    out, S, z, offset = result
+    return out, LinearAttentionState(S, z, offset)
+
+
+def _compute_dtype(*arrays):
+    dtype = np.result_type(*arrays)
+    if dtype.kind not in "fiub":
+        raise TypeError(f"q, k, v must hold real numbers (float, int or bool), got dtype {dtype}")
+    return np.dtype(np.float32) if dtype == np.float16 else dtype if dtype.kind == "f" else np.dtype(np.float64)
+
+
+def _callable_features(feature_map, q, k, v):
+    """phi(q), phi(k) from a user's callable, checked (shape, sign) and cast
+    to the dtype the call computes in; they enter the kernel as features."""
+    dtype = _compute_dtype(np.asarray(q), np.asarray(k), np.asarray(v))
+    phi_q = _checked_features(feature_map, q, "q", dtype)
+    phi_k = _checked_features(feature_map, k, "k", dtype)
+    if phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(f"feature_map callable returned {phi_q.shape[-1]} features for q but "
+                         f"{phi_k.shape[-1]} for k; they must agree")
+    return phi_q, phi_k
+
+
+def _checked_features(feature_map, x, name, dtype):
+    x = np.asarray(x, dtype=dtype)
+    features = np.asarray(feature_map(x))
+    if features.dtype.kind not in "fiub":
+        raise TypeError(f"feature_map callable returned dtype {features.dtype} for {name}; "
+                        "features must be real numbers")
+    if x.ndim < 1 or features.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"feature_map callable returned shape {features.shape} for {name} of "
+                         f"shape {x.shape}; expected {x.shape[:-1]} + (r,)")
+    if np.any(features < 0):
+        raise ValueError(f"feature_map callable returned negative features for {name}; "
+                         "features must be non-negative")
+    return features.astype(dtype, copy=False)
+
+
+def _performer_projection(q, projection, num_features, seed):
+    if projection is not None:
+        if seed is not None:
+            raise ValueError("performer_attention: give projection= or seed= (to draw one), not both")
+        if num_features is not None and np.shape(projection)[0] != num_features:
+            raise ValueError(f"projection has {np.shape(projection)[0]} rows but "
+                             f"num_features={num_features}")
+        return projection
+    d = np.shape(q)[-1]
+    if num_features is None:
+        num_features = max(1, round(d * math.log(d))) if d > 0 else 1
+    return random_features(num_features, d, seed=seed)
+
+
+def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
+                     window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3,
+                     initial_state=None, return_state=False, out=None):
+    """Kernelised attention: o_i = phi(q_i) S / max(phi(q_i) . z, eps) with
+    S = sum_j psi(k_j) v_j^T, z = sum_j psi(k_j) over the visible keys; a row
+    whose denominator is 0 gives zeros.
+
+    q (..., n, d), k (..., m, d), v (..., m, e) -> (..., n, e); leading axes
+    broadcast. feature_map: "elu" (elu(x) + 1, default), "relu", "softmax"
+    (over the features), "taylor" ([1, x/|x|]), "focused" (f_p(relu(x)),
+    power p=3), "favor" (Performer FAVOR+, needs projection= (r, d), see
+    random_features), "identity" (the inputs are non-negative features), or
+    a callable f(x) -> (..., r) non-negative numpy features.
+
+    causal: False, True / "lower_right" (j <= i + m - n), "upper_left"
+    (j <= i). key_mask: bool (..., m), False removes a key. mask (bool,
+    broadcast to (..., n, m)) and window (w or (left, right)) select the
+    quadratic method. method: "chunk" (default when causal; chunks of
+    chunk_size, default 64, with a carried state), "recurrent" (one token
+    at a time; the default for causal calls of at most 4 queries),
+    "cumsum" (materialised prefix states, refused above 2 GiB per head),
+    "quadratic" (explicit similarities in tiles). Non-causal calls default
+    to two GEMM passes, psi(K)^T V then phi(Q) S.
+
+    Streaming: return_state=True returns (out, LinearAttentionState);
+    pass it as initial_state= to the next call: pieces (any lengths, one
+    token at a time too) give what one call over the whole sequence gives.
+    out: array receiving the result."""
+    return _attend("linear", locals())
+
+
+def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
+                        method=None, chunk_size=None, eps=1e-6, initial_state=None,
+                        return_state=False, out=None):
+    """cosFormer (Qin et al. 2022): s_ij = relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M)
+    with 1-based positions (queries 1..n, keys 1..m, shifted by the offset
+    of a streaming state), computed as linear attention on the 2d features
+    [relu(x) sin(theta_t), relu(x) cos(theta_t)], theta_t = pi/2 t / M.
+
+    M defaults to max(n, m) and must be at least the largest position; a
+    fixed M is required when streaming. Causal needs n == m. Other options
+    as linear_attention."""
+    return _attend("cosformer", locals())
+
+
+def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None,
+                             window=None, method=None, chunk_size=None, eps=1e-6,
+                             initial_state=None, return_state=False, out=None):
+    """FLatten focused linear attention (Han et al. 2023): features
+    f_p(relu(x)), f_p(y) = |y| y**p / |y**p| (norms over each head vector,
+    power p > 0, a zero vector gives 0). Options as linear_attention."""
+    return _attend("focused", locals())
+
+
+def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None,
+                     method=None, chunk_size=None, eps=1e-6, initial_state=None,
+                     return_state=False, out=None):
+    """Taylor (first-order) attention: s_ij = 1 + cos(q_i, k_j), as linear
+    attention on the features [1, x/|x|] (size d + 1; a zero vector gives
+    [1, 0...]). Options as linear_attention."""
+    return _attend("taylor", locals())
+
+
+def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
+                        key_mask=None, mask=None, window=None, method=None, chunk_size=None,
+                        eps=1e-6, initial_state=None, return_state=False, out=None):
+    """Performer FAVOR+ (Choromanski et al. 2021): an unbiased estimate of
+    softmax attention with scale 1/sqrt(d) from positive random features
+    r**-0.5 exp(W x~ - |x~|^2 / 2), x~ = d**-0.25 x.
+
+    projection: W (r, d); when None, random_features(num_features, d,
+    seed=seed) is drawn on every call (num_features defaults to
+    round(d ln d)), so pass projection= (or seed=) for repeatable results
+    and for streaming. Other options as linear_attention."""
+    return _attend("performer", locals())
+
+
+def efficient_attention(q, k, v, *, key_mask=None, causal=False, out=None):
+    """Efficient attention (Shen et al. 2021): o = rho_q(Q) (rho_k(K)^T V)
+    with rho_q the softmax of each query over its features and rho_k the
+    softmax of each key feature over the (visible) keys. Weights sum to 1
+    exactly; no eps. Non-causal only (causal=True raises ValueError: the
+    key softmax runs over the whole sequence)."""
+    return _attend("efficient", locals())
+
+
+def random_features(r, d, seed=None):
+    """An (r, d) FAVOR+ projection: orthogonal blocks of d rows from the
+    Haar measure (QR of a d x d Gaussian with the signs of R's diagonal
+    folded into Q; a plain QR is not uniform and biases the estimate), rows
+    scaled by the norms of independent Gaussian d-vectors (chi-distributed,
+    like the rows of a Gaussian matrix); r > d stacks independent blocks.
+    seed: anything numpy.random.default_rng takes. Returns float64."""
+    r, d = operator.index(r), operator.index(d)
+    if r < 1 or d < 1:
+        raise ValueError(f"random_features needs r >= 1 and d >= 1, got r={r}, d={d}")
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for _ in range(-(-r // d)):
+        orthogonal, upper = np.linalg.qr(rng.standard_normal((d, d)))
+        blocks.append(orthogonal * np.where(np.diag(upper) < 0, -1.0, 1.0))
+    norms = np.linalg.norm(rng.standard_normal((r, d)), axis=1)
+    return np.concatenate(blocks)[:r] * norms[:, None]
+
+
+FRONT_ENDS = {
+    "linear": linear_attention,
+    "cosformer": cosformer_attention,
+    "focused": focused_linear_attention,
+    "taylor": taylor_attention,
+    "performer": performer_attention,
+    "efficient": efficient_attention,
+}

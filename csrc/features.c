@@ -1,0 +1,223 @@
+/* features.c - the feature maps of kernelised attention: phi (queries) and
+ * psi (keys), non-negative features of size r from rows of size d.
+ *
+ * Every map works on a block of rows at once (one GEMM for FAVOR+) into a
+ * contiguous (rows, r) scratch, so the kernel calls it once per chunk.
+ * Maps that exponentiate keep their exponents <= 0 (stabilisers) and report
+ * what they removed, so nothing overflows and the kernel can put the
+ * removed factors back where they matter (the eps clamp).
+ *
+ * NaN inputs give NaN features (comparisons are written so that NaN is
+ * kept, not replaced by 0), so they reach the affected output rows only.
+ */
+#ifndef REAL
+#include <math.h>
+
+#include "attnx.h"
+#include "blas.h"
+
+#define ATTNX_FAMILY_FILE "features.c"
+#include "real.h"
+
+#else /* REAL: the body, compiled once per type */
+
+/* max(x, 0) that keeps NaN */
+static inline REAL SFX(relu)(REAL x) { return x < 0 ? 0 : x; }
+
+/* max_c |x_c| over a row, NaN if any entry is NaN: the scale that keeps
+ * the squares of the normalising maps (taylor, focused) finite. */
+static ATTNX_HOT REAL SFX(max_abs)(const REAL *x, ptrdiff_t d)
+{
+    REAL top = 0;
+    for (ptrdiff_t c = 0; c < d; c++) {
+        REAL a = fabs(x[c]);
+        top = (a > top || a != a) ? a : top;
+    }
+    return top;
+}
+
+static ATTNX_HOT REAL SFX(sum_squares)(const REAL *x, ptrdiff_t d, REAL scale)
+{
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t c = 0; c < d; c++) sum += (x[c] * scale) * (x[c] * scale);
+    return sum;
+}
+
+/* elu(x) + 1: x + 1 above 0, exp(x) below (Katharopoulos et al. 2020) */
+static ATTNX_HOT void SFX(elu_row)(const REAL *x, ptrdiff_t d, REAL *f)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < d; c++) f[c] = x[c] > 0 ? x[c] + 1 : SFX(vexp)(x[c]);
+}
+
+static ATTNX_HOT void SFX(relu_row)(const REAL *x, ptrdiff_t d, REAL *f)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < d; c++) f[c] = SFX(relu)(x[c]);
+}
+
+/* softmax over the features: exp(x - max) / sum, never overflows */
+static ATTNX_HOT void SFX(softmax_row)(const REAL *x, ptrdiff_t d, REAL *f)
+{
+    REAL top = -(REAL)INFINITY;
+    for (ptrdiff_t c = 0; c < d; c++) top = x[c] > top ? x[c] : top;
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t c = 0; c < d; c++) {
+        f[c] = SFX(vexp)(x[c] - top);
+        sum += f[c];
+    }
+    REAL inv = 1 / sum;
+    for (ptrdiff_t c = 0; c < d; c++) f[c] *= inv;
+}
+
+/* [1, x / |x|] (Su: 1 + cos(q, k) is the first-order Taylor expansion of
+ * exp(cos)); a zero vector gives [1, 0...] */
+static void SFX(taylor_row)(const REAL *x, ptrdiff_t d, REAL *f)
+{
+    REAL top = SFX(max_abs)(x, d);
+    REAL inv_norm = top == 0 ? 0 : 1 / (top * sqrt(SFX(sum_squares)(x, d, 1 / top)));
+    f[0] = 1;
+    for (ptrdiff_t c = 0; c < d; c++) f[c + 1] = x[c] * inv_norm;
+}
+
+/* FLatten's focusing function f_p(y) = |y| * y**p / |y**p| of y = relu(x):
+ * the direction sharpened by the power, the norm kept. The ratio is
+ * invariant to scaling y, so y is divided by its max first: the power
+ * cannot overflow and |y**p| >= 1. A zero vector gives 0. */
+static void SFX(focused_row)(const REAL *x, ptrdiff_t d, double power, REAL *f)
+{
+    SFX(relu_row)(x, d, f);
+    REAL top = SFX(max_abs)(f, d);
+    if (top == 0) return;  /* f is already the zero vector */
+    REAL norm_y = top * sqrt(SFX(sum_squares)(f, d, 1 / top));
+    int cube = power == 3;  /* the default, without pow() */
+    for (ptrdiff_t c = 0; c < d; c++) {
+        REAL u = f[c] / top;
+        f[c] = cube ? u * u * u : (REAL)pow(u, power);
+    }
+    REAL scale = norm_y / sqrt(SFX(sum_squares)(f, d, 1));
+    for (ptrdiff_t c = 0; c < d; c++) f[c] *= scale;
+}
+
+/* cosFormer: relu(x) re-weighted by sin and cos of theta_t = pi/2 * t / M,
+ * t the 1-based position, so that phi(q_i).psi(k_j) =
+ * relu(q_i).relu(k_j) cos(theta_i - theta_j) */
+static void SFX(cosformer_row)(const REAL *x, ptrdiff_t d, ptrdiff_t position, double period,
+                               REAL *f)
+{
+    double theta = M_PI / 2 * (double)(position + 1) / period;
+    REAL s = (REAL)sin(theta), co = (REAL)cos(theta);
+    for (ptrdiff_t c = 0; c < d; c++) {
+        REAL y = SFX(relu)(x[c]);
+        f[c] = y * s;
+        f[d + c] = y * co;
+    }
+}
+
+/* efficient attention keys: exp(x - col_shift), col_shift the column max
+ * over the visible keys; normalised over the keys by the kernel */
+static ATTNX_HOT void SFX(column_exp_row)(const REAL *x, ptrdiff_t d, const REAL *col_shift,
+                                          REAL *f)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < d; c++) f[c] = SFX(vexp)(x[c] - col_shift[c]);
+}
+
+/* FAVOR+ (Choromanski et al. 2021), for a block of rows:
+ *   u_f = w_f . x~ - |x~|^2 / 2,  x~ = d**-0.25 x,  phi_f = r**-0.5 exp(u_f - shift)
+ * with shift the row's max for queries (returned in log_scale) and the
+ * data-independent bound key_log_scale for keys, so exp never overflows
+ * and a key's features do not depend on the other keys. */
+static ATTNX_HOT void SFX(favor_exp_row)(REAL *u, ptrdiff_t r, REAL half_sq, REAL shift, REAL scale)
+{
+#pragma omp simd
+    for (ptrdiff_t f = 0; f < r; f++) u[f] = scale * SFX(vexp)(u[f] - half_sq - shift);
+}
+
+static void SFX(favor_block)(const attnx_feature_map *fm, int is_key, const REAL *x,
+                             ptrdiff_t x_row, ptrdiff_t rows, double key_log_scale, REAL *feat,
+                             REAL *log_scale)
+{
+    const ptrdiff_t d = fm->d, r = fm->r;
+    const REAL x_scale = (REAL)pow((double)d, -0.25), feat_scale = (REAL)(1 / sqrt((double)r));
+    /* feat = x~ W^T, (rows, r) */
+    SFX(gemm)(0, 1, rows, r, d, x_scale, x, x_row, (const REAL *)fm->projection, d, 0, feat, r);
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        REAL *u = feat + t * r;
+        REAL half_sq = SFX(sum_squares)(x + t * x_row, d, x_scale) / 2;
+        REAL shift = (REAL)key_log_scale;
+        if (!is_key) {
+            shift = -(REAL)INFINITY;
+            for (ptrdiff_t f = 0; f < r; f++) shift = u[f] > shift ? u[f] : shift;
+            shift -= half_sq;
+            /* |x~|^2 overflowed (every u_f is -inf): zero features, not NaN */
+            if (shift == -(REAL)INFINITY) shift = 0;
+            log_scale[t] = shift;
+        }
+        SFX(favor_exp_row)(u, r, half_sq, shift, feat_scale);
+    }
+}
+
+void SFX(attnx_features)(const attnx_feature_map *fm, int is_key, const REAL *x, ptrdiff_t x_row,
+                         ptrdiff_t rows, ptrdiff_t pos0, double key_log_scale,
+                         const REAL *col_shift, REAL *feat, REAL *log_scale)
+{
+    const ptrdiff_t d = fm->d, r = fm->r;
+    if (!is_key)
+        for (ptrdiff_t t = 0; t < rows; t++) log_scale[t] = 0;
+    if (fm->kind == ATTNX_FM_FAVOR) {
+        SFX(favor_block)(fm, is_key, x, x_row, rows, key_log_scale, feat, log_scale);
+        return;
+    }
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        const REAL *x_t = x + t * x_row;
+        REAL *f_t = feat + t * r;
+        switch (fm->kind) {
+        case ATTNX_FM_ELU: SFX(elu_row)(x_t, d, f_t); break;
+        case ATTNX_FM_RELU: SFX(relu_row)(x_t, d, f_t); break;
+        case ATTNX_FM_TAYLOR: SFX(taylor_row)(x_t, d, f_t); break;
+        case ATTNX_FM_FOCUSED: SFX(focused_row)(x_t, d, fm->power, f_t); break;
+        case ATTNX_FM_IDENTITY: memcpy(f_t, x_t, (size_t)d * sizeof(REAL)); break;
+        case ATTNX_FM_COSFORMER:
+            SFX(cosformer_row)(x_t, d, fm->first_position + pos0 + t, fm->period, f_t);
+            break;
+        case ATTNX_FM_EFFICIENT:
+            if (is_key) SFX(column_exp_row)(x_t, d, col_shift, f_t);
+            else SFX(softmax_row)(x_t, d, f_t);
+            break;
+        case ATTNX_FM_SOFTMAX: SFX(softmax_row)(x_t, d, f_t); break;
+        }
+    }
+}
+
+double SFX(attnx_key_log_scale)(const attnx_feature_map *fm)
+{
+    if (fm->kind != ATTNX_FM_FAVOR) return 0;
+    const REAL *W = (const REAL *)fm->projection;
+    double top = 0;
+    for (ptrdiff_t f = 0; f < fm->r; f++) {
+        double sq = SFX(sum_squares)(W + f * fm->d, fm->d, 1);
+        top = sq > top ? sq : top;
+    }
+    return top / 2;
+}
+
+void SFX(attnx_key_column_max)(const REAL *x, ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t d,
+                               const unsigned char *key_mask, ptrdiff_t key_mask_col,
+                               REAL *col_max)
+{
+    for (ptrdiff_t c = 0; c < d; c++) col_max[c] = -(REAL)INFINITY;
+    for (ptrdiff_t j = 0; j < rows; j++) {
+        if (key_mask && !key_mask[j * key_mask_col]) continue;
+        const REAL *x_j = x + j * x_row;
+        for (ptrdiff_t c = 0; c < d; c++)
+            col_max[c] = (x_j[c] > col_max[c] || x_j[c] != x_j[c]) ? x_j[c] : col_max[c];
+    }
+    /* no visible key: any finite shift will do, the column is masked out */
+    for (ptrdiff_t c = 0; c < d; c++)
+        if (col_max[c] == -(REAL)INFINITY) col_max[c] = 0;
+}
+
+#endif /* REAL */

@@ -1,0 +1,625 @@
+/* linear.c - kernelised ("linear") attention over non-negative features:
+ * one kernel for every feature map, mask mode and method.
+ *
+ *   out_i = phi(q_i) S / max(phi(q_i) . z, eps),  S = sum_j psi(k_j) v_j^T,  z = sum_j psi(k_j)
+ *
+ * over the keys query i sees (Katharopoulos et al. 2020). The state
+ * (S, z) absorbs keys in order; `K` below is always how many keys of the
+ * head it holds (keys [0, K), plus the initial state S0, z0).
+ *
+ * Legend: n queries, m keys, d input features, e value features,
+ *         r kernel features, C the chunk (and tile) length.
+ *   phi    (C, r)  features of a chunk of query rows
+ *   psi    (C, r)  features of a block of keys (zero rows for masked keys)
+ *   scores (C, C)  phi psi^T on one block, invisible pairs zeroed
+ *   state          S (r, e), z (r)
+ *
+ * Methods, which all give the same numbers:
+ *   chunk      per chunk of C queries: out = phi S for the keys before the
+ *              chunk, plus the masked C x C block of the chunk's own keys,
+ *              then S += psi^T V. GEMMs carry all the work; O(n) time.
+ *   recurrent  the RNN form: S += psi(k_j) v_j^T one key at a time, each
+ *              query read from the state as soon as its keys are in.
+ *   cumsum     every prefix state materialised ((m + 1) states), then each
+ *              query contracts the one it sees: the literal formula.
+ *   quadratic  explicit scores in C x C tiles under any band and mask; the
+ *              state only contributes the initial S0.
+ * Non-causal attention is the chunk method with every key absorbed before
+ * the first query: two GEMM passes, psi(K)^T V then phi(Q) S.
+ *
+ * Threads: OpenMP over heads. With fewer heads than threads the chunk
+ * method also cuts each head's sequence into segments: (A) the state
+ * increments of the segments' keys, in parallel pieces, (B) their prefix
+ * sums, the start state of each segment, (C) every segment's chunk loop
+ * from its start state, in parallel. Memory stays O(r e) per thread.
+ */
+#ifndef REAL
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attnx.h"
+#include "blas.h"
+
+/* A head is cut into segments only when each gets at least this many
+ * chunks: the precomputation (A) costs half a chunk loop's GEMM work on the
+ * segment's keys, worth it only on long stretches. */
+#define MIN_SEGMENT_CHUNKS 4
+#define CACHE_LINE 64
+
+/* What every work item of one call shares. */
+typedef struct {
+    const attnx_linear_args *a;
+    ptrdiff_t r, C;
+    ptrdiff_t state_size;     /* r * e + r: S then z */
+    double key_log_scale;     /* favor: the key stabiliser c; else 0 */
+    int causal;               /* the band has an upper end */
+    ptrdiff_t segs;           /* segments per head (chunk method), >= 1 */
+    ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
+    int threads;
+} linear_plan;
+
+#define ATTNX_FAMILY_FILE "linear.c"
+#include "real.h"
+
+#else /* REAL: the body, compiled once per type */
+
+/* ---------------------------------------------------------------- views */
+
+/* One head's operands, positioned once. */
+typedef struct {
+    const REAL *q, *k, *v;
+    REAL *out;
+    const unsigned char *key_mask, *mask;
+    const REAL *S0, *z0;
+    REAL *S_out, *z_out;
+} SFX(head);
+
+/* A state: S (r, e) with contiguous rows of e, and z (r,). */
+typedef struct {
+    REAL *S, *z;
+} SFX(state);
+
+/* One thread's scratch. */
+typedef struct {
+    REAL *phi, *psi, *scores;  /* (C, r), (C, r), (C, C) */
+    REAL *den, *log_scale;     /* (C,) per query row of a chunk */
+    REAL *col_shift;           /* (d,) efficient attention: key column max */
+    REAL *state;               /* state_size: the running state of a head */
+    REAL *prefix;              /* cumsum: (m + 1) states */
+} SFX(scratch);
+
+static SFX(head) SFX(head_at)(const attnx_linear_args *a, ptrdiff_t h)
+{
+    const ptrdiff_t *off = a->offsets + h * ATTNX_LIN_NOPS;
+    SFX(head) hd = {
+        .q = (const REAL *)((const char *)a->q + off[ATTNX_LIN_Q]),
+        .k = (const REAL *)((const char *)a->k + off[ATTNX_LIN_K]),
+        .v = (const REAL *)((const char *)a->v + off[ATTNX_LIN_V]),
+        .out = (REAL *)((char *)a->out + off[ATTNX_LIN_OUT]),
+        .key_mask = a->key_mask ? a->key_mask + off[ATTNX_LIN_KEY_MASK] : NULL,
+        .mask = a->mask ? a->mask + off[ATTNX_LIN_MASK] : NULL,
+        .S0 = a->S0 ? (const REAL *)((const char *)a->S0 + off[ATTNX_LIN_S0]) : NULL,
+        .z0 = a->z0 ? (const REAL *)((const char *)a->z0 + off[ATTNX_LIN_Z0]) : NULL,
+        .S_out = a->S_out ? (REAL *)((char *)a->S_out + off[ATTNX_LIN_S_OUT]) : NULL,
+        .z_out = a->z_out ? (REAL *)((char *)a->z_out + off[ATTNX_LIN_Z_OUT]) : NULL,
+    };
+    return hd;
+}
+
+static SFX(state) SFX(state_in)(const linear_plan *p, REAL *block)
+{
+    SFX(state) st = {block, block + p->r * p->a->e};
+    return st;
+}
+
+static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
+{
+    const ptrdiff_t C = p->C, r = p->r;
+    SFX(scratch) w;
+    w.phi = block;
+    w.psi = w.phi + C * r;
+    w.scores = w.psi + C * r;
+    w.den = w.scores + C * C;
+    w.log_scale = w.den + C;
+    w.col_shift = w.log_scale + C;
+    w.state = w.col_shift + p->a->d;
+    w.prefix = w.state + p->state_size;
+    return w;
+}
+
+/* Elements of one thread's scratch, rounded up to whole cache lines. */
+static size_t SFX(scratch_size)(const linear_plan *p)
+{
+    const attnx_linear_args *a = p->a;
+    size_t size = (size_t)(2 * p->C * p->r + p->C * p->C + 2 * p->C + a->d + p->state_size);
+    if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)p->state_size;
+    size_t line = CACHE_LINE / sizeof(REAL);
+    return (size + line - 1) / line * line;
+}
+
+/* ---------------------------------------------------------------- vector helpers */
+
+static ATTNX_HOT void SFX(axpy)(REAL *y, REAL alpha, const REAL *x, ptrdiff_t count)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < count; c++) y[c] += alpha * x[c];
+}
+
+static ATTNX_HOT REAL SFX(dot)(const REAL *x, const REAL *y, ptrdiff_t count)
+{
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t c = 0; c < count; c++) sum += x[c] * y[c];
+    return sum;
+}
+
+static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
+{
+    for (ptrdiff_t c = 0; c < count; c++) row[c] *= factor;
+}
+
+/* Zero row[j] outside [lo, hi) and where mask[j * mask_col] is False;
+ * returns the sum of what is kept. */
+static ATTNX_HOT REAL SFX(keep_visible)(REAL *row, ptrdiff_t cols, ptrdiff_t lo, ptrdiff_t hi,
+                                        const unsigned char *mask, ptrdiff_t mask_col)
+{
+    for (ptrdiff_t j = 0; j < lo; j++) row[j] = 0;
+    for (ptrdiff_t j = hi; j < cols; j++) row[j] = 0;
+    if (mask)
+        for (ptrdiff_t j = lo; j < hi; j++) row[j] = mask[j * mask_col] ? row[j] : 0;
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t j = lo; j < hi; j++) sum += row[j];
+    return sum;
+}
+
+/* ---------------------------------------------------------------- states */
+
+/* dst = the initial state of the head (S0, z0), or zeros */
+static void SFX(state_init)(const linear_plan *p, const SFX(head) *hd, SFX(state) dst)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    for (ptrdiff_t f = 0; f < r; f++) {
+        if (hd->S0) memcpy(dst.S + f * e, hd->S0 + f * p->a->S0_row, (size_t)e * sizeof(REAL));
+        else memset(dst.S + f * e, 0, (size_t)e * sizeof(REAL));
+    }
+    if (hd->z0) memcpy(dst.z, hd->z0, (size_t)r * sizeof(REAL));
+    else memset(dst.z, 0, (size_t)r * sizeof(REAL));
+}
+
+static void SFX(state_copy)(const linear_plan *p, SFX(state) dst, SFX(state) src)
+{
+    memcpy(dst.S, src.S, (size_t)(p->r * p->a->e) * sizeof(REAL));
+    memcpy(dst.z, src.z, (size_t)p->r * sizeof(REAL));
+}
+
+/* efficient attention: psi(k_j)_f = exp(k_jf - max_f) / sum_j' exp(k_j'f - max_f),
+ * each feature a softmax over the keys. The state absorbed the numerators
+ * exp(k_jf - max_f), so dividing row f of S by z_f finishes the softmax, and
+ * z_f becomes 1 (0 for a feature without a visible key). */
+static void SFX(normalise_key_columns)(const linear_plan *p, SFX(state) st)
+{
+    for (ptrdiff_t f = 0; f < p->r; f++) {
+        SFX(scale_row)(st.S + f * p->a->e, p->a->e, st.z[f] > 0 ? 1 / st.z[f] : 0);
+        st.z[f] = st.z[f] > 0 ? 1 : 0;
+    }
+}
+
+/* psi of the keys [j0, j0 + cols); a key removed by key_mask gets a zero
+ * row, so it leaves numerators and denominators alike. */
+static void SFX(key_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0,
+                           ptrdiff_t cols, const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
+    SFX(attnx_features)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0,
+                        p->key_log_scale, w->col_shift, w->psi, NULL);
+    if (!hd->key_mask) return;
+    for (ptrdiff_t t = 0; t < cols; t++)
+        if (!hd->key_mask[(j0 + t) * a->key_mask_col])
+            memset(w->psi + t * p->r, 0, (size_t)p->r * sizeof(REAL));
+}
+
+/* S += psi^T V_block (one GEMM), z += the rows of psi */
+static void SFX(state_add)(const linear_plan *p, const REAL *psi, ptrdiff_t cols, const REAL *v,
+                           SFX(state) st)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    SFX(gemm)(1, 0, r, e, cols, 1, psi, r, v, p->a->v_row, 1, st.S, e);
+    for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(st.z, 1, psi + t * r, r);
+}
+
+/* one RNN step: S += psi v^T, z += psi */
+static void SFX(state_step)(const linear_plan *p, const REAL *psi, const REAL *v, SFX(state) st)
+{
+    const ptrdiff_t e = p->a->e;
+    for (ptrdiff_t f = 0; f < p->r; f++) SFX(axpy)(st.S + f * e, psi[f], v, e);
+    SFX(axpy)(st.z, 1, psi, p->r);
+}
+
+/* state += the keys [j0, j1), C keys at a time: one GEMM per block, or one
+ * RNN step per key (per_token, the recurrent form). */
+static void SFX(absorb)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, ptrdiff_t j1,
+                        int per_token, const SFX(scratch) *w, SFX(state) st)
+{
+    const ptrdiff_t v_row = p->a->v_row;
+    for (ptrdiff_t b = j0; b < j1; b += p->C) {
+        ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
+        SFX(key_block)(p, hd, b, cols, w);
+        if (!per_token) {
+            SFX(state_add)(p, w->psi, cols, hd->v + b * v_row, st);
+            continue;
+        }
+        for (ptrdiff_t t = 0; t < cols; t++)
+            SFX(state_step)(p, w->psi + t * p->r, hd->v + (b + t) * v_row, st);
+    }
+}
+
+/* ---------------------------------------------------------------- query rows */
+
+static void SFX(query_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
+                             ptrdiff_t rows, const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
+    SFX(attnx_features)(&a->features, 0, hd->q + i0 * a->q_row, a->q_row, rows, i0, 0, NULL,
+                        w->phi, w->log_scale);
+}
+
+/* out = phi S, den = phi z: what the absorbed keys give a block of rows */
+static void SFX(read_state)(const linear_plan *p, ptrdiff_t rows, const REAL *S, ptrdiff_t S_row,
+                            const REAL *z, const SFX(scratch) *w, REAL *out)
+{
+    const ptrdiff_t r = p->r;
+    SFX(gemm)(0, 0, rows, p->a->e, r, 1, w->phi, r, S, S_row, 0, out, p->a->out_row);
+    for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * r, z, r);
+}
+
+/* one row: out_i = sum_f phi_f S_f, den = phi . z */
+static void SFX(read_row)(const linear_plan *p, const REAL *phi, SFX(state) st, REAL *out_i,
+                          REAL *den)
+{
+    const ptrdiff_t e = p->a->e;
+    memset(out_i, 0, (size_t)e * sizeof(REAL));
+    for (ptrdiff_t f = 0; f < p->r; f++) SFX(axpy)(out_i, phi[f], st.S + f * e, e);
+    *den = SFX(dot)(phi, st.z, p->r);
+}
+
+/* scores = phi psi^T for the rows [i0, i0 + rows) and the keys
+ * [j0, j0 + cols), pairs outside the band or the mask zeroed;
+ * out += scores V_block, den += the row sums. */
+static void SFX(add_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0, ptrdiff_t rows,
+                           ptrdiff_t j0, ptrdiff_t cols, const SFX(scratch) *w, REAL *out)
+{
+    const attnx_linear_args *a = p->a;
+    const ptrdiff_t C = p->C;
+    SFX(gemm)(0, 1, rows, cols, p->r, 1, w->phi, p->r, w->psi, p->r, 0, w->scores, C);
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        ptrdiff_t i = i0 + t;
+        ptrdiff_t lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
+        ptrdiff_t hi = ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0;
+        const unsigned char *mask_ij = hd->mask ? hd->mask + i * a->mask_row + j0 * a->mask_col : NULL;
+        w->den[t] += SFX(keep_visible)(w->scores + t * C, cols, lo, ATTNX_MAX(lo, hi), mask_ij,
+                                       a->mask_col);
+    }
+    SFX(gemm)(0, 0, rows, a->e, cols, 1, w->scores, C, hd->v + j0 * a->v_row, a->v_row, 1, out,
+              a->out_row);
+}
+
+/* out_i = num_i / max(den_i, eps_i) with eps_i = eps exp(-(log_scale_i + c)):
+ * the features were divided by exp(log_scale_i) (query) and exp(c) (keys)
+ * to stay finite, which cancels in the ratio but not in the clamp, so the
+ * clamp is divided the same way (design.md, FAVOR+). A zero denominator
+ * gives a zero row. Unnormalised (similarities): out_i = num_i exp(log_scale_i + c). */
+static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scratch) *w, REAL *out)
+{
+    const attnx_linear_args *a = p->a;
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        REAL *out_t = out + t * a->out_row;
+        double removed = w->log_scale[t] + p->key_log_scale;
+        if (!a->normalise) {
+            SFX(scale_row)(out_t, a->e, (REAL)exp(removed));
+            continue;
+        }
+        if (w->den[t] == 0) {
+            memset(out_t, 0, (size_t)a->e * sizeof(REAL));
+            continue;
+        }
+        REAL eps_t = (REAL)(removed == 0 ? a->eps : exp(log(a->eps) - removed));
+        SFX(scale_row)(out_t, a->e, 1 / (w->den[t] < eps_t ? eps_t : w->den[t]));
+    }
+}
+
+/* ---------------------------------------------------------------- methods */
+
+/* A method's pass over the queries [qa, qb) of one head, from a state that
+ * holds the keys [0, K). With `last`, it leaves every key in the state. */
+typedef void (*SFX(rows_fn))(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
+                             ptrdiff_t qb, ptrdiff_t K, int last, const SFX(scratch) *w,
+                             SFX(state) st);
+
+static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa, ptrdiff_t qb,
+                            ptrdiff_t K, int last, const SFX(scratch) *w, SFX(state) st)
+{
+    const attnx_linear_args *a = p->a;
+    /* the keys every query of [qa, qb) sees: all of them when non-causal */
+    ptrdiff_t lo = attnx_band_end(&a->band, qa - 1);
+    SFX(absorb)(p, hd, K, lo, 0, w, st);
+    if (a->features.kind == ATTNX_FM_EFFICIENT) SFX(normalise_key_columns)(p, st);
+    for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
+        ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
+        ptrdiff_t hi = attnx_band_end(&a->band, i0 + rows - 1);
+        REAL *out = hd->out + i0 * a->out_row;
+        SFX(query_block)(p, hd, i0, rows, w);
+        SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
+        if (hi > lo) {
+            /* the chunk's own keys: a masked block, then into the state */
+            SFX(key_block)(p, hd, lo, hi - lo, w);
+            SFX(add_block)(p, hd, i0, rows, lo, hi - lo, w, out);
+            SFX(state_add)(p, w->psi, hi - lo, hd->v + lo * a->v_row, st);
+            lo = hi;
+        }
+        SFX(finish_rows)(p, rows, w, out);
+    }
+    if (last) SFX(absorb)(p, hd, lo, a->m, 0, w, st);
+}
+
+static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
+                                ptrdiff_t qb, ptrdiff_t K, int last, const SFX(scratch) *w,
+                                SFX(state) st)
+{
+    const attnx_linear_args *a = p->a;
+    for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
+        ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
+        REAL *out = hd->out + i0 * a->out_row;
+        SFX(query_block)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            ptrdiff_t end = attnx_band_end(&a->band, i0 + t);
+            SFX(absorb)(p, hd, K, end, 1, w, st);
+            K = ATTNX_MAX(K, end);
+            SFX(read_row)(p, w->phi + t * p->r, st, out + t * a->out_row, &w->den[t]);
+        }
+        SFX(finish_rows)(p, rows, w, out);
+    }
+    if (last) SFX(absorb)(p, hd, K, a->m, 1, w, st);
+}
+
+/* prefix[t] = the state after the keys [K, K + t), every one of them held
+ * in memory ((m - K + 1) states); query i contracts the prefix of the keys
+ * it sees. */
+static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
+                             ptrdiff_t qb, ptrdiff_t K, int last, const SFX(scratch) *w,
+                             SFX(state) st)
+{
+    const attnx_linear_args *a = p->a;
+    const ptrdiff_t size = p->state_size;
+    SFX(state_copy)(p, SFX(state_in)(p, w->prefix), st);
+    for (ptrdiff_t b = K; b < a->m; b += p->C) {
+        ptrdiff_t cols = ATTNX_MIN(p->C, a->m - b);
+        SFX(key_block)(p, hd, b, cols, w);
+        for (ptrdiff_t t = 0; t < cols; t++) {
+            REAL *next = w->prefix + (b + t - K + 1) * size;
+            memcpy(next, next - size, (size_t)size * sizeof(REAL));
+            SFX(state_step)(p, w->psi + t * p->r, hd->v + (b + t) * a->v_row, SFX(state_in)(p, next));
+        }
+    }
+    for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
+        ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
+        REAL *out = hd->out + i0 * a->out_row;
+        SFX(query_block)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            ptrdiff_t seen = ATTNX_MAX(attnx_band_end(&a->band, i0 + t) - K, 0);
+            SFX(read_row)(p, w->phi + t * p->r, SFX(state_in)(p, w->prefix + seen * size),
+                          out + t * a->out_row, &w->den[t]);
+        }
+        SFX(finish_rows)(p, rows, w, out);
+    }
+    if (last) SFX(state_copy)(p, st, SFX(state_in)(p, w->prefix + (a->m - K) * size));
+}
+
+/* ---------------------------------------------------------------- drivers */
+
+static void SFX(prepare_head)(const linear_plan *p, const SFX(head) *hd, const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
+    if (a->features.kind == ATTNX_FM_EFFICIENT)
+        SFX(attnx_key_column_max)(hd->k, a->k_row, a->m, a->d, hd->key_mask, a->key_mask_col,
+                                  w->col_shift);
+}
+
+/* first query of segment s, on a chunk boundary */
+static ptrdiff_t SFX(segment_query)(const linear_plan *p, ptrdiff_t s)
+{
+    if (s >= p->segs) return p->a->n;
+    return p->a->n * s / p->segs / p->C * p->C;
+}
+
+/* K_s: the keys in the state segment s starts from (causal: those before
+ * its first query's diagonal block; non-causal: an even split of the keys,
+ * since every segment's queries see them all). */
+static ptrdiff_t SFX(segment_key)(const linear_plan *p, ptrdiff_t s)
+{
+    const attnx_linear_args *a = p->a;
+    if (s <= 0) return 0;
+    if (s >= p->segs) return a->m;
+    return p->causal ? attnx_band_end(&a->band, SFX(segment_query)(p, s) - 1) : a->m * s / p->segs;
+}
+
+/* segments whose keys lie entirely before segment s's queries */
+static ptrdiff_t SFX(covered)(const linear_plan *p, ptrdiff_t s) { return p->causal ? s : p->segs; }
+
+/* phase A: state increment of piece `piece` of segment t's keys */
+static void SFX(segment_increment)(const linear_plan *p, ptrdiff_t item, REAL *block,
+                                   const SFX(scratch) *w)
+{
+    ptrdiff_t h = item / (p->needed * p->split), t = item / p->split % p->needed;
+    ptrdiff_t piece = item % p->split;
+    SFX(head) hd = SFX(head_at)(p->a, h);
+    ptrdiff_t first = SFX(segment_key)(p, t), span = SFX(segment_key)(p, t + 1) - first;
+    SFX(state) delta = SFX(state_in)(p, block);
+    memset(block, 0, (size_t)p->state_size * sizeof(REAL));
+    SFX(prepare_head)(p, &hd, w);
+    SFX(absorb)(p, &hd, first + span * piece / p->split, first + span * (piece + 1) / p->split, 0,
+                w, delta);
+}
+
+/* phase B: start_s = S0 + the increments of the segments before s */
+static void SFX(segment_starts)(const linear_plan *p, ptrdiff_t h, const REAL *deltas,
+                                REAL *starts)
+{
+    const ptrdiff_t size = p->state_size;
+    SFX(head) hd = SFX(head_at)(p->a, h);
+    for (ptrdiff_t s = 0; s < p->segs; s++) {
+        REAL *start = starts + (h * p->segs + s) * size;
+        if (s == 0) SFX(state_init)(p, &hd, SFX(state_in)(p, start));
+        else memcpy(start, start - size, (size_t)size * sizeof(REAL));
+        for (ptrdiff_t t = s == 0 ? 0 : SFX(covered)(p, s - 1); t < SFX(covered)(p, s); t++)
+            for (ptrdiff_t piece = 0; piece < p->split; piece++)
+                SFX(axpy)(start, 1, deltas + ((h * p->needed + t) * p->split + piece) * size, size);
+    }
+}
+
+/* phase C (or the whole head when segs == 1): segment s of head h */
+static void SFX(segment_rows)(const linear_plan *p, SFX(rows_fn) rows_fn, ptrdiff_t item,
+                              REAL *starts, const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
+    ptrdiff_t h = item / p->segs, s = item % p->segs;
+    SFX(head) hd = SFX(head_at)(a, h);
+    SFX(state) own = {hd.S_out, hd.z_out}, st;
+    int last = a->S_out && s == p->segs - 1;
+    ptrdiff_t K = 0;
+    SFX(prepare_head)(p, &hd, w);
+    if (p->segs > 1) {
+        st = SFX(state_in)(p, starts + item * p->state_size);
+        K = SFX(segment_key)(p, SFX(covered)(p, s));
+    } else {
+        /* one segment: run in the returned state itself when there is one */
+        st = a->S_out ? own : SFX(state_in)(p, w->state);
+        SFX(state_init)(p, &hd, st);
+    }
+    rows_fn(p, &hd, SFX(segment_query)(p, s), SFX(segment_query)(p, s + 1), K, last, w, st);
+    if (last && p->segs > 1) SFX(state_copy)(p, own, st);
+}
+
+static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
+{
+    const attnx_linear_args *a = p->a;
+    const ptrdiff_t size = p->state_size;
+    SFX(rows_fn) rows_fn = a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
+                           : a->method == ATTNX_METHOD_CUMSUM  ? SFX(cumsum_rows)
+                                                               : SFX(chunk_rows);
+    REAL *deltas = NULL, *starts = NULL;
+    if (p->segs > 1) {
+        ptrdiff_t increments = a->heads * p->needed * p->split;
+        deltas = malloc((size_t)(increments + a->heads * p->segs) * (size_t)size * sizeof(REAL));
+        if (!deltas) return ATTNX_ENOMEM;
+        starts = deltas + increments * size;
+#pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
+        for (ptrdiff_t item = 0; item < increments; item++) {
+            SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
+            SFX(segment_increment)(p, item, deltas + item * size, &w);
+        }
+#pragma omp parallel for num_threads(p->threads)
+        for (ptrdiff_t h = 0; h < a->heads; h++) SFX(segment_starts)(p, h, deltas, starts);
+    }
+#pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
+    for (ptrdiff_t item = 0; item < a->heads * p->segs; item++) {
+        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
+        SFX(segment_rows)(p, rows_fn, item, starts, &w);
+    }
+    free(deltas);
+    return ATTNX_OK;
+}
+
+/* The quadratic form for the query tile [i0, i0 + rows): explicit scores
+ * against every key block the rows can see, plus the initial state. */
+static void SFX(quadratic_tile)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
+                                ptrdiff_t rows, const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
+    REAL *out = hd->out + i0 * a->out_row;
+    SFX(query_block)(p, hd, i0, rows, w);
+    if (hd->S0) {
+        SFX(read_state)(p, rows, hd->S0, a->S0_row, hd->z0, w, out);
+    } else {
+        for (ptrdiff_t t = 0; t < rows; t++) memset(out + t * a->out_row, 0, (size_t)a->e * sizeof(REAL));
+        memset(w->den, 0, (size_t)rows * sizeof(REAL));
+    }
+    ptrdiff_t end = attnx_band_end(&a->band, i0 + rows - 1);
+    for (ptrdiff_t j0 = attnx_band_first(&a->band, i0); j0 < end; j0 += p->C) {
+        ptrdiff_t cols = ATTNX_MIN(p->C, end - j0);
+        SFX(key_block)(p, hd, j0, cols, w);
+        SFX(add_block)(p, hd, i0, rows, j0, cols, w, out);
+    }
+    SFX(finish_rows)(p, rows, w, out);
+}
+
+static int SFX(run_quadratic)(const linear_plan *p, REAL *scratch, size_t per_thread)
+{
+    const attnx_linear_args *a = p->a;
+    ptrdiff_t tiles = (a->n + p->C - 1) / p->C;
+#pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
+    for (ptrdiff_t item = 0; item < a->heads * tiles; item++) {
+        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
+        SFX(head) hd = SFX(head_at)(a, item / tiles);
+        ptrdiff_t i0 = item % tiles * p->C;
+        SFX(quadratic_tile)(p, &hd, i0, ATTNX_MIN(p->C, a->n - i0), &w);
+    }
+    if (!a->S_out) return ATTNX_OK;
+    /* the returned state: every key of the call */
+#pragma omp parallel for num_threads(p->threads)
+    for (ptrdiff_t h = 0; h < a->heads; h++) {
+        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
+        SFX(head) hd = SFX(head_at)(a, h);
+        SFX(state) own = {hd.S_out, hd.z_out};
+        SFX(state_init)(p, &hd, own);
+        SFX(absorb)(p, &hd, 0, a->m, 0, &w, own);
+    }
+    return ATTNX_OK;
+}
+
+/* How to cut the work: segments per head for the chunk method when there
+ * are fewer heads than threads, and the threads that fit the memory. */
+static linear_plan SFX(make_plan)(const attnx_linear_args *a)
+{
+    linear_plan p = {.a = a, .r = a->features.r, .C = a->chunk, .causal = a->band.has_hi,
+                     .segs = 1, .needed = 0, .split = 1};
+    p.state_size = p.r * a->e + p.r;
+    p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
+    ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);
+    if (a->method == ATTNX_METHOD_CHUNK && a->heads < threads) {
+        ptrdiff_t length = p.causal ? a->n : ATTNX_MAX(a->n, a->m);
+        ptrdiff_t longest = length / (MIN_SEGMENT_CHUNKS * p.C);
+        p.segs = ATTNX_MAX(1, ATTNX_MIN((threads + a->heads - 1) / a->heads, longest));
+    }
+    if (p.segs > 1) {
+        p.needed = p.causal ? p.segs - 1 : p.segs;
+        p.split = ATTNX_MAX(1, (threads + a->heads * p.needed - 1) / (a->heads * p.needed));
+    }
+    ptrdiff_t work = a->method == ATTNX_METHOD_QUADRATIC ? a->heads * ((a->n + p.C - 1) / p.C)
+                                                         : a->heads * p.segs;
+    p.threads = (int)ATTNX_MIN(threads, ATTNX_MAX(work, a->heads * p.needed * p.split));
+    if (a->method == ATTNX_METHOD_CUMSUM) {
+        size_t prefix_bytes = (size_t)(a->m + 1) * (size_t)p.state_size * sizeof(REAL);
+        size_t fitting = ATTNX_CUMSUM_LIMIT / prefix_bytes;
+        if ((size_t)p.threads > fitting) p.threads = (int)ATTNX_MAX(fitting, 1);
+    }
+    p.threads = ATTNX_MAX(p.threads, 1);
+    return p;
+}
+
+int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
+{
+    if (a->heads == 0 || (a->n == 0 && !a->S_out)) return ATTNX_OK;
+    linear_plan p = SFX(make_plan)(a);
+    size_t per_thread = SFX(scratch_size)(&p);
+    REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)p.threads * sizeof(REAL));
+    if (!scratch) return ATTNX_ENOMEM;
+    int status = a->method == ATTNX_METHOD_QUADRATIC ? SFX(run_quadratic)(&p, scratch, per_thread)
+                                                     : SFX(run_scan)(&p, scratch, per_thread);
+    free(scratch);
+    return status;
+}
+
+#endif /* REAL */

@@ -1,0 +1,458 @@
+/* py_linear.c - the Python entry of kernelised (linear) attention: parse,
+ * validate, allocate, release the GIL, call linear.c.
+ *
+ * One private function, _C.linear_attention, takes every option in a fixed
+ * order; the public front ends (attnx/_linear.py) are thin wrappers around
+ * it, so that all validation happens here, in C, and a decoding step pays
+ * for no numpy work in Python. */
+#include "args.h"
+
+#include <limits.h>
+#include <math.h>
+#include "bindings.h"
+
+typedef int (*linear_kernel)(const attnx_linear_args *);
+static const linear_kernel linear_kernels[2] = {attnx_linear_fwd_f32, attnx_linear_fwd_f64};
+
+/* Chunk length of the chunk method (and tile of the quadratic one). 64 is
+ * where causal elu attention at d = e = 64 ran fastest on the development
+ * machine (AVX-512, float32): the masked C x C block costs 2 C (r + e)
+ * flops per token against 4 r e for the state, so larger chunks do more
+ * arithmetic, while smaller ones make the GEMMs too small to run at speed. */
+#define DEFAULT_CHUNK 64
+
+/* A causal call with at most this many query rows (decoding) defaults to
+ * the recurrent method: a few rank-1 updates cost less than the GEMM calls
+ * of one chunk. */
+#define RECURRENT_MAX_ROWS 4
+
+static const char *const feature_map_names[] = {
+    [ATTNX_FM_ELU] = "elu", [ATTNX_FM_RELU] = "relu", [ATTNX_FM_SOFTMAX] = "softmax",
+    [ATTNX_FM_TAYLOR] = "taylor", [ATTNX_FM_FOCUSED] = "focused", [ATTNX_FM_FAVOR] = "favor",
+    [ATTNX_FM_IDENTITY] = "identity",
+};
+static const char *const method_names[] = {
+    [ATTNX_METHOD_CHUNK] = "chunk", [ATTNX_METHOD_RECURRENT] = "recurrent",
+    [ATTNX_METHOD_CUMSUM] = "cumsum", [ATTNX_METHOD_QUADRATIC] = "quadratic",
+};
+#define COUNT(array) ((int)(sizeof(array) / sizeof((array)[0])))
+
+/* The options of one call, parsed. */
+typedef struct {
+    int kind;                   /* ATTNX_FM_* */
+    int method;                 /* ATTNX_METHOD_*, or -1 for the default */
+    int causal, has_left, has_right;
+    npy_intp left, right;
+    npy_intp chunk;             /* 0: the default */
+    double eps, power, period;  /* period 0: M not given */
+    int streaming;              /* initial_state given or return_state */
+} linear_options;
+
+/* obj must be one of names[0..count) (NULL entries skipped); what names
+ * the argument, allowed what else it may be. */
+static int parse_choice(PyObject *obj, const char *const *names, int count, const char *what,
+                        const char *allowed, int *index)
+{
+    if (PyUnicode_Check(obj))
+        for (int i = 0; i < count; i++)
+            if (names[i] && PyUnicode_CompareWithASCIIString(obj, names[i]) == 0) {
+                *index = i;
+                return 0;
+            }
+    char choices[256] = "";
+    for (int i = 0; i < count; i++) {
+        size_t used = strlen(choices);
+        PyOS_snprintf(choices + used, sizeof choices - used, "'%s', ", names[i]);
+    }
+    PyErr_Format(PyUnicode_Check(obj) ? PyExc_ValueError : PyExc_TypeError,
+                 "unknown %s %R: expected one of %s%s", what, obj, choices, allowed);
+    return -1;
+}
+
+static int parse_eps(PyObject *obj, double *eps)
+{
+    if (PyBool_Check(obj) || !PyNumber_Check(obj) || PyComplex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "eps must be a number >= 0, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *eps = PyFloat_AsDouble(obj);
+    if (*eps == -1.0 && PyErr_Occurred()) return -1;
+    if (!isfinite(*eps) || *eps < 0) {
+        PyErr_Format(PyExc_ValueError, "eps must be a finite number >= 0, got %R", obj);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_chunk(PyObject *obj, npy_intp *chunk)
+{
+    *chunk = 0;
+    if (obj == Py_None) return 0;
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "chunk_size must be an int >= 1, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    Py_ssize_t value = PyNumber_AsSsize_t(obj, NULL);  /* clipped: beyond n acts as n */
+    if (value == -1 && PyErr_Occurred()) return -1;
+    if (value < 1) {
+        PyErr_Format(PyExc_ValueError, "chunk_size must be an int >= 1, got %R", obj);
+        return -1;
+    }
+    *chunk = value;
+    return 0;
+}
+
+static int parse_options(const char *variant, PyObject *feature_map_obj, PyObject *causal_obj,
+                         PyObject *window_obj, PyObject *method_obj, PyObject *chunk_obj,
+                         PyObject *eps_obj, PyObject *p_obj, PyObject *M_obj,
+                         PyObject *initial_state, int return_state, linear_options *o)
+{
+    o->method = -1;
+    o->power = 3;
+    o->period = 0;
+    o->streaming = initial_state != Py_None || return_state;
+    if (strcmp(variant, "cosformer") == 0) o->kind = ATTNX_FM_COSFORMER;
+    else if (strcmp(variant, "efficient") == 0) o->kind = ATTNX_FM_EFFICIENT;
+    else if (parse_choice(feature_map_obj, feature_map_names, COUNT(feature_map_names),
+                          "feature_map", "or a callable", &o->kind) < 0)
+        return -1;
+    if (method_obj != Py_None &&
+        parse_choice(method_obj, method_names, COUNT(method_names), "method", "or None",
+                     &o->method) < 0)
+        return -1;
+    if (attnx_parse_causal(causal_obj, &o->causal) < 0 ||
+        attnx_parse_window(window_obj, &o->has_left, &o->left, &o->has_right, &o->right) < 0 ||
+        parse_chunk(chunk_obj, &o->chunk) < 0 || parse_eps(eps_obj, &o->eps) < 0)
+        return -1;
+    if (o->kind == ATTNX_FM_FOCUSED && attnx_parse_positive(p_obj, "p", &o->power) < 0) return -1;
+    if (M_obj != Py_None && attnx_parse_positive(M_obj, "M", &o->period) < 0) return -1;
+    if (o->kind == ATTNX_FM_EFFICIENT) {
+        if (o->causal) {
+            PyErr_SetString(PyExc_ValueError,
+                            "efficient_attention is non-causal only (causal must be False): its "
+                            "key softmax runs over the whole sequence");
+            return -1;
+        }
+        o->eps = 0;  /* its weights sum to 1 exactly */
+    }
+    return 0;
+}
+
+/* identity features must be non-negative: checked on the input itself */
+static int check_nonnegative(const attnx_operand *op)
+{
+    if (PyArray_SIZE(op->array) == 0) return 0;
+    PyObject *least = PyObject_CallMethod((PyObject *)op->array, "min", NULL);
+    PyObject *zero = PyLong_FromLong(0);
+    int negative = least && zero ? PyObject_RichCompareBool(least, zero, Py_LT) : -1;
+    Py_XDECREF(least);
+    Py_XDECREF(zero);
+    if (negative > 0)
+        PyErr_Format(PyExc_ValueError,
+                     "feature_map='identity' takes %s as features, which must be non-negative; "
+                     "its smallest entry is negative", op->name);
+    return negative ? -1 : 0;
+}
+
+/* r, and the projection W (r, d) of favor converted to the compute dtype */
+static int feature_size(const linear_options *o, PyObject *projection_obj, npy_intp d,
+                        int typenum, PyArrayObject **projection, npy_intp *r)
+{
+    *projection = NULL;
+    if (o->kind != ATTNX_FM_FAVOR) {
+        if (projection_obj != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "projection= is only used by feature_map='favor'");
+            return -1;
+        }
+        *r = o->kind == ATTNX_FM_TAYLOR ? d + 1 : o->kind == ATTNX_FM_COSFORMER ? 2 * d : d;
+        return 0;
+    }
+    if (projection_obj == Py_None) {
+        PyErr_SetString(PyExc_ValueError,
+                        "feature_map='favor' needs projection=, an (r, d) array; draw one with "
+                        "attnx.random_features(r, d, seed=...)");
+        return -1;
+    }
+    *projection = (PyArrayObject *)PyArray_FROM_OTF(projection_obj, typenum,
+                                                    NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
+                                                    NPY_ARRAY_FORCECAST);
+    if (!*projection) return -1;
+    if (PyArray_NDIM(*projection) != 2 || PyArray_DIM(*projection, 1) != d) {
+        PyObject *shape = PyObject_GetAttrString((PyObject *)*projection, "shape");
+        if (shape)
+            PyErr_Format(PyExc_ValueError, "projection must have shape (r, d) = (r, %ld), got %R",
+                         (long)d, shape);
+        Py_XDECREF(shape);
+        Py_CLEAR(*projection);
+        return -1;
+    }
+    *r = PyArray_DIM(*projection, 0);
+    return 0;
+}
+
+/* initial_state: its S (..., r, e) and z (..., r) as operands, its offset */
+static int state_convert(PyObject *state, int typenum, attnx_operand *S, attnx_operand *z,
+                         npy_intp *offset)
+{
+    *offset = 0;
+    if (state == Py_None) return 0;
+    PyObject *S_obj = PyObject_GetAttrString(state, "S");
+    PyObject *z_obj = S_obj ? PyObject_GetAttrString(state, "z") : NULL;
+    PyObject *offset_obj = z_obj ? PyObject_GetAttrString(state, "offset") : NULL;
+    int status = -1;
+    if (!offset_obj) {
+        PyErr_Format(PyExc_TypeError,
+                     "initial_state must be the state a call with return_state=True returned "
+                     "(with S, z and offset), got %s", Py_TYPE(state)->tp_name);
+        goto done;
+    }
+    PyObject *const arrays[2] = {S_obj, z_obj};
+    for (int i = 0; i < 2; i++) {
+        if (!PyArray_Check(arrays[i]) || PyArray_TYPE((PyArrayObject *)arrays[i]) != typenum) {
+            PyArray_Descr *want = PyArray_DescrFromType(typenum);
+            PyErr_Format(PyExc_TypeError,
+                         "initial_state.%s must be a numpy array of dtype %R, the dtype this call "
+                         "computes in; the state comes from a call of another dtype",
+                         i ? "z" : "S", (PyObject *)want);
+            Py_DECREF(want);
+            goto done;
+        }
+    }
+    *offset = PyLong_Check(offset_obj) ? PyLong_AsSsize_t(offset_obj) : -1;
+    if (*offset < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "initial_state.offset must be an int >= 0, got %R", offset_obj);
+        goto done;
+    }
+    status = attnx_operand_convert(S, S_obj, typenum, 2, 0) < 0 ||
+                     attnx_operand_convert(z, z_obj, typenum, 1, 0) < 0
+                 ? -1 : 0;
+done:
+    Py_XDECREF(S_obj);
+    Py_XDECREF(z_obj);
+    Py_XDECREF(offset_obj);
+    return status;
+}
+
+/* The method, from the options: mask and window need the quadratic form. */
+static int resolve_method(linear_options *o, int has_mask, npy_intp n)
+{
+    int general = has_mask || o->has_left || o->has_right;
+    if (general && o->streaming) {
+        PyErr_SetString(PyExc_ValueError,
+                        "mask= and window= cannot be combined with initial_state or return_state: "
+                        "a state keeps no key positions");
+        return -1;
+    }
+    if (o->method < 0)
+        o->method = general ? ATTNX_METHOD_QUADRATIC
+                    : o->causal && n <= RECURRENT_MAX_ROWS ? ATTNX_METHOD_RECURRENT
+                                                           : ATTNX_METHOD_CHUNK;
+    if (general && o->method != ATTNX_METHOD_QUADRATIC) {
+        PyErr_Format(PyExc_ValueError,
+                     "mask= and window= need method='quadratic' (or None), got method='%s'",
+                     method_names[o->method]);
+        return -1;
+    }
+    if (o->kind == ATTNX_FM_EFFICIENT && (general || o->streaming)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "efficient_attention takes no mask=, window= or streaming state");
+        return -1;
+    }
+    return 0;
+}
+
+/* cosFormer's M: at least the largest position; fixed when streaming */
+static int check_period(linear_options *o, npy_intp n, npy_intp m, npy_intp offset)
+{
+    if (o->kind != ATTNX_FM_COSFORMER) return 0;
+    if (o->causal && n != m) {
+        PyErr_Format(PyExc_ValueError,
+                     "causal cosformer_attention needs as many queries as keys, got n = %ld, m = %ld",
+                     (long)n, (long)m);
+        return -1;
+    }
+    npy_intp largest = offset + (n > m ? n : m);
+    if (o->period == 0) {
+        if (o->streaming) {
+            PyErr_SetString(PyExc_ValueError,
+                            "cosformer_attention needs a fixed M= when streaming (initial_state= "
+                            "or return_state=True): the default max(n, m) changes between calls");
+            return -1;
+        }
+        o->period = largest > 0 ? (double)largest : 1;
+    }
+    if (o->period < (double)largest) {
+        PyErr_Format(PyExc_ValueError,
+                     "M=%g is smaller than the largest position %ld (offset + max(n, m)); "
+                     "cos(pi/2 (i - j) / M) must stay positive", o->period, (long)largest);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_cumsum_size(const linear_options *o, npy_intp m, npy_intp r, npy_intp e,
+                             int typenum)
+{
+    if (o->method != ATTNX_METHOD_CUMSUM) return 0;
+    double bytes = ((double)m + 1) * (double)r * ((double)e + 1) * (typenum == NPY_FLOAT ? 4 : 8);
+    if (bytes <= (double)ATTNX_CUMSUM_LIMIT) return 0;
+    PyErr_Format(PyExc_ValueError,
+                 "method='cumsum' materialises m + 1 = %ld prefix states of r x (e + 1) = %ld x %ld "
+                 "numbers: %.2f GiB per head, above its %.0f GiB limit; use method='chunk'",
+                 (long)(m + 1), (long)r, (long)(e + 1), bytes / (1 << 30),
+                 (double)ATTNX_CUMSUM_LIMIT / (1 << 30));
+    return -1;
+}
+
+PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
+{
+    enum { Q, K, V, KEY_MASK, MASK, S0, Z0, NOPS };
+    attnx_operand ops[NOPS] = {
+        [Q] = {"q", NULL, 2}, [K] = {"k", NULL, 2}, [V] = {"v", NULL, 2},
+        [KEY_MASK] = {"key_mask", NULL, 1}, [MASK] = {"mask", NULL, 2},
+        [S0] = {"initial_state.S", NULL, 2}, [Z0] = {"initial_state.z", NULL, 1},
+    };
+    attnx_operand outs[3] = {{"out", NULL, 2}, {"S", NULL, 2}, {"z", NULL, 1}};
+    PyObject *q_obj, *k_obj, *v_obj, *feature_map, *causal, *key_mask, *mask, *window, *method,
+        *chunk_size, *eps, *projection_obj, *p_obj, *M_obj, *initial_state, *out_obj;
+    const char *variant;
+    int return_state, normalise;
+    PyArrayObject *result = NULL, *projection = NULL;
+    ptrdiff_t *offsets = NULL;
+    PyObject *ret = NULL;
+    linear_options o;
+    if (!PyArg_ParseTuple(args, "OOOsOOOOOOOOOOOOpOp:linear_attention", &q_obj, &k_obj, &v_obj,
+                          &variant, &feature_map, &causal, &key_mask, &mask, &window, &method,
+                          &chunk_size, &eps, &projection_obj, &p_obj, &M_obj, &initial_state,
+                          &return_state, &out_obj, &normalise))
+        return NULL;
+    if (parse_options(variant, feature_map, causal, window, method, chunk_size, eps, p_obj, M_obj,
+                      initial_state, return_state, &o) < 0)
+        return NULL;
+
+    PyObject *const dtype_objs[] = {q_obj, k_obj, v_obj};
+    const char *const dtype_names[] = {"q", "k", "v"};
+    attnx_dtypes dtypes;
+    npy_intp offset;
+    if (attnx_resolve_dtypes(dtype_objs, dtype_names, 3, &dtypes) < 0) return NULL;
+    if (attnx_operand_convert(&ops[Q], q_obj, dtypes.compute, 2, 0) < 0 ||
+        attnx_operand_convert(&ops[K], k_obj, dtypes.compute, 2, 0) < 0 ||
+        attnx_operand_convert(&ops[V], v_obj, dtypes.compute, 2, 0) < 0 ||
+        (key_mask != Py_None && attnx_mask_convert(&ops[KEY_MASK], key_mask) < 0) ||
+        (mask != Py_None && attnx_mask_convert(&ops[MASK], mask) < 0) ||
+        state_convert(initial_state, dtypes.compute, &ops[S0], &ops[Z0], &offset) < 0)
+        goto done;
+
+    int nd_q = PyArray_NDIM(ops[Q].array), nd_v = PyArray_NDIM(ops[V].array);
+    npy_intp n = PyArray_DIM(ops[Q].array, nd_q - 2), d = PyArray_DIM(ops[Q].array, nd_q - 1);
+    npy_intp m = PyArray_DIM(ops[V].array, nd_v - 2), e = PyArray_DIM(ops[V].array, nd_v - 1);
+    npy_intp m_k = PyArray_DIM(ops[K].array, PyArray_NDIM(ops[K].array) - 2), r;
+    char what[160];
+    PyOS_snprintf(what, sizeof what, "expected (..., m, d) with d = %ld from q (..., n, d)", (long)d);
+    if (attnx_check_core(&ops[K], -1, d, 0, what) < 0) goto done;
+    PyOS_snprintf(what, sizeof what, "expected (..., m, e) with m = %ld keys from k (..., m, d)", (long)m_k);
+    if (attnx_check_core(&ops[V], -2, m_k, 0, what) < 0) goto done;
+    PyOS_snprintf(what, sizeof what, "expected a boolean (..., m) with m = %ld keys", (long)m);
+    if (ops[KEY_MASK].array && attnx_check_core(&ops[KEY_MASK], -1, m, 1, what) < 0) goto done;
+    PyOS_snprintf(what, sizeof what, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", (long)n, (long)m);
+    if (ops[MASK].array && (attnx_check_core(&ops[MASK], -1, m, 1, what) < 0 ||
+                            attnx_check_core(&ops[MASK], -2, n, 1, what) < 0))
+        goto done;
+    if (feature_size(&o, projection_obj, d, dtypes.compute, &projection, &r) < 0) goto done;
+    PyOS_snprintf(what, sizeof what,
+                  "expected (..., r, e) = (..., %ld, %ld), r features of this feature map and e "
+                  "value features", (long)r, (long)e);
+    if (ops[S0].array && (attnx_check_core(&ops[S0], -2, r, 0, what) < 0 ||
+                          attnx_check_core(&ops[S0], -1, e, 0, what) < 0 ||
+                          attnx_check_core(&ops[Z0], -1, r, 0, what) < 0))
+        goto done;
+    if (d > INT_MAX || e > INT_MAX || m > INT_MAX || r > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "q, k, v: feature sizes and m must be below 2**31");
+        goto done;
+    }
+    if (o.kind == ATTNX_FM_IDENTITY &&
+        (check_nonnegative(&ops[Q]) < 0 || check_nonnegative(&ops[K]) < 0))
+        goto done;
+    if (resolve_method(&o, ops[MASK].array != NULL, n) < 0 || check_period(&o, n, m, offset) < 0 ||
+        check_cumsum_size(&o, m, r, e, dtypes.compute) < 0)
+        goto done;
+
+    attnx_batch batch;
+    if (attnx_broadcast(ops, NOPS, &batch) < 0) goto done;
+    PyArrayObject *compute_out;
+    if (attnx_output(out_obj, &dtypes, &batch, n, e, ops, NOPS, &result, &compute_out) < 0) goto done;
+    outs[0].array = compute_out;
+    npy_intp state_shape[2] = {r, e};
+    if (return_state && (!(outs[1].array = attnx_new_array(&batch, state_shape, 2, dtypes.compute)) ||
+                         !(outs[2].array = attnx_new_array(&batch, state_shape, 1, dtypes.compute))))
+        goto done;
+
+    /* operand order of the kernel's offset table */
+    attnx_operand table[ATTNX_LIN_NOPS] = {
+        [ATTNX_LIN_Q] = ops[Q], [ATTNX_LIN_K] = ops[K], [ATTNX_LIN_V] = ops[V],
+        [ATTNX_LIN_OUT] = outs[0], [ATTNX_LIN_KEY_MASK] = ops[KEY_MASK], [ATTNX_LIN_MASK] = ops[MASK],
+        [ATTNX_LIN_S0] = ops[S0], [ATTNX_LIN_Z0] = ops[Z0],
+        [ATTNX_LIN_S_OUT] = outs[1], [ATTNX_LIN_Z_OUT] = outs[2],
+    };
+    if (!(offsets = attnx_offsets(table, ATTNX_LIN_NOPS, &batch))) goto done;
+
+    npy_intp longest = n > m ? n : m;
+    attnx_linear_args kargs = {
+        .n = n, .m = m, .d = d, .e = e, .heads = batch.heads, .offsets = offsets,
+        .q = PyArray_DATA(ops[Q].array), .k = PyArray_DATA(ops[K].array),
+        .v = PyArray_DATA(ops[V].array), .out = PyArray_DATA(compute_out),
+        .key_mask = ops[KEY_MASK].array ? PyArray_DATA(ops[KEY_MASK].array) : NULL,
+        .mask = ops[MASK].array ? PyArray_DATA(ops[MASK].array) : NULL,
+        .S0 = ops[S0].array ? PyArray_DATA(ops[S0].array) : NULL,
+        .z0 = ops[Z0].array ? PyArray_DATA(ops[Z0].array) : NULL,
+        .S_out = outs[1].array ? PyArray_DATA(outs[1].array) : NULL,
+        .z_out = outs[2].array ? PyArray_DATA(outs[2].array) : NULL,
+        .q_row = attnx_row_stride(ops[Q].array), .k_row = attnx_row_stride(ops[K].array),
+        .v_row = attnx_row_stride(ops[V].array), .out_row = attnx_row_stride(compute_out),
+        .S0_row = ops[S0].array ? attnx_row_stride(ops[S0].array) : e,
+        .key_mask_col = ops[KEY_MASK].array ? attnx_core_stride(&ops[KEY_MASK], -1) : 0,
+        .mask_row = ops[MASK].array ? attnx_core_stride(&ops[MASK], -2) : 0,
+        .mask_col = ops[MASK].array ? attnx_core_stride(&ops[MASK], -1) : 0,
+        .features = {.kind = o.kind, .d = d, .r = r, .power = o.power,
+                     .projection = projection ? PyArray_DATA(projection) : NULL,
+                     .period = o.period, .first_position = offset},
+        .band = o.method == ATTNX_METHOD_QUADRATIC
+                    ? attnx_make_band(n, m, o.causal, o.has_left, o.left, o.has_right, o.right)
+                    : attnx_make_band(n, m, o.causal, 0, 0, 0, 0),
+        .method = o.method,
+        .chunk = o.chunk ? (o.chunk < longest ? o.chunk : (longest > 0 ? longest : 1)) : DEFAULT_CHUNK,
+        .eps = o.eps,
+        .normalise = normalise,
+        .num_threads = attnx_get_num_threads(),
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = linear_kernels[dtypes.compute == NPY_DOUBLE](&kargs);
+    Py_END_ALLOW_THREADS
+    if (status != ATTNX_OK) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (attnx_output_finish(result, compute_out) < 0) goto done;
+    if (return_state)
+        ret = Py_BuildValue("OOOn", result, outs[1].array, outs[2].array, (Py_ssize_t)(offset + m));
+    else {
+        ret = (PyObject *)result;
+        Py_INCREF(ret);
+    }
+done:
+    PyMem_RawFree(offsets);
+    Py_XDECREF(result);
+    Py_XDECREF(projection);
+    attnx_release(outs, 3);
+    attnx_release(ops, NOPS);
+    return ret;
+}
+
+const char attnx_linear_attention_doc[] = (
+"linear_attention(q, k, v, variant, feature_map, causal, key_mask, mask, window, method, chunk_size, eps, projection, p, M, initial_state, return_state, out, normalise)\n"
+"--\n\n"
+"The kernel behind attnx.linear_attention and the other kernelised front ends\n"
+"(every argument positional; use the front ends). Returns out, or\n"
+"(out, S, z, offset) with return_state.");
