@@ -38,7 +38,7 @@ static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrd
                                               ptrdiff_t vis_hi, const REAL *bias_row,
                                               ptrdiff_t bias_col, const unsigned char *mask_row,
                                               ptrdiff_t mask_col, const REAL *key_bias,
-                                              REAL *row_max, REAL *row_sum)
+                                              REAL *row_max, REAL *row_sum, int *has_zero)
 {
     const REAL neg_inf = -(REAL)INFINITY;
     if (bias_row)
@@ -56,6 +56,7 @@ static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrd
 
     for (ptrdiff_t j = 0; j < vis_lo; j++) scores[j] = 0;
     for (ptrdiff_t j = vis_hi; j < cols; j++) scores[j] = 0;
+    if (vis_lo > 0 || vis_hi < cols || new_max == neg_inf) *has_zero = 1;
     if (new_max == neg_inf) {
         /* Nothing visible yet (exp(-inf - -inf) would be NaN), unless the
          * max skipped NaN scores: then the row must come out NaN. */
@@ -66,12 +67,15 @@ static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrd
         return 1;
     }
     REAL tile_sum = 0;
-#pragma omp simd reduction(+ : tile_sum)
+    int zeros = 0;
+#pragma omp simd reduction(+ : tile_sum, zeros)
     for (ptrdiff_t j = vis_lo; j < vis_hi; j++) {
         REAL p = SFX(vexp)(scores[j] - new_max);
         scores[j] = p;
         tile_sum += p;
+        zeros += p == 0;
     }
+    if (zeros) *has_zero = 1;
     REAL correction = *row_max == new_max ? 1 : SFX(vexp)(*row_max - new_max);
     *row_sum = *row_sum * correction + tile_sum;
     *row_max = new_max;
@@ -154,6 +158,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
             SFX(sqnorm_terms)(key_bias, k + j0 * a->k_row, a->k_row, cols, a->d,
                                  (REAL)a->key_sqnorm_coef);
         /* pass 2: bias, mask, online softmax, rescale what is accumulated */
+        int has_zero = 0;
         for (ptrdiff_t r = 0; r < rows; r++) {
             ptrdiff_t i = i0 + r;
             ptrdiff_t vis_lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
@@ -163,12 +168,13 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
                 scores + r * KEY_TILE, cols, vis_lo, vis_hi,
                 bias ? bias + i * a->bias_row + j0 * a->bias_col : NULL, a->bias_col,
                 mask ? mask + i * a->mask_row + j0 * a->mask_col : NULL, a->mask_col,
-                a->key_sqnorm_coef != 0 ? key_bias : NULL, &row_max[r], &row_sum[r]);
+                a->key_sqnorm_coef != 0 ? key_bias : NULL, &row_max[r], &row_sum[r], &has_zero);
             if (correction != 1) SFX(scale_row)(out + r * a->out_row, e, correction);
         }
-        /* pass 3: out += P V_tile */
+        /* pass 3: out += P V_tile; where P has zeros (masked keys) a NaN
+         * value must not reach the rows that cannot see it */
         const REAL *v_tile = v + j0 * a->v_row;
-        if (SFX(has_nonfinite)(v_tile, cols, e, a->v_row))
+        if (has_zero && SFX(has_nonfinite)(v_tile, cols, e, a->v_row))
             SFX(add_visible_values)(out, a->out_row, scores, KEY_TILE, v_tile, a->v_row, rows, cols, e);
         else
             SFX(gemm)(0, 0, rows, e, cols, 1, scores, KEY_TILE, v_tile, a->v_row, 1, out, a->out_row);
@@ -196,17 +202,20 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     if (work == 0) return ATTNX_OK;
     int threads = a->num_threads;
     if (threads > work) threads = (int)work;
+    /* waking a second thread costs more than ~a million flops take */
+    if ((double)a->heads * a->n * a->m * (a->d + a->e) < 1e6) threads = 1;
     if (threads < 1) threads = 1;
 
-    /* per-thread scratch: scores tile, key bias, row max, row sum */
-    size_t per_thread = (size_t)Q_TILE * KEY_TILE + KEY_TILE + 2 * Q_TILE;
+    /* per-thread scratch: scores tile, key bias, row max, row sum (small
+     * problems take small buffers: a decoding step has one query row) */
+    size_t per_thread = (size_t)ATTNX_MIN(Q_TILE, a->n) * KEY_TILE + KEY_TILE + 2 * Q_TILE;
     REAL *scratch = malloc(per_thread * threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (ptrdiff_t item = 0; item < work; item++) {
         REAL *scores = scratch + per_thread * omp_get_thread_num();
-        REAL *key_bias = scores + Q_TILE * KEY_TILE;
+        REAL *key_bias = scores + ATTNX_MIN(Q_TILE, a->n) * KEY_TILE;
         REAL *row_max = key_bias + KEY_TILE;
         REAL *row_sum = row_max + Q_TILE;
         ptrdiff_t head = item / q_tiles;

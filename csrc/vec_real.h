@@ -26,16 +26,37 @@
 /* C (M x N) = alpha op(A) op(B) + beta C, row-major; trans_a/trans_b say
  * whether A is stored (K x M) and B (N x K). Sizes are checked to fit the
  * 32-bit BLAS interface by the binding. */
+static ATTNX_HOT void SFX(gemm_small)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N,
+                                       ptrdiff_t K, REAL alpha, const REAL *A, ptrdiff_t lda,
+                                       const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C,
+                                       ptrdiff_t ldc)
+{
+    for (ptrdiff_t i = 0; i < M; i++) {
+        REAL *c_row = C + i * ldc;
+        /* beta == 0 overwrites: C may hold garbage, and 0 * NaN is NaN */
+        for (ptrdiff_t j = 0; j < N; j++) c_row[j] = beta == 0 ? 0 : beta * c_row[j];
+        for (ptrdiff_t p = 0; p < K; p++) {
+            REAL a_ip = alpha * (trans_a ? A[p * lda + i] : A[i * lda + p]);
+            if (trans_b)
+                for (ptrdiff_t j = 0; j < N; j++) c_row[j] += a_ip * B[j * ldb + p];
+            else
+                for (ptrdiff_t j = 0; j < N; j++) c_row[j] += a_ip * B[p * ldb + j];
+        }
+    }
+}
+
+/* Below this many multiply-adds a BLAS call costs more than it computes
+ * (decoding steps, tiny heads): plain loops instead. */
+#define ATTNX_SMALL_GEMM 4096
+
 static inline void SFX(gemm)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                              REAL alpha, const REAL *A, ptrdiff_t lda,
                              const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C, ptrdiff_t ldc)
 {
     if (M == 0 || N == 0) return;
-    if (K == 0) {
-        /* BLAS may leave C untouched when K == 0; spell out C = beta C. */
-        for (ptrdiff_t i = 0; i < M; i++)
-            for (ptrdiff_t j = 0; j < N; j++)
-                C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
+    if (K == 0 || M * N * K <= ATTNX_SMALL_GEMM) {
+        /* also K == 0, where BLAS may leave C untouched instead of beta C */
+        SFX(gemm_small)(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
         return;
     }
     GEMM_BLAS(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
