@@ -23,10 +23,14 @@ def example_data(rng, heads=4, n=256, m=256, d=64, e=64):
     return q, k, v
 
 
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, (time.perf_counter() - start) * 1e3
+def timed(fn, repeats=3):
+    """The result and the best of a few wall-clock times, in ms."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best * 1e3
 
 
 def numpy_gaussian_attention(q, k, v, sigma):
@@ -36,20 +40,73 @@ def numpy_gaussian_attention(q, k, v, sigma):
     return weights / weights.sum(axis=-1, keepdims=True) @ v
 
 
+def numpy_features(name, x, projection=None, p=3):
+    """The feature maps of design.md 3.2, plainly."""
+    if name == "elu":
+        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
+    if name == "relu":
+        return np.maximum(x, 0)
+    if name == "softmax":
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    if name == "taylor":
+        norm = np.linalg.norm(x, axis=-1, keepdims=True)
+        return np.concatenate([np.ones_like(norm), x / np.where(norm == 0, 1, norm)], axis=-1)
+    if name == "focused":
+        y = np.maximum(x, 0)
+        y_norm, yp = np.linalg.norm(y, axis=-1, keepdims=True), y**p
+        yp_norm = np.linalg.norm(yp, axis=-1, keepdims=True)
+        return y_norm * yp / np.where(yp_norm == 0, 1, yp_norm)
+    if name == "favor":
+        r, d = projection.shape
+        xt = x * d**-0.25
+        return r**-0.5 * np.exp(xt @ projection.T - (xt**2).sum(-1, keepdims=True) / 2)
+    raise ValueError(name)
+
+
+def numpy_kernelised_attention(s, v, eps=1e-6):
+    """o_i = sum_j s_ij v_j / max(sum_j s_ij, eps), s already masked."""
+    mass = s.sum(axis=-1, keepdims=True)
+    return np.where(mass == 0, 0, s / np.maximum(mass, eps)) @ v
+
+
+def numpy_linear(q, k, v, name, causal=False, **feature_options):
+    phi_q, phi_k = numpy_features(name, q, **feature_options), numpy_features(name, k, **feature_options)
+    s = phi_q @ np.swapaxes(phi_k, -1, -2)
+    if causal:
+        s = np.tril(s, k.shape[-2] - q.shape[-2])
+    return numpy_kernelised_attention(s, v)
+
+
+def numpy_cosformer(q, k, v, causal=False):
+    n, m = q.shape[-2], k.shape[-2]
+    positions_q, positions_k = np.arange(1, n + 1), np.arange(1, m + 1)
+    cos = np.cos(np.pi / 2 * (positions_q[:, None] - positions_k[None, :]) / max(n, m))
+    s = (np.maximum(q, 0) @ np.swapaxes(np.maximum(k, 0), -1, -2)) * cos
+    return numpy_kernelised_attention(np.tril(s) if causal else s, v)
+
+
+def numpy_efficient(q, k, v):
+    rho_q = numpy_features("softmax", q)
+    rho_k = np.exp(k - k.max(axis=-2, keepdims=True))
+    rho_k /= rho_k.sum(axis=-2, keepdims=True)
+    return rho_q @ (np.swapaxes(rho_k, -1, -2) @ v)
+
+
 def cases(q, k, v):
     """(name, attnx call, numpy call) for every variant."""
     n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
     everything = np.ones((n, m), dtype=bool)
-    causal = np.tril(everything, m - n)
+    lower_right = np.tril(everything, m - n)
     padding = np.ones((1, 1, 1, m), dtype=bool)
     padding[..., m - 40:] = False
     band = np.abs(np.arange(n)[:, None] + (m - n) - np.arange(m)[None, :]) <= 16
     scale = 1 / np.sqrt(d)
-    return [
+    rows = [
         ("softmax", lambda: attnx.softmax_attention(q, k, v),
          lambda: numpy_softmax_attention(q, k, v, scale, everything)),
         ("softmax causal", lambda: attnx.softmax_attention(q, k, v, causal=True),
-         lambda: numpy_softmax_attention(q, k, v, scale, causal)),
+         lambda: numpy_softmax_attention(q, k, v, scale, lower_right)),
         ("softmax key padding", lambda: attnx.softmax_attention(q, k, v, mask=padding),
          lambda: numpy_softmax_attention(q, k, v, scale, padding)),
         ("softmax window 16", lambda: attnx.softmax_attention(q, k, v, window=16),
@@ -57,13 +114,35 @@ def cases(q, k, v):
         ("gaussian sigma=8", lambda: attnx.gaussian_attention(q, k, v, 8.0),
          lambda: numpy_gaussian_attention(q, k, v, 8.0)),
     ]
+    for name in ("elu", "relu", "softmax", "taylor", "focused"):
+        for is_causal in (False, True):
+            label = f"linear {name}" + (" causal" if is_causal else "")
+            rows.append((label,
+                         lambda name=name, c=is_causal: attnx.linear_attention(q, k, v, feature_map=name, causal=c),
+                         lambda name=name, c=is_causal: numpy_linear(q, k, v, name, c)))
+    projection = attnx.random_features(256, d, seed=0)
+    rows += [
+        ("performer (FAVOR+, r=256)",
+         lambda: attnx.performer_attention(q, k, v, projection=projection),
+         lambda: numpy_linear(q, k, v, "favor", projection=projection)),
+        ("performer causal",
+         lambda: attnx.performer_attention(q, k, v, projection=projection, causal=True),
+         lambda: numpy_linear(q, k, v, "favor", causal=True, projection=projection)),
+        ("cosformer", lambda: attnx.cosformer_attention(q, k, v), lambda: numpy_cosformer(q, k, v)),
+        ("cosformer causal", lambda: attnx.cosformer_attention(q, k, v, causal=True),
+         lambda: numpy_cosformer(q, k, v, causal=True)),
+        ("efficient (Shen et al.)", lambda: attnx.efficient_attention(q, k, v),
+         lambda: numpy_efficient(q, k, v)),
+    ]
+    return rows
 
 
 def main():
     rng = np.random.default_rng(2024)
     attnx.show_config()
     print()
-    print("Example data: batch 1, 4 heads, n = m = 256, d = e = 64, float64;")
+    print("Example data: batch 1, 4 heads, n = m = 256, d = e = 64, float64 (best of")
+    print("3 wall-clock times; benchmarks/ measures speed properly);")
     print("each variant against a plain numpy float64 computation of its formula.")
     print(f"{'variant':28s} {'attnx ms':>9s} {'numpy ms':>9s} {'max |diff|':>11s}")
     worst = 0.0
