@@ -43,6 +43,10 @@ def _linear_family(variant, q, k, options, normalise):
     # binding checks the options against the front end's own signature
     arguments = inspect.signature(front).bind(q, k, _identity_values(q, k, m), **options)
     arguments.apply_defaults()
+    if "method" in arguments.arguments and arguments.arguments["method"] is None:
+        # explicit similarities, each kept >= 0 against rounding (taylor's
+        # 1 + cos(q, -q)), rather than contractions of a state
+        arguments.arguments["method"] = "quadratic"
     return _linear._attend(variant, arguments.arguments, normalise)
 
 

@@ -92,17 +92,17 @@ def _attend(front, a, normalise=True):
     return out, LinearAttentionState(S, z, offset)
 
 
-def _compute_dtype(*arrays):
+def _result_dtype(*arrays):
     dtype = np.result_type(*arrays)
     if dtype.kind not in "fiub":
         raise TypeError(f"q, k, v must hold real numbers (float, int or bool), got dtype {dtype}")
-    return np.dtype(np.float32) if dtype == np.float16 else dtype if dtype.kind == "f" else np.dtype(np.float64)
+    return dtype if dtype.kind == "f" else np.dtype(np.float64)
 
 
 def _callable_features(feature_map, q, k, v):
     """phi(q), phi(k) from a user's callable, checked (shape, sign) and cast
-    to the dtype the call computes in; they enter the kernel as features."""
-    dtype = _compute_dtype(np.asarray(q), np.asarray(k), np.asarray(v))
+    to the dtype of the call's result; they enter the kernel as features."""
+    dtype = _result_dtype(np.asarray(q), np.asarray(k), np.asarray(v))
     phi_q = _checked_features(feature_map, q, "q", dtype)
     phi_k = _checked_features(feature_map, k, "k", dtype)
     if phi_q.shape[-1] != phi_k.shape[-1]:

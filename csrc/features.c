@@ -36,11 +36,12 @@ static ATTNX_HOT REAL SFX(max_abs)(const REAL *x, ptrdiff_t d)
     return top;
 }
 
+/* sum_c (x_c / scale)^2, divided so that the largest entry gives exactly 1 */
 static ATTNX_HOT REAL SFX(sum_squares)(const REAL *x, ptrdiff_t d, REAL scale)
 {
     REAL sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (ptrdiff_t c = 0; c < d; c++) sum += (x[c] * scale) * (x[c] * scale);
+    for (ptrdiff_t c = 0; c < d; c++) sum += (x[c] / scale) * (x[c] / scale);
     return sum;
 }
 
@@ -77,9 +78,15 @@ static ATTNX_HOT void SFX(softmax_row)(const REAL *x, ptrdiff_t d, REAL *f)
 static void SFX(taylor_row)(const REAL *x, ptrdiff_t d, REAL *f)
 {
     REAL top = SFX(max_abs)(x, d);
-    REAL inv_norm = top == 0 ? 0 : 1 / (top * sqrt(SFX(sum_squares)(x, d, 1 / top)));
     f[0] = 1;
-    for (ptrdiff_t c = 0; c < d; c++) f[c + 1] = x[c] * inv_norm;
+    if (top == 0) {
+        for (ptrdiff_t c = 0; c < d; c++) f[c + 1] = 0;
+        return;
+    }
+    /* divided, not multiplied by 1 / norm: x / |x| is then exactly +-1 when
+     * d == 1, so 1 + cos(q, k) is exactly 0 for opposite signs */
+    REAL norm = top * sqrt(SFX(sum_squares)(x, d, top));
+    for (ptrdiff_t c = 0; c < d; c++) f[c + 1] = x[c] / norm;
 }
 
 /* FLatten's focusing function f_p(y) = |y| * y**p / |y**p| of y = relu(x):
@@ -91,7 +98,7 @@ static void SFX(focused_row)(const REAL *x, ptrdiff_t d, double power, REAL *f)
     SFX(relu_row)(x, d, f);
     REAL top = SFX(max_abs)(f, d);
     if (top == 0) return;  /* f is already the zero vector */
-    REAL norm_y = top * sqrt(SFX(sum_squares)(f, d, 1 / top));
+    REAL norm_y = top * sqrt(SFX(sum_squares)(f, d, top));
     int cube = power == 3;  /* the default, without pow() */
     for (ptrdiff_t c = 0; c < d; c++) {
         REAL u = f[c] / top;
@@ -146,7 +153,7 @@ static void SFX(favor_block)(const attnx_feature_map *fm, int is_key, const REAL
     SFX(gemm)(0, 1, rows, r, d, x_scale, x, x_row, (const REAL *)fm->projection, d, 0, feat, r);
     for (ptrdiff_t t = 0; t < rows; t++) {
         REAL *u = feat + t * r;
-        REAL half_sq = SFX(sum_squares)(x + t * x_row, d, x_scale) / 2;
+        REAL half_sq = SFX(sum_squares)(x + t * x_row, d, 1 / x_scale) / 2;
         REAL shift = (REAL)key_log_scale;
         if (!is_key) {
             shift = -(REAL)INFINITY;

@@ -76,16 +76,31 @@ typedef struct {
     REAL *S_out, *z_out;
 } SFX(head);
 
-/* A state: S (r, e) with contiguous rows of e, and z (r,). */
+/* A state being built: S (r, e) with contiguous rows of e, and z (r,). */
 typedef struct {
     REAL *S, *z;
 } SFX(state);
 
+/* A state to read from: S rows S_row apart (0: one zero row serves all), z. */
+typedef struct {
+    const REAL *S;
+    ptrdiff_t S_row;
+    const REAL *z;
+} SFX(view);
+
+/* The values of a block of keys, rows v_row apart. */
+typedef struct {
+    const REAL *v;
+    ptrdiff_t v_row;
+} SFX(values);
+
 /* One thread's scratch. */
 typedef struct {
     REAL *phi, *psi, *scores;  /* (C, r), (C, r), (C, C) */
+    REAL *values;              /* (C, e) a block of values with masked keys' rows zeroed */
     REAL *den, *log_scale;     /* (C,) per query row of a chunk */
     REAL *col_shift;           /* (d,) efficient attention: key column max */
+    REAL *zeros;               /* (max(r, e),) the empty state's rows */
     REAL *state;               /* state_size: the running state of a head */
     REAL *prefix;              /* cumsum: (m + 1) states */
 } SFX(scratch);
@@ -114,18 +129,34 @@ static SFX(state) SFX(state_in)(const linear_plan *p, REAL *block)
     return st;
 }
 
+static SFX(view) SFX(view_of)(const linear_plan *p, SFX(state) st)
+{
+    SFX(view) from = {st.S, p->a->e, st.z};
+    return from;
+}
+
+/* the state before the call's first key: S0, z0, or zeros */
+static SFX(view) SFX(initial_view)(const SFX(head) *hd, ptrdiff_t S0_row, const REAL *zeros)
+{
+    SFX(view) from = {hd->S0 ? hd->S0 : zeros, hd->S0 ? S0_row : 0, hd->S0 ? hd->z0 : zeros};
+    return from;
+}
+
 static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
 {
-    const ptrdiff_t C = p->C, r = p->r;
+    const ptrdiff_t C = p->C, r = p->r, e = p->a->e;
     SFX(scratch) w;
     w.phi = block;
     w.psi = w.phi + C * r;
     w.scores = w.psi + C * r;
-    w.den = w.scores + C * C;
+    w.values = w.scores + C * C;
+    w.den = w.values + C * e;
     w.log_scale = w.den + C;
     w.col_shift = w.log_scale + C;
-    w.state = w.col_shift + p->a->d;
+    w.zeros = w.col_shift + p->a->d;
+    w.state = w.zeros + ATTNX_MAX(r, e);
     w.prefix = w.state + p->state_size;
+    memset(w.zeros, 0, (size_t)ATTNX_MAX(r, e) * sizeof(REAL));
     return w;
 }
 
@@ -133,7 +164,8 @@ static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
 static size_t SFX(scratch_size)(const linear_plan *p)
 {
     const attnx_linear_args *a = p->a;
-    size_t size = (size_t)(2 * p->C * p->r + p->C * p->C + 2 * p->C + a->d + p->state_size);
+    size_t size = (size_t)(2 * p->C * p->r + p->C * p->C + p->C * a->e + 2 * p->C + a->d +
+                           ATTNX_MAX(p->r, a->e) + p->state_size);
     if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)p->state_size;
     size_t line = CACHE_LINE / sizeof(REAL);
     return (size + line - 1) / line * line;
@@ -161,7 +193,8 @@ static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
 }
 
 /* Zero row[j] outside [lo, hi) and where mask[j * mask_col] is False;
- * returns the sum of what is kept. */
+ * returns the sum of what is kept. Similarities are >= 0 by construction,
+ * but rounding can take taylor's 1 + cos(q, -q) to -1e-8: kept at 0. */
 static ATTNX_HOT REAL SFX(keep_visible)(REAL *row, ptrdiff_t cols, ptrdiff_t lo, ptrdiff_t hi,
                                         const unsigned char *mask, ptrdiff_t mask_col)
 {
@@ -171,28 +204,34 @@ static ATTNX_HOT REAL SFX(keep_visible)(REAL *row, ptrdiff_t cols, ptrdiff_t lo,
         for (ptrdiff_t j = lo; j < hi; j++) row[j] = mask[j * mask_col] ? row[j] : 0;
     REAL sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (ptrdiff_t j = lo; j < hi; j++) sum += row[j];
+    for (ptrdiff_t j = lo; j < hi; j++) {
+        row[j] = row[j] < 0 ? 0 : row[j];
+        sum += row[j];
+    }
     return sum;
+}
+
+/* 0 when every entry of the (rows, cols) block is finite */
+static ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdiff_t cols,
+                                        ptrdiff_t row_stride)
+{
+    REAL probe = 0;  /* x * 0 is 0 for finite x, NaN for inf and NaN */
+    for (ptrdiff_t t = 0; t < rows; t++)
+#pragma omp simd reduction(+ : probe)
+        for (ptrdiff_t c = 0; c < cols; c++) probe += block[t * row_stride + c] * 0;
+    return probe != 0;
 }
 
 /* ---------------------------------------------------------------- states */
 
-/* dst = the initial state of the head (S0, z0), or zeros */
-static void SFX(state_init)(const linear_plan *p, const SFX(head) *hd, SFX(state) dst)
+/* dst = from (nothing to do when from is dst itself) */
+static void SFX(state_load)(const linear_plan *p, SFX(state) dst, SFX(view) from)
 {
-    const ptrdiff_t r = p->r, e = p->a->e;
-    for (ptrdiff_t f = 0; f < r; f++) {
-        if (hd->S0) memcpy(dst.S + f * e, hd->S0 + f * p->a->S0_row, (size_t)e * sizeof(REAL));
-        else memset(dst.S + f * e, 0, (size_t)e * sizeof(REAL));
-    }
-    if (hd->z0) memcpy(dst.z, hd->z0, (size_t)r * sizeof(REAL));
-    else memset(dst.z, 0, (size_t)r * sizeof(REAL));
-}
-
-static void SFX(state_copy)(const linear_plan *p, SFX(state) dst, SFX(state) src)
-{
-    memcpy(dst.S, src.S, (size_t)(p->r * p->a->e) * sizeof(REAL));
-    memcpy(dst.z, src.z, (size_t)p->r * sizeof(REAL));
+    const ptrdiff_t e = p->a->e;
+    if (from.S == dst.S) return;
+    for (ptrdiff_t f = 0; f < p->r; f++)
+        memcpy(dst.S + f * e, from.S + f * from.S_row, (size_t)e * sizeof(REAL));
+    memcpy(dst.z, from.z, (size_t)p->r * sizeof(REAL));
 }
 
 /* efficient attention: psi(k_j)_f = exp(k_jf - max_f) / sum_j' exp(k_j'f - max_f),
@@ -207,52 +246,144 @@ static void SFX(normalise_key_columns)(const linear_plan *p, SFX(state) st)
     }
 }
 
-/* psi of the keys [j0, j0 + cols); a key removed by key_mask gets a zero
- * row, so it leaves numerators and denominators alike. */
-static void SFX(key_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0,
-                           ptrdiff_t cols, const SFX(scratch) *w)
+static int SFX(key_kept)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j)
+{
+    return !hd->key_mask || hd->key_mask[j * p->a->key_mask_col];
+}
+
+/* psi of the keys [j0, j0 + cols) into w->psi, and the values to use with
+ * them. A key removed by key_mask gets a zero psi row, so it leaves
+ * numerators and denominators alike; if its value holds inf or NaN (the
+ * GEMMs' 0 * NaN is NaN), the values come from a copy of the block with
+ * that row zeroed, so that nothing of a removed key reaches the result. */
+static SFX(values) SFX(key_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0,
+                                  ptrdiff_t cols, const SFX(scratch) *w)
 {
     const attnx_linear_args *a = p->a;
+    SFX(values) vals = {hd->v + j0 * a->v_row, a->v_row};
+    int tainted = 0;
     SFX(attnx_features)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0,
                         p->key_log_scale, w->col_shift, w->psi, NULL);
-    if (!hd->key_mask) return;
-    for (ptrdiff_t t = 0; t < cols; t++)
-        if (!hd->key_mask[(j0 + t) * a->key_mask_col])
-            memset(w->psi + t * p->r, 0, (size_t)p->r * sizeof(REAL));
+    for (ptrdiff_t t = 0; t < cols; t++) {
+        if (SFX(key_kept)(p, hd, j0 + t)) continue;
+        memset(w->psi + t * p->r, 0, (size_t)p->r * sizeof(REAL));
+        tainted |= SFX(has_nonfinite)(vals.v + t * vals.v_row, 1, a->e, 0);
+    }
+    if (!tainted) return vals;
+    for (ptrdiff_t t = 0; t < cols; t++) {
+        REAL *row = w->values + t * a->e;
+        if (SFX(key_kept)(p, hd, j0 + t)) memcpy(row, vals.v + t * vals.v_row, (size_t)a->e * sizeof(REAL));
+        else memset(row, 0, (size_t)a->e * sizeof(REAL));
+    }
+    vals.v = w->values;
+    vals.v_row = a->e;
+    return vals;
 }
 
 /* S += psi^T V_block (one GEMM), z += the rows of psi */
-static void SFX(state_add)(const linear_plan *p, const REAL *psi, ptrdiff_t cols, const REAL *v,
-                           SFX(state) st)
+static void SFX(state_add)(const linear_plan *p, const REAL *psi, ptrdiff_t cols,
+                           SFX(values) vals, SFX(state) st)
 {
     const ptrdiff_t r = p->r, e = p->a->e;
-    SFX(gemm)(1, 0, r, e, cols, 1, psi, r, v, p->a->v_row, 1, st.S, e);
+    SFX(gemm)(1, 0, r, e, cols, 1, psi, r, vals.v, vals.v_row, 1, st.S, e);
     for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(st.z, 1, psi + t * r, r);
 }
 
-/* one RNN step: S += psi v^T, z += psi */
-static void SFX(state_step)(const linear_plan *p, const REAL *psi, const REAL *v, SFX(state) st)
+/* state += the keys [j0, j1), one GEMM per block of C keys */
+static void SFX(absorb)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, ptrdiff_t j1,
+                        const SFX(scratch) *w, SFX(state) st)
 {
-    const ptrdiff_t e = p->a->e;
-    for (ptrdiff_t f = 0; f < p->r; f++) SFX(axpy)(st.S + f * e, psi[f], v, e);
-    SFX(axpy)(st.z, 1, psi, p->r);
+    for (ptrdiff_t b = j0; b < j1; b += p->C) {
+        ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
+        SFX(state_add)(p, w->psi, cols, SFX(key_block)(p, hd, b, cols, w), st);
+    }
 }
 
-/* state += the keys [j0, j1), C keys at a time: one GEMM per block, or one
- * RNN step per key (per_token, the recurrent form). */
-static void SFX(absorb)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, ptrdiff_t j1,
-                        int per_token, const SFX(scratch) *w, SFX(state) st)
+/* One RNN step, dst = from + psi v^T and z_dst = z_from + psi, in one pass
+ * over the state (from may be dst itself, or the initial state: the copy
+ * costs nothing extra). With phi, the same pass also reads a query row
+ * from the new state: out_i = phi S_dst, den = phi . z_dst; its output is
+ * built in blocks of ROW_BLOCK columns held in registers while the rows of
+ * S stream past (accumulating in out_i would chain every update through a
+ * store and a load). Decoding is this one pass per head. */
+#define ROW_BLOCK 64
+static ATTNX_HOT void SFX(step_row)(ptrdiff_t r, ptrdiff_t e, const REAL *psi, const REAL *v,
+                                    SFX(view) from, SFX(state) dst, const REAL *phi,
+                                    REAL *out_i, REAL *den)
 {
-    const ptrdiff_t v_row = p->a->v_row;
+    ptrdiff_t c0 = 0;
+    for (; c0 + ROW_BLOCK <= e; c0 += ROW_BLOCK) {
+        REAL acc[ROW_BLOCK] = {0};
+        for (ptrdiff_t f = 0; f < r; f++) {
+            const REAL *from_f = from.S + f * from.S_row + c0;
+            REAL *S_f = dst.S + f * e + c0, phi_f = phi ? phi[f] : 0;
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) {
+                REAL s = from_f[c] + psi[f] * v[c0 + c];
+                S_f[c] = s;
+                acc[c] += phi_f * s;
+            }
+        }
+        if (phi) memcpy(out_i + c0, acc, sizeof acc);
+    }
+    if (phi)
+        for (ptrdiff_t c = c0; c < e; c++) out_i[c] = 0;
+    for (ptrdiff_t f = 0; f < r; f++) {
+        const REAL *from_f = from.S + f * from.S_row;
+        REAL *S_f = dst.S + f * e;
+        for (ptrdiff_t c = c0; c < e; c++) {
+            S_f[c] = from_f[c] + psi[f] * v[c];
+            if (phi) out_i[c] += phi[f] * S_f[c];
+        }
+    }
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t f = 0; f < r; f++) {
+        dst.z[f] = from.z[f] + psi[f];
+        sum += (phi ? phi[f] : 0) * dst.z[f];
+    }
+    if (phi) *den = sum;
+}
+
+/* a query row read from a state without a step: out_i = phi S, den = phi . z */
+static ATTNX_HOT void SFX(read_row)(ptrdiff_t r, ptrdiff_t e, const REAL *phi, SFX(view) from,
+                                    REAL *out_i, REAL *den)
+{
+    ptrdiff_t c0 = 0;
+    for (; c0 + ROW_BLOCK <= e; c0 += ROW_BLOCK) {
+        REAL acc[ROW_BLOCK] = {0};
+        for (ptrdiff_t f = 0; f < r; f++)
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) acc[c] += phi[f] * from.S[f * from.S_row + c0 + c];
+        memcpy(out_i + c0, acc, sizeof acc);
+    }
+    for (ptrdiff_t c = c0; c < e; c++) out_i[c] = 0;
+    for (ptrdiff_t f = 0; f < r; f++)
+        for (ptrdiff_t c = c0; c < e; c++) out_i[c] += phi[f] * from.S[f * from.S_row + c];
+    *den = SFX(dot)(phi, from.z, r);
+}
+
+/* The keys [j0, j1) one RNN step each, from *from into st (where the state
+ * lives from then on); the last key's step also reads the row phi, if any.
+ * A key removed by key_mask takes no step at all. */
+static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, ptrdiff_t j1,
+                       SFX(view) *from, SFX(state) st, const REAL *phi, REAL *out_i, REAL *den,
+                       const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
     for (ptrdiff_t b = j0; b < j1; b += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
         SFX(key_block)(p, hd, b, cols, w);
-        if (!per_token) {
-            SFX(state_add)(p, w->psi, cols, hd->v + b * v_row, st);
-            continue;
+        for (ptrdiff_t t = 0; t < cols; t++) {
+            const REAL *read = b + t == j1 - 1 ? phi : NULL;
+            if (!SFX(key_kept)(p, hd, b + t)) {
+                if (read) SFX(read_row)(p->r, a->e, read, *from, out_i, den);
+                continue;
+            }
+            SFX(step_row)(p->r, a->e, w->psi + t * p->r, hd->v + (b + t) * a->v_row, *from, st,
+                          read, out_i, den);
+            *from = SFX(view_of)(p, st);
         }
-        for (ptrdiff_t t = 0; t < cols; t++)
-            SFX(state_step)(p, w->psi + t * p->r, hd->v + (b + t) * v_row, st);
     }
 }
 
@@ -275,35 +406,45 @@ static void SFX(read_state)(const linear_plan *p, ptrdiff_t rows, const REAL *S,
     for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * r, z, r);
 }
 
-/* one row: out_i = sum_f phi_f S_f, den = phi . z */
-static void SFX(read_row)(const linear_plan *p, const REAL *phi, SFX(state) st, REAL *out_i,
-                          REAL *den)
+/* The keys of [j0, j0 + cols) that row i sees: [*lo, *hi) relative to j0,
+ * where the mask (returned, NULL when none) is True. */
+static const unsigned char *SFX(row_span)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i,
+                                          ptrdiff_t j0, ptrdiff_t cols, ptrdiff_t *lo,
+                                          ptrdiff_t *hi)
 {
-    const ptrdiff_t e = p->a->e;
-    memset(out_i, 0, (size_t)e * sizeof(REAL));
-    for (ptrdiff_t f = 0; f < p->r; f++) SFX(axpy)(out_i, phi[f], st.S + f * e, e);
-    *den = SFX(dot)(phi, st.z, p->r);
+    const attnx_linear_args *a = p->a;
+    *lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
+    *hi = ATTNX_MAX(ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0, *lo);
+    return hd->mask ? hd->mask + i * a->mask_row + j0 * a->mask_col : NULL;
 }
 
 /* scores = phi psi^T for the rows [i0, i0 + rows) and the keys
- * [j0, j0 + cols), pairs outside the band or the mask zeroed;
- * out += scores V_block, den += the row sums. */
+ * [j0, j0 + cols), invisible pairs zeroed; out += scores V_block,
+ * den += the row sums. Values holding inf or NaN go through a loop over
+ * the visible pairs only: in the GEMM, a zeroed pair would still carry
+ * 0 * NaN into a row that cannot see the key. */
 static void SFX(add_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0, ptrdiff_t rows,
-                           ptrdiff_t j0, ptrdiff_t cols, const SFX(scratch) *w, REAL *out)
+                           ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals, const SFX(scratch) *w,
+                           REAL *out)
 {
     const attnx_linear_args *a = p->a;
-    const ptrdiff_t C = p->C;
+    const ptrdiff_t C = p->C, e = a->e;
+    ptrdiff_t lo, hi;
     SFX(gemm)(0, 1, rows, cols, p->r, 1, w->phi, p->r, w->psi, p->r, 0, w->scores, C);
     for (ptrdiff_t t = 0; t < rows; t++) {
-        ptrdiff_t i = i0 + t;
-        ptrdiff_t lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
-        ptrdiff_t hi = ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0;
-        const unsigned char *mask_ij = hd->mask ? hd->mask + i * a->mask_row + j0 * a->mask_col : NULL;
-        w->den[t] += SFX(keep_visible)(w->scores + t * C, cols, lo, ATTNX_MAX(lo, hi), mask_ij,
-                                       a->mask_col);
+        const unsigned char *mask_ij = SFX(row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        w->den[t] += SFX(keep_visible)(w->scores + t * C, cols, lo, hi, mask_ij, a->mask_col);
     }
-    SFX(gemm)(0, 0, rows, a->e, cols, 1, w->scores, C, hd->v + j0 * a->v_row, a->v_row, 1, out,
-              a->out_row);
+    if (!SFX(has_nonfinite)(vals.v, cols, e, vals.v_row)) {
+        SFX(gemm)(0, 0, rows, e, cols, 1, w->scores, C, vals.v, vals.v_row, 1, out, a->out_row);
+        return;
+    }
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        const unsigned char *mask_ij = SFX(row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        for (ptrdiff_t j = lo; j < hi; j++)
+            if (!mask_ij || mask_ij[j * a->mask_col])
+                SFX(axpy)(out + t * a->out_row, w->scores[t * C + j], vals.v + j * vals.v_row, e);
+    }
 }
 
 /* out_i = num_i / max(den_i, eps_i) with eps_i = eps exp(-(log_scale_i + c)):
@@ -332,19 +473,22 @@ static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scr
 
 /* ---------------------------------------------------------------- methods */
 
-/* A method's pass over the queries [qa, qb) of one head, from a state that
- * holds the keys [0, K). With `last`, it leaves every key in the state. */
+/* A method's pass over the queries [qa, qb) of one head. The state starts
+ * as `from`, which holds the keys [0, K); the method builds on it in st
+ * (from may be st itself). With `last`, it leaves every key in st. */
 typedef void (*SFX(rows_fn))(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
-                             ptrdiff_t qb, ptrdiff_t K, int last, const SFX(scratch) *w,
-                             SFX(state) st);
+                             ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
+                             const SFX(scratch) *w, SFX(state) st);
 
 static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa, ptrdiff_t qb,
-                            ptrdiff_t K, int last, const SFX(scratch) *w, SFX(state) st)
+                            SFX(view) from, ptrdiff_t K, int last, const SFX(scratch) *w,
+                            SFX(state) st)
 {
     const attnx_linear_args *a = p->a;
+    SFX(state_load)(p, st, from);
     /* the keys every query of [qa, qb) sees: all of them when non-causal */
     ptrdiff_t lo = attnx_band_end(&a->band, qa - 1);
-    SFX(absorb)(p, hd, K, lo, 0, w, st);
+    SFX(absorb)(p, hd, K, lo, w, st);
     if (a->features.kind == ATTNX_FM_EFFICIENT) SFX(normalise_key_columns)(p, st);
     for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
@@ -354,19 +498,19 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
         SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
         if (hi > lo) {
             /* the chunk's own keys: a masked block, then into the state */
-            SFX(key_block)(p, hd, lo, hi - lo, w);
-            SFX(add_block)(p, hd, i0, rows, lo, hi - lo, w, out);
-            SFX(state_add)(p, w->psi, hi - lo, hd->v + lo * a->v_row, st);
+            SFX(values) vals = SFX(key_block)(p, hd, lo, hi - lo, w);
+            SFX(add_block)(p, hd, i0, rows, lo, hi - lo, vals, w, out);
+            SFX(state_add)(p, w->psi, hi - lo, vals, st);
             lo = hi;
         }
         SFX(finish_rows)(p, rows, w, out);
     }
-    if (last) SFX(absorb)(p, hd, lo, a->m, 0, w, st);
+    if (last) SFX(absorb)(p, hd, lo, a->m, w, st);
 }
 
 static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
-                                ptrdiff_t qb, ptrdiff_t K, int last, const SFX(scratch) *w,
-                                SFX(state) st)
+                                ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
+                                const SFX(scratch) *w, SFX(state) st)
 {
     const attnx_linear_args *a = p->a;
     for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
@@ -375,32 +519,40 @@ static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdi
         SFX(query_block)(p, hd, i0, rows, w);
         for (ptrdiff_t t = 0; t < rows; t++) {
             ptrdiff_t end = attnx_band_end(&a->band, i0 + t);
-            SFX(absorb)(p, hd, K, end, 1, w, st);
+            const REAL *phi_t = w->phi + t * p->r;
+            REAL *out_t = out + t * a->out_row;
+            if (end > K) SFX(steps)(p, hd, K, end, &from, st, phi_t, out_t, &w->den[t], w);
+            else SFX(read_row)(p->r, a->e, phi_t, from, out_t, &w->den[t]);
             K = ATTNX_MAX(K, end);
-            SFX(read_row)(p, w->phi + t * p->r, st, out + t * a->out_row, &w->den[t]);
         }
         SFX(finish_rows)(p, rows, w, out);
     }
-    if (last) SFX(absorb)(p, hd, K, a->m, 1, w, st);
+    if (!last) return;
+    SFX(steps)(p, hd, K, a->m, &from, st, NULL, NULL, NULL, w);
+    SFX(state_load)(p, st, from);  /* no key at all: st is still the initial state */
 }
 
 /* prefix[t] = the state after the keys [K, K + t), every one of them held
  * in memory ((m - K + 1) states); query i contracts the prefix of the keys
  * it sees. */
 static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
-                             ptrdiff_t qb, ptrdiff_t K, int last, const SFX(scratch) *w,
-                             SFX(state) st)
+                             ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
+                             const SFX(scratch) *w, SFX(state) st)
 {
     const attnx_linear_args *a = p->a;
     const ptrdiff_t size = p->state_size;
-    SFX(state_copy)(p, SFX(state_in)(p, w->prefix), st);
+    SFX(state_load)(p, SFX(state_in)(p, w->prefix), from);
     for (ptrdiff_t b = K; b < a->m; b += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, a->m - b);
         SFX(key_block)(p, hd, b, cols, w);
         for (ptrdiff_t t = 0; t < cols; t++) {
             REAL *next = w->prefix + (b + t - K + 1) * size;
-            memcpy(next, next - size, (size_t)size * sizeof(REAL));
-            SFX(state_step)(p, w->psi + t * p->r, hd->v + (b + t) * a->v_row, SFX(state_in)(p, next));
+            SFX(view) previous = SFX(view_of)(p, SFX(state_in)(p, next - size));
+            if (SFX(key_kept)(p, hd, b + t))
+                SFX(step_row)(p->r, a->e, w->psi + t * p->r, hd->v + (b + t) * a->v_row, previous,
+                              SFX(state_in)(p, next), NULL, NULL, NULL);
+            else
+                SFX(state_load)(p, SFX(state_in)(p, next), previous);
         }
     }
     for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
@@ -409,12 +561,14 @@ static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_
         SFX(query_block)(p, hd, i0, rows, w);
         for (ptrdiff_t t = 0; t < rows; t++) {
             ptrdiff_t seen = ATTNX_MAX(attnx_band_end(&a->band, i0 + t) - K, 0);
-            SFX(read_row)(p, w->phi + t * p->r, SFX(state_in)(p, w->prefix + seen * size),
+            SFX(state) prefix = SFX(state_in)(p, w->prefix + seen * size);
+            SFX(read_row)(p->r, a->e, w->phi + t * p->r, SFX(view_of)(p, prefix),
                           out + t * a->out_row, &w->den[t]);
         }
         SFX(finish_rows)(p, rows, w, out);
     }
-    if (last) SFX(state_copy)(p, st, SFX(state_in)(p, w->prefix + (a->m - K) * size));
+    if (last)
+        SFX(state_load)(p, st, SFX(view_of)(p, SFX(state_in)(p, w->prefix + (a->m - K) * size)));
 }
 
 /* ---------------------------------------------------------------- drivers */
@@ -459,19 +613,20 @@ static void SFX(segment_increment)(const linear_plan *p, ptrdiff_t item, REAL *b
     SFX(state) delta = SFX(state_in)(p, block);
     memset(block, 0, (size_t)p->state_size * sizeof(REAL));
     SFX(prepare_head)(p, &hd, w);
-    SFX(absorb)(p, &hd, first + span * piece / p->split, first + span * (piece + 1) / p->split, 0,
-                w, delta);
+    SFX(absorb)(p, &hd, first + span * piece / p->split, first + span * (piece + 1) / p->split, w,
+                delta);
 }
 
 /* phase B: start_s = S0 + the increments of the segments before s */
 static void SFX(segment_starts)(const linear_plan *p, ptrdiff_t h, const REAL *deltas,
-                                REAL *starts)
+                                REAL *starts, const SFX(scratch) *w)
 {
     const ptrdiff_t size = p->state_size;
     SFX(head) hd = SFX(head_at)(p->a, h);
     for (ptrdiff_t s = 0; s < p->segs; s++) {
         REAL *start = starts + (h * p->segs + s) * size;
-        if (s == 0) SFX(state_init)(p, &hd, SFX(state_in)(p, start));
+        if (s == 0)
+            SFX(state_load)(p, SFX(state_in)(p, start), SFX(initial_view)(&hd, p->a->S0_row, w->zeros));
         else memcpy(start, start - size, (size_t)size * sizeof(REAL));
         for (ptrdiff_t t = s == 0 ? 0 : SFX(covered)(p, s - 1); t < SFX(covered)(p, s); t++)
             for (ptrdiff_t piece = 0; piece < p->split; piece++)
@@ -487,19 +642,21 @@ static void SFX(segment_rows)(const linear_plan *p, SFX(rows_fn) rows_fn, ptrdif
     ptrdiff_t h = item / p->segs, s = item % p->segs;
     SFX(head) hd = SFX(head_at)(a, h);
     SFX(state) own = {hd.S_out, hd.z_out}, st;
+    SFX(view) from;
     int last = a->S_out && s == p->segs - 1;
     ptrdiff_t K = 0;
     SFX(prepare_head)(p, &hd, w);
     if (p->segs > 1) {
         st = SFX(state_in)(p, starts + item * p->state_size);
+        from = SFX(view_of)(p, st);
         K = SFX(segment_key)(p, SFX(covered)(p, s));
     } else {
         /* one segment: run in the returned state itself when there is one */
         st = a->S_out ? own : SFX(state_in)(p, w->state);
-        SFX(state_init)(p, &hd, st);
+        from = SFX(initial_view)(&hd, a->S0_row, w->zeros);
     }
-    rows_fn(p, &hd, SFX(segment_query)(p, s), SFX(segment_query)(p, s + 1), K, last, w, st);
-    if (last && p->segs > 1) SFX(state_copy)(p, own, st);
+    rows_fn(p, &hd, SFX(segment_query)(p, s), SFX(segment_query)(p, s + 1), from, K, last, w, st);
+    if (last && p->segs > 1) SFX(state_load)(p, own, SFX(view_of)(p, st));
 }
 
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
@@ -521,7 +678,10 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
             SFX(segment_increment)(p, item, deltas + item * size, &w);
         }
 #pragma omp parallel for num_threads(p->threads)
-        for (ptrdiff_t h = 0; h < a->heads; h++) SFX(segment_starts)(p, h, deltas, starts);
+        for (ptrdiff_t h = 0; h < a->heads; h++) {
+            SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
+            SFX(segment_starts)(p, h, deltas, starts, &w);
+        }
     }
 #pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
     for (ptrdiff_t item = 0; item < a->heads * p->segs; item++) {
@@ -549,8 +709,7 @@ static void SFX(quadratic_tile)(const linear_plan *p, const SFX(head) *hd, ptrdi
     ptrdiff_t end = attnx_band_end(&a->band, i0 + rows - 1);
     for (ptrdiff_t j0 = attnx_band_first(&a->band, i0); j0 < end; j0 += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, end - j0);
-        SFX(key_block)(p, hd, j0, cols, w);
-        SFX(add_block)(p, hd, i0, rows, j0, cols, w, out);
+        SFX(add_block)(p, hd, i0, rows, j0, cols, SFX(key_block)(p, hd, j0, cols, w), w, out);
     }
     SFX(finish_rows)(p, rows, w, out);
 }
@@ -573,8 +732,8 @@ static int SFX(run_quadratic)(const linear_plan *p, REAL *scratch, size_t per_th
         SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
         SFX(head) hd = SFX(head_at)(a, h);
         SFX(state) own = {hd.S_out, hd.z_out};
-        SFX(state_init)(p, &hd, own);
-        SFX(absorb)(p, &hd, 0, a->m, 0, &w, own);
+        SFX(state_load)(p, own, SFX(initial_view)(&hd, a->S0_row, w.zeros));
+        SFX(absorb)(p, &hd, 0, a->m, &w, own);
     }
     return ATTNX_OK;
 }

@@ -173,6 +173,9 @@ static int feature_size(const linear_options *o, PyObject *projection_obj, npy_i
                         "attnx.random_features(r, d, seed=...)");
         return -1;
     }
+    const char *const name[] = {"projection"};
+    attnx_dtypes real;  /* only to refuse complex and object projections */
+    if (attnx_resolve_dtypes(&projection_obj, name, 1, &real) < 0) return -1;
     *projection = (PyArrayObject *)PyArray_FROM_OTF(projection_obj, typenum,
                                                     NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
                                                     NPY_ARRAY_FORCECAST);
@@ -283,25 +286,51 @@ static int check_period(linear_options *o, npy_intp n, npy_intp m, npy_intp offs
         o->period = largest > 0 ? (double)largest : 1;
     }
     if (o->period < (double)largest) {
-        PyErr_Format(PyExc_ValueError,
-                     "M=%g is smaller than the largest position %ld (offset + max(n, m)); "
-                     "cos(pi/2 (i - j) / M) must stay positive", o->period, (long)largest);
+        char message[200];  /* PyErr_Format has no %g */
+        PyOS_snprintf(message, sizeof message,
+                      "M=%g is smaller than the largest position %ld (offset + max(n, m)); "
+                      "cos(pi/2 (i - j) / M) must stay positive", o->period, (long)largest);
+        PyErr_SetString(PyExc_ValueError, message);
         return -1;
     }
     return 0;
 }
 
-static int check_cumsum_size(const linear_options *o, npy_intp m, npy_intp r, npy_intp e,
-                             int typenum)
+/* the last two axes of an array-like, 0 where it has fewer */
+static int trailing_shape(PyObject *obj, npy_intp *rows, npy_intp *cols)
+{
+    PyArrayObject *array = (PyArrayObject *)PyArray_FROM_O(obj);  /* no copy of an array */
+    if (!array) return -1;
+    int nd = PyArray_NDIM(array);
+    *rows = nd >= 2 ? PyArray_DIM(array, nd - 2) : 0;
+    *cols = nd >= 1 ? PyArray_DIM(array, nd - 1) : 0;
+    Py_DECREF(array);
+    return 0;
+}
+
+/* method='cumsum' (never a default) holds m + 1 prefix states of
+ * r x (e + 1) numbers per head: refused on the shapes alone, before an
+ * input is converted (a broadcast view of a huge n would be copied). */
+static int check_cumsum_size(const linear_options *o, PyObject *k_obj, PyObject *v_obj,
+                             PyObject *projection_obj, int typenum)
 {
     if (o->method != ATTNX_METHOD_CUMSUM) return 0;
+    npy_intp m, d, e, r = 0, unused;
+    if (trailing_shape(k_obj, &unused, &d) < 0 || trailing_shape(v_obj, &m, &e) < 0) return -1;
+    if (o->kind == ATTNX_FM_FAVOR) {
+        if (projection_obj != Py_None && trailing_shape(projection_obj, &r, &unused) < 0) return -1;
+    } else {
+        r = o->kind == ATTNX_FM_TAYLOR ? d + 1 : o->kind == ATTNX_FM_COSFORMER ? 2 * d : d;
+    }
     double bytes = ((double)m + 1) * (double)r * ((double)e + 1) * (typenum == NPY_FLOAT ? 4 : 8);
     if (bytes <= (double)ATTNX_CUMSUM_LIMIT) return 0;
-    PyErr_Format(PyExc_ValueError,
-                 "method='cumsum' materialises m + 1 = %ld prefix states of r x (e + 1) = %ld x %ld "
-                 "numbers: %.2f GiB per head, above its %.0f GiB limit; use method='chunk'",
-                 (long)(m + 1), (long)r, (long)(e + 1), bytes / (1 << 30),
-                 (double)ATTNX_CUMSUM_LIMIT / (1 << 30));
+    char message[240];  /* PyErr_Format has no %f */
+    PyOS_snprintf(message, sizeof message,
+                  "method='cumsum' materialises m + 1 = %ld prefix states of r x (e + 1) = %ld x %ld "
+                  "numbers: %.2f GiB per head, above its %.0f GiB limit; use method='chunk'",
+                  (long)(m + 1), (long)r, (long)(e + 1), bytes / (1 << 30),
+                  (double)ATTNX_CUMSUM_LIMIT / (1 << 30));
+    PyErr_SetString(PyExc_ValueError, message);
     return -1;
 }
 
@@ -335,7 +364,9 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
     const char *const dtype_names[] = {"q", "k", "v"};
     attnx_dtypes dtypes;
     npy_intp offset;
-    if (attnx_resolve_dtypes(dtype_objs, dtype_names, 3, &dtypes) < 0) return NULL;
+    if (attnx_resolve_dtypes(dtype_objs, dtype_names, 3, &dtypes) < 0 ||
+        check_cumsum_size(&o, k_obj, v_obj, projection_obj, dtypes.compute) < 0)
+        return NULL;
     if (attnx_operand_convert(&ops[Q], q_obj, dtypes.compute, 2, 0) < 0 ||
         attnx_operand_convert(&ops[K], k_obj, dtypes.compute, 2, 0) < 0 ||
         attnx_operand_convert(&ops[V], v_obj, dtypes.compute, 2, 0) < 0 ||
@@ -374,8 +405,7 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
     if (o.kind == ATTNX_FM_IDENTITY &&
         (check_nonnegative(&ops[Q]) < 0 || check_nonnegative(&ops[K]) < 0))
         goto done;
-    if (resolve_method(&o, ops[MASK].array != NULL, n) < 0 || check_period(&o, n, m, offset) < 0 ||
-        check_cumsum_size(&o, m, r, e, dtypes.compute) < 0)
+    if (resolve_method(&o, ops[MASK].array != NULL, n) < 0 || check_period(&o, n, m, offset) < 0)
         goto done;
 
     attnx_batch batch;
