@@ -17,17 +17,53 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "microkernel.h"
 
 /* Tile sizes: a scores tile of Q_TILE x KEY_TILE stays in L2, and tall
  * query tiles amortise BLAS's packing of each key and value tile over many
- * rows (measured on AVX-512: 256 x 256 beat 64 x 256 by ~15%). */
+ * rows (measured on AVX-512: 256 x 256 beat 64 x 256 by ~15%; with the
+ * micro-kernels, 128 x 256, 256 x 128 and 256 x 512 are within noise). */
 #define Q_TILE 256
 #define KEY_TILE 256
+
+/* Below this many queries the keys are not worth packing (decoding steps):
+ * BLAS or plain loops instead of the micro-kernels. */
+#define MK_MIN_ROWS 16
+
+/* One thread's keys of one head, packed for the float32 micro-kernels; a
+ * panel is packed the first time a query tile needs it, and reused by every
+ * later tile of the head (and of heads that share the keys). */
+typedef struct {
+    int width;            /* floats per vector of the micro-kernels */
+    float *kt;            /* (m rounded up to MK_NR(width), d) */
+    unsigned char *ready; /* per panel: packed yet */
+    ptrdiff_t panels;
+    const void *k;        /* the keys whose panels are in kt */
+} packed_keys;
 
 #define ATTNX_FAMILY_FILE "softmax.c"
 #include "real.h"
 
 #else /* REAL: the body, compiled once per type */
+
+/* p_j = exp(s_j - max) in place over s[0, count); returns sum_j p_j and sets
+ * *has_zero when some p_j is 0 (float32 on AVX-512: mk_exp_sum_w16). */
+typedef REAL (*SFX(exp_sum_fn))(REAL *s, ptrdiff_t count, REAL max, int *has_zero);
+
+static ATTNX_HOT REAL SFX(exp_sum)(REAL *s, ptrdiff_t count, REAL max, int *has_zero)
+{
+    REAL sum = 0;
+    int zeros = 0;
+#pragma omp simd reduction(+ : sum, zeros)
+    for (ptrdiff_t j = 0; j < count; j++) {
+        REAL p = SFX(vexp)(s[j] - max);
+        s[j] = p;
+        sum += p;
+        zeros += p == 0;
+    }
+    if (zeros) *has_zero = 1;
+    return sum;
+}
 
 /* Pass 2 for one row of a tile: add bias, mask, then fold the tile into the
  * online softmax. Invariant, per row: out = sum_j exp(s_j - row_max) v_j
@@ -38,7 +74,8 @@ static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrd
                                               ptrdiff_t vis_hi, const REAL *bias_row,
                                               ptrdiff_t bias_col, const unsigned char *mask_row,
                                               ptrdiff_t mask_col, const REAL *key_bias,
-                                              REAL *row_max, REAL *row_sum, int *has_zero)
+                                              SFX(exp_sum_fn) exp_sum, REAL *row_max,
+                                              REAL *row_sum, int *has_zero)
 {
     const REAL neg_inf = -(REAL)INFINITY;
     if (bias_row)
@@ -66,16 +103,7 @@ static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrd
         }
         return 1;
     }
-    REAL tile_sum = 0;
-    int zeros = 0;
-#pragma omp simd reduction(+ : tile_sum, zeros)
-    for (ptrdiff_t j = vis_lo; j < vis_hi; j++) {
-        REAL p = SFX(vexp)(scores[j] - new_max);
-        scores[j] = p;
-        tile_sum += p;
-        zeros += p == 0;
-    }
-    if (zeros) *has_zero = 1;
+    REAL tile_sum = exp_sum(scores + vis_lo, vis_hi - vis_lo, new_max, has_zero);
     REAL correction = *row_max == new_max ? 1 : SFX(vexp)(*row_max - new_max);
     *row_sum = *row_sum * correction + tile_sum;
     *row_max = new_max;
@@ -126,10 +154,48 @@ static ATTNX_HOT void SFX(sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_
     }
 }
 
+/* scores (rows, cols) = scale * Q K_tile^T for keys [j0, j0 + cols); pk:
+ * the micro-kernels' packed keys, NULL for BLAS (always for float64). */
+static void SFX(tile_scores)(const attnx_softmax_args *a, packed_keys *pk, REAL *scores,
+                             const REAL *q, const REAL *k, ptrdiff_t rows, ptrdiff_t j0,
+                             ptrdiff_t cols)
+{
+#if !REAL_IS_DOUBLE
+    if (pk) {
+        ptrdiff_t nr = MK_NR(pk->width), p0 = j0 / nr, p1 = (j0 + cols + nr - 1) / nr;
+        for (ptrdiff_t p = p0; p < p1; p++)
+            if (!pk->ready[p]) {
+                attnx_mk_pack_keys(pk->kt + p * nr * a->d, k + p * nr * a->k_row, a->k_row,
+                                   ATTNX_MIN(nr, a->m - p * nr), a->d, nr);
+                pk->ready[p] = 1;
+            }
+        attnx_mk_scores(pk->width, scores, KEY_TILE, q, a->q_row, rows, pk->kt + j0 * a->d,
+                        p1 - p0, a->d, (float)a->scale);
+        return;
+    }
+#endif
+    SFX(gemm)(0, 1, rows, cols, a->d, (REAL)a->scale, q, a->q_row, k + j0 * a->k_row, a->k_row,
+              0, scores, KEY_TILE);
+}
+
+/* out (rows, e) += P V_tile, P the (rows, cols) probabilities in scores */
+static void SFX(tile_add_pv)(const attnx_softmax_args *a, const packed_keys *pk, REAL *out,
+                             const REAL *scores, const REAL *v_tile, ptrdiff_t rows, ptrdiff_t cols)
+{
+#if !REAL_IS_DOUBLE
+    if (pk) {
+        attnx_mk_add_pv(pk->width, out, a->out_row, scores, KEY_TILE, rows, v_tile, a->v_row,
+                        cols, a->e);
+        return;
+    }
+#endif
+    SFX(gemm)(0, 0, rows, a->e, cols, 1, scores, KEY_TILE, v_tile, a->v_row, 1, out, a->out_row);
+}
+
 /* One query tile [i0, i0 + rows) of one head. */
 static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdiff_t i0,
-                              ptrdiff_t rows, REAL *scores, REAL *key_bias, REAL *row_max,
-                              REAL *row_sum)
+                              ptrdiff_t rows, packed_keys *pk, SFX(exp_sum_fn) exp_sum,
+                              REAL *scores, REAL *key_bias, REAL *row_max, REAL *row_sum)
 {
     const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
     const REAL *q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]) + i0 * a->q_row;
@@ -149,11 +215,19 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
     /* pass 1 range: the keys any row of the tile can see */
     ptrdiff_t key_first = attnx_band_first(&a->band, i0);
     ptrdiff_t key_end = attnx_band_end(&a->band, i0 + rows - 1);
+    if (pk) {
+        /* tiles start on a packed panel; the keys before the band are
+         * masked out in pass 2 like any invisible key */
+        key_first -= key_first % MK_NR(pk->width);
+        if (pk->k != k) {
+            memset(pk->ready, 0, (size_t)pk->panels);
+            pk->k = k;
+        }
+    }
     for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
         ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0);
         /* pass 1: scores = scale * Q_tile K_tile^T */
-        SFX(gemm)(0, 1, rows, cols, a->d, (REAL)a->scale, q, a->q_row, k + j0 * a->k_row,
-                  a->k_row, 0, scores, KEY_TILE);
+        SFX(tile_scores)(a, pk, scores, q, k, rows, j0, cols);
         if (a->key_sqnorm_coef != 0)
             SFX(sqnorm_terms)(key_bias, k + j0 * a->k_row, a->k_row, cols, a->d,
                                  (REAL)a->key_sqnorm_coef);
@@ -168,7 +242,8 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
                 scores + r * KEY_TILE, cols, vis_lo, vis_hi,
                 bias ? bias + i * a->bias_row + j0 * a->bias_col : NULL, a->bias_col,
                 mask ? mask + i * a->mask_row + j0 * a->mask_col : NULL, a->mask_col,
-                a->key_sqnorm_coef != 0 ? key_bias : NULL, &row_max[r], &row_sum[r], &has_zero);
+                a->key_sqnorm_coef != 0 ? key_bias : NULL, exp_sum, &row_max[r], &row_sum[r],
+                &has_zero);
             if (correction != 1) SFX(scale_row)(out + r * a->out_row, e, correction);
         }
         /* pass 3: out += P V_tile; where P has zeros (masked keys) a NaN
@@ -177,7 +252,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         if (has_zero && SFX(has_nonfinite)(v_tile, cols, e, a->v_row))
             SFX(add_visible_values)(out, a->out_row, scores, KEY_TILE, v_tile, a->v_row, rows, cols, e);
         else
-            SFX(gemm)(0, 0, rows, e, cols, 1, scores, KEY_TILE, v_tile, a->v_row, 1, out, a->out_row);
+            SFX(tile_add_pv)(a, pk, out, scores, v_tile, rows, cols);
     }
 
     /* pass 4: normalise; a row that saw nothing has row_sum 0 and gives 0 */
@@ -206,25 +281,53 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     if ((double)a->heads * a->n * a->m * (a->d + a->e) < 1e6) threads = 1;
     if (threads < 1) threads = 1;
 
-    /* per-thread scratch: scores tile, key bias, row max, row sum (small
-     * problems take small buffers: a decoding step has one query row) */
-    size_t per_thread = (size_t)ATTNX_MIN(Q_TILE, a->n) * KEY_TILE + KEY_TILE + 2 * Q_TILE;
-    REAL *scratch = malloc(per_thread * threads * sizeof(REAL));
-    if (!scratch) return ATTNX_ENOMEM;
+    /* float32 takes the micro-kernels where the CPU has them and the tiles
+     * have rows enough to pay for packing the keys */
+    int cpu_width = REAL_IS_DOUBLE ? 0 : attnx_mk_width();
+    int width = a->e % ATTNX_MAX(cpu_width, 1) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
+    ptrdiff_t panels = width ? (a->m + MK_NR(width) - 1) / MK_NR(width) : 0;
+    SFX(exp_sum_fn) exp_sum = SFX(exp_sum);
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    if (cpu_width == 16) exp_sum = mk_exp_sum_w16;
+#endif
+
+    /* per-thread scratch: packed keys (first, so that their panels are
+     * cache-line aligned), scores tile, key bias, row max, row sum (small
+     * problems take small buffers: a decoding step has one query row);
+     * each thread's share is a whole number of cache lines */
+    size_t packed = (size_t)(panels * MK_NR(width) * a->d);
+    size_t per_thread = packed + (size_t)ATTNX_MIN(Q_TILE, a->n) * KEY_TILE + KEY_TILE + 2 * Q_TILE;
+    per_thread = (per_thread + 63) / 64 * 64;
+    REAL *scratch = NULL;
+    unsigned char *ready = malloc((size_t)(panels * threads) + 1);
+    packed_keys *pks = calloc((size_t)threads, sizeof *pks);
+    int status = ATTNX_ENOMEM;
+    if (!ready || !pks || posix_memalign((void **)&scratch, 64, per_thread * threads * sizeof(REAL)))
+        goto done;
+#if !REAL_IS_DOUBLE
+    for (int t = 0; t < threads && width; t++)
+        pks[t] = (packed_keys){width, scratch + per_thread * t, ready + panels * t, panels, NULL};
+#endif
 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (ptrdiff_t item = 0; item < work; item++) {
-        REAL *scores = scratch + per_thread * omp_get_thread_num();
+        int thread = omp_get_thread_num();
+        REAL *scores = scratch + per_thread * thread + packed;
         REAL *key_bias = scores + ATTNX_MIN(Q_TILE, a->n) * KEY_TILE;
         REAL *row_max = key_bias + KEY_TILE;
         REAL *row_sum = row_max + Q_TILE;
+        packed_keys *pk = width ? &pks[thread] : NULL;
         ptrdiff_t head = item / q_tiles;
         ptrdiff_t i0 = (item % q_tiles) * Q_TILE;
-        SFX(softmax_tile)(a, head, i0, ATTNX_MIN(Q_TILE, a->n - i0), scores, key_bias, row_max,
-                          row_sum);
+        SFX(softmax_tile)(a, head, i0, ATTNX_MIN(Q_TILE, a->n - i0), pk, exp_sum, scores, key_bias,
+                          row_max, row_sum);
     }
+    status = ATTNX_OK;
+done:
     free(scratch);
-    return ATTNX_OK;
+    free(ready);
+    free(pks);
+    return status;
 }
 
 #endif /* REAL */
