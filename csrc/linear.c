@@ -46,6 +46,9 @@
  * chunks: the precomputation (A) costs half a chunk loop's GEMM work on the
  * segment's keys, worth it only on long stretches. */
 #define MIN_SEGMENT_CHUNKS 4
+/* Below about this many flops, a call runs on one thread: waking a second
+ * one costs more than it saves (decoding steps, tiny heads). */
+#define MIN_PARALLEL_FLOPS 1e6
 #define CACHE_LINE 64
 
 /* What every work item of one call shares. */
@@ -299,68 +302,54 @@ static void SFX(absorb)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0,
     }
 }
 
-/* One RNN step, dst = from + psi v^T and z_dst = z_from + psi, in one pass
- * over the state (from may be dst itself, or the initial state: the copy
- * costs nothing extra). With phi, the same pass also reads a query row
- * from the new state: out_i = phi S_dst, den = phi . z_dst; its output is
- * built in blocks of ROW_BLOCK columns held in registers while the rows of
- * S stream past (accumulating in out_i would chain every update through a
- * store and a load). Decoding is this one pass per head. */
+/* One pass over a state, the RNN form's unit of work: with psi, the step
+ * dst = from + psi v^T, z_dst = z_from + psi (from may be dst itself, or the
+ * initial state, which the step then copies for free); with phi, a query
+ * row read from the state after the step, out_i = phi S, den = phi . z.
+ * A decoding step does both in one pass over each head's state. The row's
+ * output is built in blocks of ROW_BLOCK columns held in registers while
+ * the rows of S stream past (accumulating in out_i would chain every
+ * update through a store and a load). */
 #define ROW_BLOCK 64
-static ATTNX_HOT void SFX(step_row)(ptrdiff_t r, ptrdiff_t e, const REAL *psi, const REAL *v,
-                                    SFX(view) from, SFX(state) dst, const REAL *phi,
-                                    REAL *out_i, REAL *den)
+static ATTNX_HOT void SFX(state_pass)(ptrdiff_t r, ptrdiff_t e, SFX(view) from, const REAL *psi,
+                                      const REAL *v, SFX(state) dst, const REAL *phi,
+                                      REAL *out_i, REAL *den)
 {
     ptrdiff_t c0 = 0;
     for (; c0 + ROW_BLOCK <= e; c0 += ROW_BLOCK) {
         REAL acc[ROW_BLOCK] = {0};
         for (ptrdiff_t f = 0; f < r; f++) {
             const REAL *from_f = from.S + f * from.S_row + c0;
-            REAL *S_f = dst.S + f * e + c0, phi_f = phi ? phi[f] : 0;
+            REAL phi_f = phi ? phi[f] : 0;
+            if (!psi) {
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) acc[c] += phi_f * from_f[c];
+                continue;
+            }
+            REAL *S_f = dst.S + f * e + c0;
 #pragma omp simd
             for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) {
-                REAL s = from_f[c] + psi[f] * v[c0 + c];
-                S_f[c] = s;
-                acc[c] += phi_f * s;
+                S_f[c] = from_f[c] + psi[f] * v[c0 + c];
+                acc[c] += phi_f * S_f[c];
             }
         }
         if (phi) memcpy(out_i + c0, acc, sizeof acc);
     }
+    /* the columns past the last whole block, and z */
     if (phi)
         for (ptrdiff_t c = c0; c < e; c++) out_i[c] = 0;
+    REAL sum = 0;
     for (ptrdiff_t f = 0; f < r; f++) {
         const REAL *from_f = from.S + f * from.S_row;
-        REAL *S_f = dst.S + f * e;
+        REAL *S_f = psi ? dst.S + f * e : NULL, phi_f = phi ? phi[f] : 0;
         for (ptrdiff_t c = c0; c < e; c++) {
-            S_f[c] = from_f[c] + psi[f] * v[c];
-            if (phi) out_i[c] += phi[f] * S_f[c];
+            REAL s = psi ? (S_f[c] = from_f[c] + psi[f] * v[c]) : from_f[c];
+            if (phi) out_i[c] += phi_f * s;
         }
-    }
-    REAL sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (ptrdiff_t f = 0; f < r; f++) {
-        dst.z[f] = from.z[f] + psi[f];
-        sum += (phi ? phi[f] : 0) * dst.z[f];
+        REAL z_f = psi ? (dst.z[f] = from.z[f] + psi[f]) : from.z[f];
+        sum += phi_f * z_f;
     }
     if (phi) *den = sum;
-}
-
-/* a query row read from a state without a step: out_i = phi S, den = phi . z */
-static ATTNX_HOT void SFX(read_row)(ptrdiff_t r, ptrdiff_t e, const REAL *phi, SFX(view) from,
-                                    REAL *out_i, REAL *den)
-{
-    ptrdiff_t c0 = 0;
-    for (; c0 + ROW_BLOCK <= e; c0 += ROW_BLOCK) {
-        REAL acc[ROW_BLOCK] = {0};
-        for (ptrdiff_t f = 0; f < r; f++)
-#pragma omp simd
-            for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) acc[c] += phi[f] * from.S[f * from.S_row + c0 + c];
-        memcpy(out_i + c0, acc, sizeof acc);
-    }
-    for (ptrdiff_t c = c0; c < e; c++) out_i[c] = 0;
-    for (ptrdiff_t f = 0; f < r; f++)
-        for (ptrdiff_t c = c0; c < e; c++) out_i[c] += phi[f] * from.S[f * from.S_row + c];
-    *den = SFX(dot)(phi, from.z, r);
 }
 
 /* The keys [j0, j1) one RNN step each, from *from into st (where the state
@@ -377,11 +366,11 @@ static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, 
         for (ptrdiff_t t = 0; t < cols; t++) {
             const REAL *read = b + t == j1 - 1 ? phi : NULL;
             if (!SFX(key_kept)(p, hd, b + t)) {
-                if (read) SFX(read_row)(p->r, a->e, read, *from, out_i, den);
+                if (read) SFX(state_pass)(p->r, a->e, *from, NULL, NULL, st, read, out_i, den);
                 continue;
             }
-            SFX(step_row)(p->r, a->e, w->psi + t * p->r, hd->v + (b + t) * a->v_row, *from, st,
-                          read, out_i, den);
+            SFX(state_pass)(p->r, a->e, *from, w->psi + t * p->r, hd->v + (b + t) * a->v_row, st,
+                            read, out_i, den);
             *from = SFX(view_of)(p, st);
         }
     }
@@ -522,7 +511,7 @@ static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdi
             const REAL *phi_t = w->phi + t * p->r;
             REAL *out_t = out + t * a->out_row;
             if (end > K) SFX(steps)(p, hd, K, end, &from, st, phi_t, out_t, &w->den[t], w);
-            else SFX(read_row)(p->r, a->e, phi_t, from, out_t, &w->den[t]);
+            else SFX(state_pass)(p->r, a->e, from, NULL, NULL, st, phi_t, out_t, &w->den[t]);
             K = ATTNX_MAX(K, end);
         }
         SFX(finish_rows)(p, rows, w, out);
@@ -549,8 +538,8 @@ static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_
             REAL *next = w->prefix + (b + t - K + 1) * size;
             SFX(view) previous = SFX(view_of)(p, SFX(state_in)(p, next - size));
             if (SFX(key_kept)(p, hd, b + t))
-                SFX(step_row)(p->r, a->e, w->psi + t * p->r, hd->v + (b + t) * a->v_row, previous,
-                              SFX(state_in)(p, next), NULL, NULL, NULL);
+                SFX(state_pass)(p->r, a->e, previous, w->psi + t * p->r, hd->v + (b + t) * a->v_row,
+                                SFX(state_in)(p, next), NULL, NULL, NULL);
             else
                 SFX(state_load)(p, SFX(state_in)(p, next), previous);
         }
@@ -561,9 +550,9 @@ static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_
         SFX(query_block)(p, hd, i0, rows, w);
         for (ptrdiff_t t = 0; t < rows; t++) {
             ptrdiff_t seen = ATTNX_MAX(attnx_band_end(&a->band, i0 + t) - K, 0);
-            SFX(state) prefix = SFX(state_in)(p, w->prefix + seen * size);
-            SFX(read_row)(p->r, a->e, w->phi + t * p->r, SFX(view_of)(p, prefix),
-                          out + t * a->out_row, &w->den[t]);
+            SFX(view) prefix = SFX(view_of)(p, SFX(state_in)(p, w->prefix + seen * size));
+            SFX(state_pass)(p->r, a->e, prefix, NULL, NULL, st, w->phi + t * p->r,
+                            out + t * a->out_row, &w->den[t]);
         }
         SFX(finish_rows)(p, rows, w, out);
     }
@@ -747,6 +736,11 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     p.state_size = p.r * a->e + p.r;
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);
+    /* the state's GEMMs (queries read it, keys enter it), plus the blocks of scores */
+    double flops = 2.0 * (double)a->heads *
+                   ((double)(a->n + a->m) * (double)(p.r * a->e) +
+                    (double)a->n * (double)ATTNX_MIN(p.C, a->m) * (double)(p.r + a->e));
+    if (flops < MIN_PARALLEL_FLOPS) threads = 1;
     if (a->method == ATTNX_METHOD_CHUNK && a->heads < threads) {
         ptrdiff_t length = p.causal ? a->n : ATTNX_MAX(a->n, a->m);
         ptrdiff_t longest = length / (MIN_SEGMENT_CHUNKS * p.C);
