@@ -14,17 +14,20 @@
 typedef int (*linear_kernel)(const attnx_linear_args *);
 static const linear_kernel linear_kernels[2] = {attnx_linear_fwd_f32, attnx_linear_fwd_f64};
 
-/* Chunk length of the chunk method (and tile of the quadratic one). 64 is
- * where causal elu attention at d = e = 64 ran fastest on the development
- * machine (AVX-512, float32): the masked C x C block costs 2 C (r + e)
- * flops per token against 4 r e for the state, so larger chunks do more
- * arithmetic, while smaller ones make the GEMMs too small to run at speed. */
-#define DEFAULT_CHUNK 64
+/* Chunk length of the chunk method (and tile of the quadratic one). The
+ * masked C x C block costs 2 C (r + e) flops per token beside the state's
+ * 4 r e, so shorter chunks do less arithmetic, until the GEMMs get too
+ * small to run at speed. Measured on the development machine (AVX-512,
+ * float32, one thread, causal, n = 8192): elu d = e = 64 took 20, 23, 29
+ * and 37 ms at C = 16, 32, 64, 128 (8 heads); FAVOR+ with r = 266, whose
+ * feature GEMM wants more rows, 48, 45, 45 ms at C = 16, 32, 64. 32 is
+ * close to the best of both. */
+#define DEFAULT_CHUNK 32
 
 /* A causal call with at most this many query rows (decoding) defaults to
  * the recurrent method: a few rank-1 updates cost less than the GEMM calls
  * of one chunk. */
-#define RECURRENT_MAX_ROWS 4
+#define RECURRENT_MAX_ROWS 8
 
 static const char *const feature_map_names[] = {
     [ATTNX_FM_ELU] = "elu", [ATTNX_FM_RELU] = "relu", [ATTNX_FM_SOFTMAX] = "softmax",
@@ -334,9 +337,46 @@ static int check_cumsum_size(const linear_options *o, PyObject *k_obj, PyObject 
     return -1;
 }
 
+/* The array arguments, in the order of ops[] below. */
+enum { Q, K, V, KEY_MASK, MASK, S0, Z0, NOPS };
+
+/* attnx_check_core, its message formatted (from up to two sizes) only when
+ * the check fails: a decoding step should not pay for printf. */
+static int check_core(const attnx_operand *op, int axis, npy_intp size, int broadcast_ok,
+                      const char *format, npy_intp x, npy_intp y)
+{
+    if (!op->array || attnx_check_core(op, axis, size, broadcast_ok, "") == 0) return 0;
+    PyErr_Clear();
+    char what[200];
+    PyOS_snprintf(what, sizeof what, format, (long)x, (long)y);
+    return attnx_check_core(op, axis, size, broadcast_ok, what);
+}
+
+/* Every operand's core sizes against q (n, d), k (m, d), v (m, e) and the
+ * r features of the map. */
+static int check_shapes(const attnx_operand *ops, npy_intp n, npy_intp m, npy_intp d, npy_intp e,
+                        npy_intp r)
+{
+    npy_intp m_k = PyArray_DIM(ops[K].array, PyArray_NDIM(ops[K].array) - 2);
+    const char *state = "expected (..., r, e) = (..., %ld, %ld): r features of this feature map, "
+                        "e value features";
+    if (check_core(&ops[K], -1, d, 0, "expected (..., m, d) with d = %ld from q (..., n, d)", d, 0) < 0 ||
+        check_core(&ops[V], -2, m_k, 0, "expected (..., m, e) with m = %ld keys from k (..., m, d)", m_k, 0) < 0 ||
+        check_core(&ops[KEY_MASK], -1, m, 1, "expected a boolean (..., m) with m = %ld keys", m, 0) < 0 ||
+        check_core(&ops[MASK], -1, m, 1, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", n, m) < 0 ||
+        check_core(&ops[MASK], -2, n, 1, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", n, m) < 0 ||
+        check_core(&ops[S0], -2, r, 0, state, r, e) < 0 || check_core(&ops[S0], -1, e, 0, state, r, e) < 0 ||
+        check_core(&ops[Z0], -1, r, 0, state, r, e) < 0)
+        return -1;
+    if (d > INT_MAX || e > INT_MAX || m > INT_MAX || r > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "q, k, v: feature sizes and m must be below 2**31");
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
 {
-    enum { Q, K, V, KEY_MASK, MASK, S0, Z0, NOPS };
     attnx_operand ops[NOPS] = {
         [Q] = {"q", NULL, 2}, [K] = {"k", NULL, 2}, [V] = {"v", NULL, 2},
         [KEY_MASK] = {"key_mask", NULL, 1}, [MASK] = {"mask", NULL, 2},
@@ -377,31 +417,10 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
 
     int nd_q = PyArray_NDIM(ops[Q].array), nd_v = PyArray_NDIM(ops[V].array);
     npy_intp n = PyArray_DIM(ops[Q].array, nd_q - 2), d = PyArray_DIM(ops[Q].array, nd_q - 1);
-    npy_intp m = PyArray_DIM(ops[V].array, nd_v - 2), e = PyArray_DIM(ops[V].array, nd_v - 1);
-    npy_intp m_k = PyArray_DIM(ops[K].array, PyArray_NDIM(ops[K].array) - 2), r;
-    char what[160];
-    PyOS_snprintf(what, sizeof what, "expected (..., m, d) with d = %ld from q (..., n, d)", (long)d);
-    if (attnx_check_core(&ops[K], -1, d, 0, what) < 0) goto done;
-    PyOS_snprintf(what, sizeof what, "expected (..., m, e) with m = %ld keys from k (..., m, d)", (long)m_k);
-    if (attnx_check_core(&ops[V], -2, m_k, 0, what) < 0) goto done;
-    PyOS_snprintf(what, sizeof what, "expected a boolean (..., m) with m = %ld keys", (long)m);
-    if (ops[KEY_MASK].array && attnx_check_core(&ops[KEY_MASK], -1, m, 1, what) < 0) goto done;
-    PyOS_snprintf(what, sizeof what, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", (long)n, (long)m);
-    if (ops[MASK].array && (attnx_check_core(&ops[MASK], -1, m, 1, what) < 0 ||
-                            attnx_check_core(&ops[MASK], -2, n, 1, what) < 0))
+    npy_intp m = PyArray_DIM(ops[V].array, nd_v - 2), e = PyArray_DIM(ops[V].array, nd_v - 1), r;
+    if (feature_size(&o, projection_obj, d, dtypes.compute, &projection, &r) < 0 ||
+        check_shapes(ops, n, m, d, e, r) < 0)
         goto done;
-    if (feature_size(&o, projection_obj, d, dtypes.compute, &projection, &r) < 0) goto done;
-    PyOS_snprintf(what, sizeof what,
-                  "expected (..., r, e) = (..., %ld, %ld), r features of this feature map and e "
-                  "value features", (long)r, (long)e);
-    if (ops[S0].array && (attnx_check_core(&ops[S0], -2, r, 0, what) < 0 ||
-                          attnx_check_core(&ops[S0], -1, e, 0, what) < 0 ||
-                          attnx_check_core(&ops[Z0], -1, r, 0, what) < 0))
-        goto done;
-    if (d > INT_MAX || e > INT_MAX || m > INT_MAX || r > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "q, k, v: feature sizes and m must be below 2**31");
-        goto done;
-    }
     if (o.kind == ATTNX_FM_IDENTITY &&
         (check_nonnegative(&ops[Q]) < 0 || check_nonnegative(&ops[K]) < 0))
         goto done;
@@ -427,7 +446,9 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
     };
     if (!(offsets = attnx_offsets(table, ATTNX_LIN_NOPS, &batch))) goto done;
 
-    npy_intp longest = n > m ? n : m;
+    /* a chunk longer than the sequence is the sequence */
+    npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : DEFAULT_CHUNK;
+    if (chunk > longest) chunk = longest > 0 ? longest : 1;
     attnx_linear_args kargs = {
         .n = n, .m = m, .d = d, .e = e, .heads = batch.heads, .offsets = offsets,
         .q = PyArray_DATA(ops[Q].array), .k = PyArray_DATA(ops[K].array),
@@ -451,7 +472,7 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
                     ? attnx_make_band(n, m, o.causal, o.has_left, o.left, o.has_right, o.right)
                     : attnx_make_band(n, m, o.causal, 0, 0, 0, 0),
         .method = o.method,
-        .chunk = o.chunk ? (o.chunk < longest ? o.chunk : (longest > 0 ? longest : 1)) : DEFAULT_CHUNK,
+        .chunk = chunk,
         .eps = o.eps,
         .normalise = normalise,
         .num_threads = attnx_get_num_threads(),
