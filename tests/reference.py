@@ -363,7 +363,9 @@ def linear_similarity(q, k, feature_map="elu", causal=False, key_mask=None,
 def _clamped_weights(s, eps):
     """``w_ij = s_ij / max(sum_j s_ij, eps)``; a zero row stays zero."""
     tot = s.sum(axis=-1, keepdims=True)
-    return s / np.maximum(tot, eps)
+    den = np.maximum(tot, eps)
+    # eps = 0: a row of zero mass divides 0 by 0; it returns zeros
+    return np.where(den > 0, s / np.where(den > 0, den, 1.0), 0.0)
 
 
 def linear_weights(q, k, feature_map="elu", causal=False, key_mask=None,
