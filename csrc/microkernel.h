@@ -7,6 +7,12 @@
  * feature, which the scores kernel streams; the values are streamed from
  * their own rows (a row of e floats is already contiguous).
  *
+ * Both skip the register blocks that the band (causal, window) hides
+ * entirely: on the tiles that straddle the diagonal, half the work. Scores
+ * left unwritten there lie outside every row's visible range, which the
+ * softmax pass never reads, and the P V product skips exactly the keys
+ * whose p is 0 because the band hides them.
+ *
  * Legend (as in softmax.c): rows query rows, cols keys of the tile,
  *   d features, e value features, W floats per vector, NR = 2 W keys per
  *   panel, MR rows per register block.
@@ -24,12 +30,33 @@
 #define ATTNX_MICROKERNEL_H
 #include <stddef.h>
 #include <string.h>
+
+#include "attnx.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 /* keys per packed panel for vectors of w floats */
 #define MK_NR(w) (2 * (w))
+
+/* The tile: queries [i0, i0 + rows), keys [j0, j0 + cols), and the band
+ * that decides which of them meet. */
+typedef struct {
+    const attnx_band *band;
+    ptrdiff_t i0, rows, j0, cols;
+} mk_tile;
+
+/* Keys [*lo, *hi) of the tile (0-based in it) that some row of [r0, r0 +
+ * count) sees through the band; *hi <= *lo when none. */
+static inline void mk_block_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count, ptrdiff_t *lo,
+                                 ptrdiff_t *hi)
+{
+    ptrdiff_t r1 = (r0 + count < t->rows ? r0 + count : t->rows) - 1;
+    *lo = attnx_band_first(t->band, t->i0 + r0) - t->j0;
+    *hi = attnx_band_end(t->band, t->i0 + r1) - t->j0;
+    if (*lo < 0) *lo = 0;
+    if (*hi > t->cols) *hi = t->cols;
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
 #define MK_HAVE_X86 1
@@ -85,20 +112,21 @@ static void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdi
 #define MK_DISPATCH(w, name, ...) ((void)0)
 #endif
 
-/* scores (rows, panels * NR), row stride s_row, = scale * Q K^T */
-static inline void attnx_mk_scores(int w, float *scores, ptrdiff_t s_row, const float *q,
-                                   ptrdiff_t q_row, ptrdiff_t rows, const float *kt,
-                                   ptrdiff_t panels, ptrdiff_t d, float scale)
+/* scores (rows, panels NR), row stride s_row, = scale * Q K^T for the
+ * visible blocks; kt holds the tile's panels, the first at key j0 */
+static inline void attnx_mk_scores(int w, const mk_tile *t, float *scores, ptrdiff_t s_row,
+                                   const float *q, ptrdiff_t q_row, const float *kt, ptrdiff_t d,
+                                   float scale)
 {
-    MK_DISPATCH(w, mk_scores, scores, s_row, q, q_row, rows, kt, panels, d, scale);
+    MK_DISPATCH(w, mk_scores, t, scores, s_row, q, q_row, kt, d, scale);
 }
 
-/* out (rows, e) += P V over `cols` keys; P row stride p_row; e % w == 0 */
-static inline void attnx_mk_add_pv(int w, float *out, ptrdiff_t out_row, const float *p,
-                                   ptrdiff_t p_row, ptrdiff_t rows, const float *v,
-                                   ptrdiff_t v_row, ptrdiff_t cols, ptrdiff_t e)
+/* out (rows, e) += P V over the tile's keys; P row stride p_row; e % w == 0 */
+static inline void attnx_mk_add_pv(int w, const mk_tile *t, float *out, ptrdiff_t out_row,
+                                   const float *p, ptrdiff_t p_row, const float *v,
+                                   ptrdiff_t v_row, ptrdiff_t e)
 {
-    MK_DISPATCH(w, mk_add_pv, out, out_row, p, p_row, rows, v, v_row, cols, e);
+    MK_DISPATCH(w, mk_add_pv, t, out, out_row, p, p_row, v, v_row, e);
 }
 #undef MK_DISPATCH
 
@@ -148,16 +176,19 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
         }
 }
 
-static void MK_NAME(mk_scores)(float *scores, ptrdiff_t s_row, const float *q, ptrdiff_t q_row,
-                               ptrdiff_t rows, const float *kt, ptrdiff_t panels, ptrdiff_t d,
-                               float scale)
+static void MK_NAME(mk_scores)(const mk_tile *t, float *scores, ptrdiff_t s_row, const float *q,
+                               ptrdiff_t q_row, const float *kt, ptrdiff_t d, float scale)
 {
     /* a panel of keys (d NR floats) stays in L1 while the query rows
      * stream past it from L2 */
-    for (ptrdiff_t p = 0; p < panels; p++)
-        for (ptrdiff_t r0 = 0; r0 < rows; r0 += MK_MR)
-            MK_NAME(mk_scores_block)(scores + r0 * s_row + p * 2 * MK_W, s_row, q + r0 * q_row,
-                                     q_row, rows - r0, kt + p * d * 2 * MK_W, d, scale);
+    for (ptrdiff_t c0 = 0; c0 < t->cols; c0 += 2 * MK_W)
+        for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += MK_MR) {
+            ptrdiff_t lo, hi;
+            mk_block_keys(t, r0, MK_MR, &lo, &hi);
+            if (hi <= c0 || lo >= c0 + 2 * MK_W) continue;
+            MK_NAME(mk_scores_block)(scores + r0 * s_row + c0, s_row, q + r0 * q_row, q_row,
+                                     t->rows - r0, kt + c0 * d, d, scale);
+        }
 }
 
 /* out[r][0, nv W) += sum_j p[r][j] v[j][0, nv W) for one block of mr rows;
@@ -198,28 +229,37 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
  * (16 KB with AVX-512) stays in L1 while the rows of P stream past it. */
 #define MK_KC 64
 
-static void MK_NAME(mk_add_pv)(float *out, ptrdiff_t out_row, const float *p, ptrdiff_t p_row,
-                               ptrdiff_t rows, const float *v, ptrdiff_t v_row, ptrdiff_t cols,
-                               ptrdiff_t e)
+/* columns [c0, c0 + nv W) of out, keys [j0, j1) of the tile, by blocks of
+ * mr rows, each over the keys its rows see */
+static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
+    const mk_tile *t, float *out, ptrdiff_t out_row, const float *p, ptrdiff_t p_row,
+    const float *v, ptrdiff_t v_row, ptrdiff_t c0, ptrdiff_t j0, ptrdiff_t j1, int mr, int nv)
 {
-    for (ptrdiff_t j0 = 0; j0 < cols; j0 += MK_KC) {
-        ptrdiff_t keys = cols - j0 < MK_KC ? cols - j0 : MK_KC;
-        const float *p_s = p + j0, *v_s = v + j0 * v_row;
+    for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += mr) {
+        ptrdiff_t lo, hi;
+        mk_block_keys(t, r0, mr, &lo, &hi);
+        lo = lo > j0 ? lo : j0;
+        hi = hi < j1 ? hi : j1;
+        if (hi > lo)
+            MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, p + r0 * p_row + lo, p_row,
+                                 t->rows - r0, v + lo * v_row + c0, v_row, hi - lo, mr, nv);
+    }
+}
+
+static void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, const float *p,
+                               ptrdiff_t p_row, const float *v, ptrdiff_t v_row, ptrdiff_t e)
+{
+    for (ptrdiff_t j0 = 0; j0 < t->cols; j0 += MK_KC) {
+        ptrdiff_t j1 = t->cols - j0 < MK_KC ? t->cols : j0 + MK_KC;
         /* whole rows of 4 vectors where e allows: one load of V feeds MR/2
          * rows of P, fewer loads per multiply-add than 2 vectors x MR rows */
         ptrdiff_t c0 = 0;
         for (; c0 + 4 * MK_W <= e; c0 += 4 * MK_W)
-            for (ptrdiff_t r0 = 0; r0 < rows; r0 += MK_MR / 2)
-                MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, p_s + r0 * p_row, p_row,
-                                     rows - r0, v_s + c0, v_row, keys, MK_MR / 2, 4);
+            MK_NAME(mk_pv_columns)(t, out, out_row, p, p_row, v, v_row, c0, j0, j1, MK_MR / 2, 4);
         for (; c0 + 2 * MK_W <= e; c0 += 2 * MK_W)
-            for (ptrdiff_t r0 = 0; r0 < rows; r0 += MK_MR)
-                MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, p_s + r0 * p_row, p_row,
-                                     rows - r0, v_s + c0, v_row, keys, MK_MR, 2);
+            MK_NAME(mk_pv_columns)(t, out, out_row, p, p_row, v, v_row, c0, j0, j1, MK_MR, 2);
         if (c0 < e)
-            for (ptrdiff_t r0 = 0; r0 < rows; r0 += MK_MR)
-                MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, p_s + r0 * p_row, p_row,
-                                     rows - r0, v_s + c0, v_row, keys, MK_MR, 1);
+            MK_NAME(mk_pv_columns)(t, out, out_row, p, p_row, v, v_row, c0, j0, j1, MK_MR, 1);
     }
 }
 #undef MK_KC

@@ -154,12 +154,13 @@ static ATTNX_HOT void SFX(sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_
     }
 }
 
-/* scores (rows, cols) = scale * Q K_tile^T for keys [j0, j0 + cols); pk:
- * the micro-kernels' packed keys, NULL for BLAS (always for float64). */
-static void SFX(tile_scores)(const attnx_softmax_args *a, packed_keys *pk, REAL *scores,
-                             const REAL *q, const REAL *k, ptrdiff_t rows, ptrdiff_t j0,
-                             ptrdiff_t cols)
+/* scores (rows, cols) = scale * Q K_tile^T for the tile's keys [j0, j0 +
+ * cols); pk: the micro-kernels' packed keys, NULL for BLAS (always for
+ * float64), which computes the scores outside the band too. */
+static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, packed_keys *pk,
+                             REAL *scores, const REAL *q, const REAL *k)
 {
+    ptrdiff_t rows = t->rows, j0 = t->j0, cols = t->cols;
 #if !REAL_IS_DOUBLE
     if (pk) {
         ptrdiff_t nr = MK_NR(pk->width), p0 = j0 / nr, p1 = (j0 + cols + nr - 1) / nr;
@@ -169,8 +170,8 @@ static void SFX(tile_scores)(const attnx_softmax_args *a, packed_keys *pk, REAL 
                                    ATTNX_MIN(nr, a->m - p * nr), a->d, nr);
                 pk->ready[p] = 1;
             }
-        attnx_mk_scores(pk->width, scores, KEY_TILE, q, a->q_row, rows, pk->kt + j0 * a->d,
-                        p1 - p0, a->d, (float)a->scale);
+        attnx_mk_scores(pk->width, t, scores, KEY_TILE, q, a->q_row, pk->kt + j0 * a->d, a->d,
+                        (float)a->scale);
         return;
     }
 #endif
@@ -179,17 +180,17 @@ static void SFX(tile_scores)(const attnx_softmax_args *a, packed_keys *pk, REAL 
 }
 
 /* out (rows, e) += P V_tile, P the (rows, cols) probabilities in scores */
-static void SFX(tile_add_pv)(const attnx_softmax_args *a, const packed_keys *pk, REAL *out,
-                             const REAL *scores, const REAL *v_tile, ptrdiff_t rows, ptrdiff_t cols)
+static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, const packed_keys *pk,
+                             REAL *out, const REAL *scores, const REAL *v_tile)
 {
 #if !REAL_IS_DOUBLE
     if (pk) {
-        attnx_mk_add_pv(pk->width, out, a->out_row, scores, KEY_TILE, rows, v_tile, a->v_row,
-                        cols, a->e);
+        attnx_mk_add_pv(pk->width, t, out, a->out_row, scores, KEY_TILE, v_tile, a->v_row, a->e);
         return;
     }
 #endif
-    SFX(gemm)(0, 0, rows, a->e, cols, 1, scores, KEY_TILE, v_tile, a->v_row, 1, out, a->out_row);
+    SFX(gemm)(0, 0, t->rows, a->e, t->cols, 1, scores, KEY_TILE, v_tile, a->v_row, 1, out,
+              a->out_row);
 }
 
 /* One query tile [i0, i0 + rows) of one head. */
@@ -226,8 +227,9 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
     }
     for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
         ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0);
+        const mk_tile tile = {&a->band, i0, rows, j0, cols};
         /* pass 1: scores = scale * Q_tile K_tile^T */
-        SFX(tile_scores)(a, pk, scores, q, k, rows, j0, cols);
+        SFX(tile_scores)(a, &tile, pk, scores, q, k);
         if (a->key_sqnorm_coef != 0)
             SFX(sqnorm_terms)(key_bias, k + j0 * a->k_row, a->k_row, cols, a->d,
                                  (REAL)a->key_sqnorm_coef);
@@ -252,7 +254,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         if (has_zero && SFX(has_nonfinite)(v_tile, cols, e, a->v_row))
             SFX(add_visible_values)(out, a->out_row, scores, KEY_TILE, v_tile, a->v_row, rows, cols, e);
         else
-            SFX(tile_add_pv)(a, pk, out, scores, v_tile, rows, cols);
+            SFX(tile_add_pv)(a, &tile, pk, out, scores, v_tile);
     }
 
     /* pass 4: normalise; a row that saw nothing has row_sum 0 and gives 0 */
