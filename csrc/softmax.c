@@ -26,9 +26,10 @@
 #define Q_TILE 256
 #define KEY_TILE 256
 
-/* Below this many queries the keys are not worth packing (decoding steps):
- * BLAS or plain loops instead of the micro-kernels. */
-#define MK_MIN_ROWS 16
+/* Below this many queries, packing every key costs more than the
+ * micro-kernels save (measured at m = 4096, d = 64: BLAS wins up to n = 40,
+ * the micro-kernels from 48): BLAS or plain loops instead. */
+#define MK_MIN_ROWS 48
 
 /* One thread's keys of one head, packed for the float32 micro-kernels; a
  * panel is packed the first time a query tile needs it, and reused by every
