@@ -16,17 +16,6 @@ import numpy as np
 
 from . import _C
 
-__all__ = [
-    "LinearAttentionState",
-    "linear_attention",
-    "cosformer_attention",
-    "focused_linear_attention",
-    "taylor_attention",
-    "performer_attention",
-    "efficient_attention",
-    "random_features",
-]
-
 
 class LinearAttentionState:
     """The state kernelised attention carries between calls (streaming,
