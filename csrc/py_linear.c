@@ -51,14 +51,14 @@ typedef struct {
     int streaming;              /* initial_state given or return_state */
 } linear_options;
 
-/* obj must be one of names[0..count) (NULL entries skipped); what names
- * the argument, allowed what else it may be. */
+/* obj must be one of names[0..count); `what` names the argument, `allowed`
+ * says what else it may be. */
 static int parse_choice(PyObject *obj, const char *const *names, int count, const char *what,
                         const char *allowed, int *index)
 {
     if (PyUnicode_Check(obj))
         for (int i = 0; i < count; i++)
-            if (names[i] && PyUnicode_CompareWithASCIIString(obj, names[i]) == 0) {
+            if (PyUnicode_CompareWithASCIIString(obj, names[i]) == 0) {
                 *index = i;
                 return 0;
             }
@@ -157,6 +157,12 @@ static int check_nonnegative(const attnx_operand *op)
     return negative ? -1 : 0;
 }
 
+/* r of every map but favor, whose r is the projection's */
+static npy_intp fixed_feature_size(int kind, npy_intp d)
+{
+    return kind == ATTNX_FM_TAYLOR ? d + 1 : kind == ATTNX_FM_COSFORMER ? 2 * d : d;
+}
+
 /* r, and the projection W (r, d) of favor converted to the compute dtype */
 static int feature_size(const linear_options *o, PyObject *projection_obj, npy_intp d,
                         int typenum, PyArrayObject **projection, npy_intp *r)
@@ -167,7 +173,7 @@ static int feature_size(const linear_options *o, PyObject *projection_obj, npy_i
             PyErr_SetString(PyExc_ValueError, "projection= is only used by feature_map='favor'");
             return -1;
         }
-        *r = o->kind == ATTNX_FM_TAYLOR ? d + 1 : o->kind == ATTNX_FM_COSFORMER ? 2 * d : d;
+        *r = fixed_feature_size(o->kind, d);
         return 0;
     }
     if (projection_obj == Py_None) {
@@ -230,9 +236,9 @@ static int state_convert(PyObject *state, int typenum, attnx_operand *S, attnx_o
         PyErr_Format(PyExc_ValueError, "initial_state.offset must be an int >= 0, got %R", offset_obj);
         goto done;
     }
-    status = attnx_operand_convert(S, S_obj, typenum, 2, 0) < 0 ||
-                     attnx_operand_convert(z, z_obj, typenum, 1, 0) < 0
-                 ? -1 : 0;
+    if (attnx_operand_convert(S, S_obj, typenum, 2, 0) == 0 &&
+        attnx_operand_convert(z, z_obj, typenum, 1, 0) == 0)
+        status = 0;
 done:
     Py_XDECREF(S_obj);
     Py_XDECREF(z_obj);
@@ -320,11 +326,8 @@ static int check_cumsum_size(const linear_options *o, PyObject *k_obj, PyObject 
     if (o->method != ATTNX_METHOD_CUMSUM) return 0;
     npy_intp m, d, e, r = 0, unused;
     if (trailing_shape(k_obj, &unused, &d) < 0 || trailing_shape(v_obj, &m, &e) < 0) return -1;
-    if (o->kind == ATTNX_FM_FAVOR) {
-        if (projection_obj != Py_None && trailing_shape(projection_obj, &r, &unused) < 0) return -1;
-    } else {
-        r = o->kind == ATTNX_FM_TAYLOR ? d + 1 : o->kind == ATTNX_FM_COSFORMER ? 2 * d : d;
-    }
+    if (o->kind != ATTNX_FM_FAVOR) r = fixed_feature_size(o->kind, d);
+    else if (projection_obj != Py_None && trailing_shape(projection_obj, &r, &unused) < 0) return -1;
     double bytes = ((double)m + 1) * (double)r * ((double)e + 1) * (typenum == NPY_FLOAT ? 4 : 8);
     if (bytes <= (double)ATTNX_CUMSUM_LIMIT) return 0;
     char message[240];  /* PyErr_Format has no %f */
