@@ -27,89 +27,28 @@ accuracy, well inside 2e-5.
 import concurrent.futures
 import math
 import os
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import attnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
+from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
+                     qkv, run_isolated, tol, vscale)
 
-# ATTNX_HYPOTHESIS_EXAMPLES=1000 for a deeper (slower) run
-HYP = settings(max_examples=int(os.environ.get("ATTNX_HYPOTHESIS_EXAMPLES", 40)),
-               deadline=None,
-               suppress_health_check=[HealthCheck.too_slow,
-                                      HealthCheck.data_too_large])
+HYP = hypothesis_settings(40)
 
-CAUSAL_MODES = [False, True, "lower_right", "upper_left"]
 METHODS = ["chunk", "recurrent", "cumsum", "quadratic"]
 
 
 # --------------------------------------------------------------------------
 # helpers (the softmax suite's)
 # --------------------------------------------------------------------------
-
-def tol(dtype, scale=1.0):
-    scale = max(1.0, float(scale))
-    dtype = np.dtype(dtype)
-    if dtype == np.float64:
-        return dict(rtol=1e-10, atol=1e-10 * scale)
-    if dtype == np.float32:
-        return dict(rtol=2e-5, atol=2e-5 * scale)
-    if dtype == np.float16:
-        return dict(rtol=2e-3, atol=2e-3 * scale)
-    raise AssertionError(dtype)
-
-
-def vscale(v):
-    v = np.asarray(v, dtype=np.float64)
-    v = v[np.isfinite(v)]
-    return float(np.max(np.abs(v))) if v.size else 1.0
-
-
-def assert_close(got, want, dtype, scale=1.0, err_msg=""):
-    got = np.asarray(got)
-    want = np.asarray(want)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    np.testing.assert_allclose(got.astype(np.float64), want, err_msg=err_msg,
-                               **tol(dtype, scale))
-
-
-def make(rng, shape, dtype=np.float64, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
-
-
-def qkv(rng, lead, n, m, d, e, dtype=np.float64):
-    return (make(rng, lead + (n, d), dtype), make(rng, lead + (m, d), dtype),
-            make(rng, lead + (m, e), dtype))
-
-
-def f64(x):
-    return None if x is None else np.asarray(x, dtype=np.float64)
-
-
-def run_isolated(code, timeout=180):
-    """Run code in a fresh interpreter (so that a crash or hang is a test
-    failure, not the end of the test session), importing the same attnx as
-    this process."""
-    src = "import numpy as np, attnx\n" + textwrap.dedent(code)
-    try:
-        p = subprocess.run([sys.executable, "-c", src], capture_output=True,
-                           text=True, timeout=timeout,
-                           cwd=os.path.dirname(os.path.dirname(
-                               os.path.abspath(attnx.__file__))))
-    except subprocess.TimeoutExpired:
-        pytest.fail("hung (> %d s):\n%s" % (timeout, src))
-    assert p.returncode == 0, "crashed or failed (rc %d):\nstdout:%s\nstderr:%s" % (
-        p.returncode, p.stdout, p.stderr)
-    return p.stdout
-
 
 # --------------------------------------------------------------------------
 # the variants under test and their references
