@@ -31,14 +31,43 @@ class LinearAttentionState:
     inputs) and the broadcast batch shape of the calls. FAVOR+ key features
     are stored divided by the constant ``exp(c)``, ``c = max_f |W_f|^2 / 2``,
     so a state only continues calls with the same feature map and
-    projection."""
+    projection.
 
-    __slots__ = ("S", "z", "offset")
+    Passing a state as ``initial_state=`` never writes it. For decoding,
+    ``state.step(q, k, v, out=None)`` is the in-place alternative: it
+    returns what ``linear_attention(q, k, v, causal=True,
+    initial_state=state, return_state=True)`` (or the front end that made
+    the state) returns as output, with that call's options (feature map,
+    projection, eps, p, M), but absorbs the new keys and values into this
+    object's own ``S`` and ``z`` in place and advances ``offset``, so a
+    step allocates nothing but its output (none with ``out=``). Any number
+    of new tokens per step. The state owns its arrays: arrays taken from it
+    earlier change with it (copy them to keep a snapshot). Only a state
+    returned by a causal call with ``return_state=True`` can step, while
+    ``S`` and ``z`` stay writeable, C-contiguous arrays of the computing
+    dtype with the batch shape of the step's q, k, v; otherwise ``step``
+    raises ValueError (TypeError for another dtype)."""
+
+    __slots__ = ("S", "z", "offset", "_options", "_features")
 
     def __init__(self, S, z, offset):
         self.S = S
         self.z = z
         self.offset = offset
+        # what step() needs to repeat the call that made the state (set by
+        # _attend): (variant, feature_map, causal, eps, projection, p, M),
+        # and a callable feature map applied in Python; None: cannot step
+        self._options = None
+        self._features = None
+
+    def step(self, q, k, v, out=None):
+        """Decode in place: the outputs (..., n, e) for the new queries q
+        against every key so far plus the new keys k (causal), with S, z
+        and offset of this state updated to include k, v. See the class
+        docstring."""
+        if self._features is not None:
+            q, k = _callable_features(self._features, q, k, v)
+        return _C.linear_step(self, q, k, v, out)
 
     def __repr__(self):
         return (f"LinearAttentionState(S: {self.S.dtype}{self.S.shape}, "
@@ -64,7 +93,9 @@ def _attend(front, a, normalise=True):
     q, k = a["q"], a["k"]
     if feature_map is None:
         feature_map = a.get("feature_map", "elu")
+    features = None
     if callable(feature_map):
+        features = feature_map
         q, k = _callable_features(feature_map, q, k, a["v"])
         feature_map = "identity"
     projection = a.get("projection")
@@ -78,7 +109,16 @@ def _attend(front, a, normalise=True):
     if not a.get("return_state"):
         return result
     out, S, z, offset = result
-    return out, LinearAttentionState(S, z, offset)
+    state = LinearAttentionState(S, z, offset)
+    if normalise:
+        # the options of this call, for state.step(); the projection in the
+        # state's dtype, so that a step converts nothing
+        if projection is not None:
+            projection = np.asarray(projection, dtype=S.dtype)
+        state._options = (variant, feature_map, a.get("causal", False), a.get("eps", 1e-6),
+                          projection, a.get("p", 3), a.get("M"))
+        state._features = features
+    return out, state
 
 
 def _result_dtype(*arrays):

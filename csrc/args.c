@@ -272,6 +272,35 @@ static void memory_extent(PyArrayObject *array, char **low, char **high)
     *high = hi + PyArray_ITEMSIZE(array);
 }
 
+PyArrayObject *attnx_new_aligned_array(const attnx_batch *batch, const npy_intp *trailing,
+                                       int n_trailing, int typenum)
+{
+    npy_intp shape[NPY_MAXDIMS], count = 1;
+    if (batch->ndim + n_trailing > NPY_MAXDIMS) {
+        PyErr_SetString(PyExc_ValueError, "too many dimensions");
+        return NULL;
+    }
+    for (int ax = 0; ax < batch->ndim; ax++) count *= shape[ax] = batch->shape[ax];
+    for (int ax = 0; ax < n_trailing; ax++) count *= shape[batch->ndim + ax] = trailing[ax];
+    PyArray_Descr *descr = PyArray_DescrFromType(typenum);
+    npy_intp bytes = count * (npy_intp)PyDataType_ELSIZE(descr) + ATTNX_ALIGN - 1;
+    PyArrayObject *block = (PyArrayObject *)PyArray_SimpleNew(1, &bytes, NPY_UINT8);
+    if (!block) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    char *data = PyArray_BYTES(block);
+    data += (ATTNX_ALIGN - (uintptr_t)data % ATTNX_ALIGN) % ATTNX_ALIGN;
+    PyArrayObject *array = (PyArrayObject *)PyArray_NewFromDescr(
+        &PyArray_Type, descr, batch->ndim + n_trailing, shape, NULL, data, NPY_ARRAY_CARRAY, NULL);
+    if (!array || PyArray_SetBaseObject(array, (PyObject *)block) < 0) {
+        Py_XDECREF(array);
+        Py_DECREF(block);  /* SetBaseObject steals it even when it fails */
+        return NULL;
+    }
+    return array;
+}
+
 /* 1 if a and b share an element, 0 if not, -1 with an exception set.
  * Disjoint extents answer at once; interleaved views go to numpy's exact
  * np.shares_memory (bounded work; too hard counts as overlapping). */
@@ -293,6 +322,25 @@ static int overlap(PyArrayObject *a, PyArrayObject *b)
     int result = PyObject_IsTrue(shares);
     Py_DECREF(shares);
     return result;
+}
+
+int attnx_check_disjoint(PyArrayObject *written, const char *name, const attnx_operand *inputs,
+                         int n_inputs)
+{
+    if (PyArray_SIZE(written) == 0) return 0;
+    for (int i = 0; i < n_inputs; i++) {
+        /* the caller's array, not a converted copy of it */
+        PyArrayObject *input = inputs[i].source && PyArray_Check(inputs[i].source)
+                                   ? (PyArrayObject *)inputs[i].source : inputs[i].array;
+        if (!input || PyArray_SIZE(input) == 0) continue;
+        int shared = overlap(written, input);
+        if (shared < 0) return -1;
+        if (shared) {
+            PyErr_Format(PyExc_ValueError, "%s must not overlap the input %s", name, inputs[i].name);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batch *batch,
@@ -335,18 +383,7 @@ int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batc
                             "non-overlapping rows");
             return -1;
         }
-        for (int i = 0; i < n_inputs; i++) {
-            /* the caller's array, not a converted copy of it */
-            PyArrayObject *input = inputs[i].source && PyArray_Check(inputs[i].source)
-                                       ? (PyArrayObject *)inputs[i].source : inputs[i].array;
-            if (!input || PyArray_SIZE(input) == 0 || PyArray_SIZE(out) == 0) continue;
-            int shared = overlap(out, input);
-            if (shared < 0) return -1;
-            if (shared) {
-                PyErr_Format(PyExc_ValueError, "out must not overlap the input %s", inputs[i].name);
-                return -1;
-            }
-        }
+        if (attnx_check_disjoint(out, "out", inputs, n_inputs) < 0) return -1;
         Py_INCREF(out);
         *result = out;
     } else {

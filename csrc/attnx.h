@@ -155,7 +155,11 @@ typedef struct {
     const unsigned char *key_mask;     /* broadcast (m,) bool view, or NULL */
     const unsigned char *mask;         /* broadcast (n, m) bool view, or NULL (quadratic only) */
     const void *S0, *z0;               /* initial state (r, e), (r,) per head, or NULL */
-    void *S_out, *z_out;               /* final state, C order, or NULL */
+    void *S_out, *z_out;               /* final state, C order, or NULL; may be S0, z0
+                                          themselves (a decoding step in place) when S0 is
+                                          C order with the same per-head offsets: every
+                                          method reads an entry of S0, z0 before it writes
+                                          that entry of S_out, z_out (linear.c, states) */
     ptrdiff_t q_row, k_row, v_row, out_row, S0_row;  /* row strides, elements */
     ptrdiff_t key_mask_col;            /* byte stride, 0 when broadcast */
     ptrdiff_t mask_row, mask_col;      /* byte strides, 0 when broadcast */

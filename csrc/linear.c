@@ -227,7 +227,15 @@ static ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdi
 
 /* ---------------------------------------------------------------- states */
 
-/* dst = from (nothing to do when from is dst itself) */
+/* dst = from (nothing to do when from is dst itself).
+ *
+ * In-place decoding (S_out, z_out the very arrays of S0, z0) relies on
+ * this: a method's state starts as a copy of the initial view that is
+ * skipped, and is then only updated entry by entry (state_pass reads
+ * from[f][c] just before it writes dst[f][c]; the GEMMs and axpys of
+ * state_add accumulate into it), so no later read of S0 sees a new value.
+ * The segmented chunk method and cumsum read S0 only into scratch before
+ * they write S_out; the quadratic method writes S_out after every tile. */
 static void SFX(state_load)(const linear_plan *p, SFX(state) dst, SFX(view) from)
 {
     const ptrdiff_t e = p->a->e;
@@ -317,7 +325,11 @@ static ATTNX_HOT void SFX(state_pass)(ptrdiff_t r, ptrdiff_t e, SFX(view) from, 
 {
     ptrdiff_t c0 = 0;
     for (; c0 + ROW_BLOCK <= e; c0 += ROW_BLOCK) {
-        REAL acc[ROW_BLOCK] = {0};
+        REAL acc[ROW_BLOCK] = {0}, v_block[ROW_BLOCK];
+        /* v and psi[f] hoisted into locals: the compiler cannot tell that
+         * the stores into the state leave them alone, and would load them
+         * again after every store */
+        if (psi) memcpy(v_block, v + c0, sizeof v_block);
         for (ptrdiff_t f = 0; f < r; f++) {
             const REAL *from_f = from.S + f * from.S_row + c0;
             REAL phi_f = phi ? phi[f] : 0;
@@ -326,30 +338,36 @@ static ATTNX_HOT void SFX(state_pass)(ptrdiff_t r, ptrdiff_t e, SFX(view) from, 
                 for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) acc[c] += phi_f * from_f[c];
                 continue;
             }
-            REAL *S_f = dst.S + f * e + c0;
+            REAL *S_f = dst.S + f * e + c0, psi_f = psi[f];
 #pragma omp simd
             for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) {
-                S_f[c] = from_f[c] + psi[f] * v[c0 + c];
-                acc[c] += phi_f * S_f[c];
+                REAL s = from_f[c] + psi_f * v_block[c];
+                S_f[c] = s;
+                acc[c] += phi_f * s;
             }
         }
         if (phi) memcpy(out_i + c0, acc, sizeof acc);
     }
-    /* the columns past the last whole block, and z */
+    /* the columns past the last whole block */
     if (phi)
         for (ptrdiff_t c = c0; c < e; c++) out_i[c] = 0;
-    REAL sum = 0;
-    for (ptrdiff_t f = 0; f < r; f++) {
+    for (ptrdiff_t f = 0; c0 < e && f < r; f++) {
         const REAL *from_f = from.S + f * from.S_row;
         REAL *S_f = psi ? dst.S + f * e : NULL, phi_f = phi ? phi[f] : 0;
         for (ptrdiff_t c = c0; c < e; c++) {
             REAL s = psi ? (S_f[c] = from_f[c] + psi[f] * v[c]) : from_f[c];
             if (phi) out_i[c] += phi_f * s;
         }
-        REAL z_f = psi ? (dst.z[f] = from.z[f] + psi[f]) : from.z[f];
-        sum += phi_f * z_f;
     }
-    if (phi) *den = sum;
+    /* z in its own vector loops (inside the loop above it ran scalar, a
+     * fifth of a decoding step), each entry read before it is written */
+    const REAL *z = from.z;
+    if (psi) {
+#pragma omp simd
+        for (ptrdiff_t f = 0; f < r; f++) dst.z[f] = from.z[f] + psi[f];
+        z = dst.z;
+    }
+    if (phi) *den = SFX(dot)(phi, z, r);
 }
 
 /* The keys [j0, j1) one RNN step each, from *from into st (where the state

@@ -47,6 +47,7 @@ static PyMethodDef methods[] = {
     KW_METHOD("softmax_attention", attnx_py_softmax_attention, attnx_softmax_attention_doc),
     KW_METHOD("gaussian_attention", attnx_py_gaussian_attention, attnx_gaussian_attention_doc),
     {"linear_attention", attnx_py_linear_attention, METH_VARARGS, attnx_linear_attention_doc},
+    {"linear_step", attnx_py_linear_step, METH_VARARGS, attnx_linear_step_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, "Threads attnx kernels use."},
     {"set_num_threads", set_num_threads, METH_O, "Set the threads attnx kernels use."},
     {"build_info", build_info, METH_NOARGS, "BLAS, SIMD level, threads, compiler."},

@@ -4,7 +4,9 @@
  * One private function, _C.linear_attention, takes every option in a fixed
  * order; the public front ends (attnx/_linear.py) are thin wrappers around
  * it, so that all validation happens here, in C, and a decoding step pays
- * for no numpy work in Python. */
+ * for no numpy work in Python. _C.linear_step, behind
+ * LinearAttentionState.step, is the same call with the options the state
+ * remembers, writing the new state into the state's own arrays. */
 #include "args.h"
 
 #include <limits.h>
@@ -378,7 +380,62 @@ static int check_shapes(const attnx_operand *ops, npy_intp n, npy_intp m, npy_in
     return 0;
 }
 
-PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
+/* One call's arguments, as Python passed them. */
+typedef struct {
+    PyObject *q, *k, *v, *feature_map, *causal, *key_mask, *mask, *window, *method, *chunk_size,
+        *eps, *projection, *p, *M, *initial_state, *out;
+    const char *variant;
+    int return_state, normalise;
+    int in_place;  /* a decoding step: initial_state's own S, z receive the new state */
+} linear_call;
+
+/* A decoding step writes into the state's arrays, so they must be the very
+ * arrays the kernel uses (no converted copy), writeable, C-ordered (the
+ * kernel writes S_out rows e apart), with the call's batch shape (a
+ * broadcast state would receive several heads' updates), and disjoint from
+ * each other and from every input. */
+static int check_in_place(attnx_operand *ops, int nops, int s0, int z0, const attnx_batch *batch)
+{
+    for (int i = s0; i <= z0; i++) {
+        PyArrayObject *array = ops[i].array;
+        if ((PyObject *)array != ops[i].source || !PyArray_IS_C_CONTIGUOUS(array) ||
+            !PyArray_ISWRITEABLE(array)) {
+            PyErr_Format(PyExc_ValueError,
+                         "step() updates the state in place: %s must be a writeable, C-contiguous "
+                         "array of the computing dtype (the state's own array, as returned by "
+                         "return_state=True)", ops[i].name);
+            return -1;
+        }
+        int core = ops[i].core_ndim, same = PyArray_NDIM(array) - core == batch->ndim;
+        for (int ax = 0; same && ax < batch->ndim; ax++) same = PyArray_DIM(array, ax) == batch->shape[ax];
+        if (!same) {
+            PyObject *shape = PyObject_GetAttrString((PyObject *)array, "shape");
+            PyArrayObject *want = attnx_new_array(batch, NULL, 0, NPY_BOOL);
+            PyObject *want_shape = want ? PyObject_GetAttrString((PyObject *)want, "shape") : NULL;
+            if (shape && want_shape)
+                PyErr_Format(PyExc_ValueError,
+                             "step(): q, k, v broadcast to the batch shape %R, but %s has shape %R; "
+                             "a state updated in place keeps its batch shape", want_shape,
+                             ops[i].name, shape);
+            Py_XDECREF(shape);
+            Py_XDECREF(want);
+            Py_XDECREF(want_shape);
+            return -1;
+        }
+        /* each state array against every other operand (z against S too) */
+        PyObject *source = ops[i].source;
+        ops[i].source = NULL;
+        PyArrayObject *saved = ops[i].array;
+        ops[i].array = NULL;
+        int status = attnx_check_disjoint(saved, ops[i].name, ops, nops);
+        ops[i].array = saved;
+        ops[i].source = source;
+        if (status < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *run_linear(const linear_call *c)
 {
     attnx_operand ops[NOPS] = {
         [Q] = {"q", NULL, 2}, [K] = {"k", NULL, 2}, [V] = {"v", NULL, 2},
@@ -386,21 +443,15 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
         [S0] = {"initial_state.S", NULL, 2}, [Z0] = {"initial_state.z", NULL, 1},
     };
     attnx_operand outs[3] = {{"out", NULL, 2}, {"S", NULL, 2}, {"z", NULL, 1}};
-    PyObject *q_obj, *k_obj, *v_obj, *feature_map, *causal, *key_mask, *mask, *window, *method,
-        *chunk_size, *eps, *projection_obj, *p_obj, *M_obj, *initial_state, *out_obj;
-    const char *variant;
-    int return_state, normalise;
+    PyObject *q_obj = c->q, *k_obj = c->k, *v_obj = c->v, *key_mask = c->key_mask,
+             *mask = c->mask, *projection_obj = c->projection, *initial_state = c->initial_state;
+    int return_state = c->return_state;
     PyArrayObject *result = NULL, *projection = NULL;
     ptrdiff_t *offsets = NULL;
     PyObject *ret = NULL;
     linear_options o;
-    if (!PyArg_ParseTuple(args, "OOOsOOOOOOOOOOOOpOp:linear_attention", &q_obj, &k_obj, &v_obj,
-                          &variant, &feature_map, &causal, &key_mask, &mask, &window, &method,
-                          &chunk_size, &eps, &projection_obj, &p_obj, &M_obj, &initial_state,
-                          &return_state, &out_obj, &normalise))
-        return NULL;
-    if (parse_options(variant, feature_map, causal, window, method, chunk_size, eps, p_obj, M_obj,
-                      initial_state, return_state, &o) < 0)
+    if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
+                      c->eps, c->p, c->M, initial_state, return_state, &o) < 0)
         return NULL;
 
     PyObject *const dtype_objs[] = {q_obj, k_obj, v_obj};
@@ -432,12 +483,21 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
 
     attnx_batch batch;
     if (attnx_broadcast(ops, NOPS, &batch) < 0) goto done;
+    if (c->in_place && check_in_place(ops, NOPS, S0, Z0, &batch) < 0) goto done;
     PyArrayObject *compute_out;
-    if (attnx_output(out_obj, &dtypes, &batch, n, e, ops, NOPS, &result, &compute_out) < 0) goto done;
+    if (attnx_output(c->out, &dtypes, &batch, n, e, ops, NOPS, &result, &compute_out) < 0) goto done;
     outs[0].array = compute_out;
     npy_intp state_shape[2] = {r, e};
-    if (return_state && (!(outs[1].array = attnx_new_array(&batch, state_shape, 2, dtypes.compute)) ||
-                         !(outs[2].array = attnx_new_array(&batch, state_shape, 1, dtypes.compute))))
+    if (c->in_place) {
+        /* the kernel reads each entry of S0, z0 before it writes that entry
+         * of S_out, z_out (attnx.h), so the state can be its own output */
+        outs[1].array = ops[S0].array;
+        outs[2].array = ops[Z0].array;
+        Py_INCREF(outs[1].array);
+        Py_INCREF(outs[2].array);
+    } else if (return_state &&
+               (!(outs[1].array = attnx_new_aligned_array(&batch, state_shape, 2, dtypes.compute)) ||
+                !(outs[2].array = attnx_new_aligned_array(&batch, state_shape, 1, dtypes.compute))))
         goto done;
 
     /* operand order of the kernel's offset table */
@@ -477,7 +537,7 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
         .method = o.method,
         .chunk = chunk,
         .eps = o.eps,
-        .normalise = normalise,
+        .normalise = c->normalise,
         .num_threads = attnx_get_num_threads(),
     };
     int status;
@@ -489,7 +549,15 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
         goto done;
     }
     if (attnx_output_finish(result, compute_out) < 0) goto done;
-    if (return_state)
+    if (c->in_place) {
+        PyObject *advanced = PyLong_FromSsize_t((Py_ssize_t)(offset + m));
+        int status = advanced ? PyObject_SetAttrString(initial_state, "offset", advanced) : -1;
+        Py_XDECREF(advanced);
+        if (status == 0) {
+            ret = (PyObject *)result;
+            Py_INCREF(ret);
+        }
+    } else if (return_state)
         ret = Py_BuildValue("OOOn", result, outs[1].array, outs[2].array, (Py_ssize_t)(offset + m));
     else {
         ret = (PyObject *)result;
@@ -504,9 +572,68 @@ done:
     return ret;
 }
 
+PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
+{
+    linear_call c = {.in_place = 0};
+    if (!PyArg_ParseTuple(args, "OOOsOOOOOOOOOOOOpOp:linear_attention", &c.q, &c.k, &c.v,
+                          &c.variant, &c.feature_map, &c.causal, &c.key_mask, &c.mask, &c.window,
+                          &c.method, &c.chunk_size, &c.eps, &c.projection, &c.p, &c.M,
+                          &c.initial_state, &c.return_state, &c.out, &c.normalise))
+        return NULL;
+    return run_linear(&c);
+}
+
+/* state.step(q, k, v, out): the causal call that continues `state`, with
+ * the options of the call that made it (state._options: variant,
+ * feature_map, causal, eps, projection, p, M), writing the new state into
+ * the state's own arrays and advancing its offset. */
+PyObject *attnx_py_linear_step(PyObject *self, PyObject *args)
+{
+    linear_call c = {.key_mask = Py_None, .mask = Py_None, .window = Py_None, .method = Py_None,
+                     .chunk_size = Py_None, .causal = Py_True, .normalise = 1, .in_place = 1};
+    PyObject *options, *made_causal, *out = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOO|O:step", &c.initial_state, &c.q, &c.k, &c.v, &out))
+        return NULL;
+    c.out = out;
+    if (!(options = PyObject_GetAttrString(c.initial_state, "_options"))) return NULL;
+    if (!PyTuple_Check(options) || PyTuple_GET_SIZE(options) != 7 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(options, 0))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "step() needs a state returned by an attnx call with return_state=True "
+                        "(it remembers that call's feature map and options); this state was "
+                        "built by hand");
+        Py_DECREF(options);
+        return NULL;
+    }
+    int causal;
+    made_causal = PyTuple_GET_ITEM(options, 2);
+    if (attnx_parse_causal(made_causal, &causal) < 0 || !causal) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError,
+                            "step() continues causal decoding only: this state comes from a "
+                            "non-causal call (causal=False)");
+        Py_DECREF(options);
+        return NULL;
+    }
+    c.variant = PyUnicode_AsUTF8(PyTuple_GET_ITEM(options, 0));
+    c.feature_map = PyTuple_GET_ITEM(options, 1);
+    c.eps = PyTuple_GET_ITEM(options, 3);
+    c.projection = PyTuple_GET_ITEM(options, 4);
+    c.p = PyTuple_GET_ITEM(options, 5);
+    c.M = PyTuple_GET_ITEM(options, 6);
+    PyObject *ret = c.variant ? run_linear(&c) : NULL;
+    Py_DECREF(options);  /* after the call: the tuple owns the borrowed items */
+    return ret;
+}
+
 const char attnx_linear_attention_doc[] = (
 "linear_attention(q, k, v, variant, feature_map, causal, key_mask, mask, window, method, chunk_size, eps, projection, p, M, initial_state, return_state, out, normalise)\n"
 "--\n\n"
 "The kernel behind attnx.linear_attention and the other kernelised front ends\n"
 "(every argument positional; use the front ends). Returns out, or\n"
 "(out, S, z, offset) with return_state.");
+
+const char attnx_linear_step_doc[] = (
+"linear_step(state, q, k, v, out=None)\n"
+"--\n\n"
+"The kernel behind attnx.LinearAttentionState.step (use the method).");

@@ -1,0 +1,178 @@
+"""In-place decoding: LinearAttentionState.step (design.md 3.2, streaming).
+
+step() must give exactly what the functional streaming call gives, update
+the state's own arrays, and refuse states it cannot update in place."""
+
+import numpy as np
+import pytest
+
+import attnx
+from helpers import assert_close, qkv
+
+D = 8
+PROJECTION = attnx.random_features(12, D, seed=3)
+
+# (front end, options of the call that makes the state)
+MAPS = {
+    "elu": (attnx.linear_attention, {}),
+    "softmax": (attnx.linear_attention, {"feature_map": "softmax"}),
+    "favor": (attnx.linear_attention, {"feature_map": "favor", "projection": PROJECTION}),
+    "cosformer": (attnx.cosformer_attention, {"M": 64}),
+    "focused": (attnx.focused_linear_attention, {"p": 2}),
+    "taylor": (attnx.taylor_attention, {"eps": 1e-3}),
+    "performer": (attnx.performer_attention, {"seed": 5}),
+    "callable": (attnx.linear_attention, {"feature_map": lambda x: np.logaddexp(x, 0)}),
+}
+
+
+def _split(x, steps):
+    bounds = np.cumsum([0] + steps)
+    return [x[..., a:b, :] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(MAPS))
+@pytest.mark.parametrize("steps", [[1] * 6, [3, 1, 2], [2, 4]], ids=["ones", "mixed", "several"])
+def test_step_equals_one_causal_call(name, dtype, steps):
+    front, options = MAPS[name]
+    rng = np.random.default_rng(len(name))
+    n0, n = 5, 5 + sum(steps)
+    q, k, v = qkv(rng, (2, 3), n, n, D, 6, dtype)
+    whole = front(q, k, v, causal=True, **options)
+    out0, state = front(q[..., :n0, :], k[..., :n0, :], v[..., :n0, :], causal=True,
+                        return_state=True, **options)
+    # the functional path alongside, from a copy of the same state
+    _, functional = front(q[..., :n0, :], k[..., :n0, :], v[..., :n0, :], causal=True,
+                          return_state=True, **options)
+    S, z = state.S, state.z
+    pieces = [out0]
+    for qs, ks, vs in zip(_split(q[..., n0:, :], steps), _split(k[..., n0:, :], steps),
+                          _split(v[..., n0:, :], steps)):
+        got = state.step(qs, ks, vs)
+        want, functional = front(qs, ks, vs, causal=True, initial_state=functional,
+                                 return_state=True, **options)
+        np.testing.assert_array_equal(got, want)  # the same kernel on the same numbers
+        np.testing.assert_array_equal(state.S, functional.S)
+        np.testing.assert_array_equal(state.z, functional.z)
+        assert state.offset == functional.offset
+        pieces.append(got)
+    assert state.S is S and state.z is z  # updated in place, not replaced
+    assert state.offset == n
+    assert got.dtype == dtype
+    assert_close(np.concatenate(pieces, axis=-2), whole, dtype)
+
+
+def test_step_mutates_the_state_and_out():
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, (4,), 3, 3, D, 5, np.float32)
+    _, state = attnx.linear_attention(q, k, v, causal=True, return_state=True)
+    S, z, before = state.S, state.z, state.S.copy()
+    out = np.full((4, 1, 5), np.nan, np.float32)
+    got = state.step(q[:, :1], k[:, :1], v[:, :1], out=out)
+    assert got is out and np.all(np.isfinite(out))
+    assert state.S is S and state.z is z and state.offset == 4
+    assert not np.array_equal(S, before)  # the caller's reference sees the update
+    # the functional path still never writes initial_state
+    kept = state.S.copy(), state.z.copy()
+    attnx.linear_attention(q, k, v, causal=True, initial_state=state, return_state=True)
+    np.testing.assert_array_equal(state.S, kept[0])
+    np.testing.assert_array_equal(state.z, kept[1])
+    assert state.offset == 4
+
+
+def test_step_float16_inputs_use_float32_state():
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, (2,), 4, 4, D, 3, np.float16)
+    _, state = attnx.linear_attention(q[:, :3], k[:, :3], v[:, :3], causal=True, return_state=True)
+    assert state.S.dtype == np.float32
+    got = state.step(q[:, 3:], k[:, 3:], v[:, 3:])
+    assert got.dtype == np.float16
+    assert_close(got, attnx.linear_attention(q, k, v, causal=True)[:, 3:], np.float16)
+
+
+def _state(dtype=np.float32, causal=True, lead=(2,), **options):
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, lead, 3, 3, D, 5, dtype)
+    return attnx.linear_attention(q, k, v, causal=causal, return_state=True, **options)[1]
+
+
+def _token(dtype=np.float32, lead=(2,), e=5, d=D):
+    rng = np.random.default_rng(3)
+    return qkv(rng, lead, 1, 1, d, e, dtype)
+
+
+def test_step_refuses_non_causal_state():
+    state = _state(causal=False)
+    with pytest.raises(ValueError, match="causal"):
+        state.step(*_token())
+
+
+def test_step_refuses_a_state_built_by_hand():
+    state = _state()
+    hand = attnx.LinearAttentionState(state.S, state.z, state.offset)
+    with pytest.raises(ValueError, match="return_state=True"):
+        hand.step(*_token())
+
+
+def test_step_refuses_wrong_shapes():
+    state = _state()
+    with pytest.raises(ValueError):
+        state.step(*_token(d=D + 1))  # features of another size
+    with pytest.raises(ValueError):
+        state.step(*_token(e=6))  # another value size
+    with pytest.raises(ValueError, match="batch shape"):
+        state.step(*_token(lead=(3, 2)))  # would broadcast the state
+    before = state.S.copy(), state.offset
+    with pytest.raises(ValueError):
+        state.step(*_token(), out=np.empty((2, 1, 4), np.float32))
+    np.testing.assert_array_equal(state.S, before[0])
+    assert state.offset == before[1]
+
+
+def test_step_refuses_other_dtypes():
+    state = _state(np.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        state.step(*_token(np.float64))
+    state.S = state.S.astype(np.float64)
+    with pytest.raises(TypeError, match="dtype"):
+        state.step(*_token(np.float32))
+
+
+def test_step_refuses_read_only_or_strided_state():
+    state = _state()
+    state.S.setflags(write=False)
+    with pytest.raises(ValueError, match="writeable"):
+        state.step(*_token())
+    state = _state()
+    state.z = np.asfortranarray(np.stack([state.z, state.z], -1))[..., 0]
+    assert not state.z.flags.c_contiguous
+    with pytest.raises(ValueError, match="C-contiguous"):
+        state.step(*_token())
+
+
+def test_step_refuses_overlap():
+    state = _state()
+    q, k, v = _token()
+    with pytest.raises(ValueError, match="overlap"):
+        state.step(q, k, state.S[:, :1, :])  # v read from the state being written
+    with pytest.raises(ValueError, match="overlap"):
+        state.step(q, k, v, out=state.S[:, :1, :])
+
+
+def test_step_is_repeatable_across_threads():
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, (3,), 70, 70, D, 5, np.float64)
+    threads = attnx.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            attnx.set_num_threads(count)
+            _, state = attnx.linear_attention(q[:, :2], k[:, :2], v[:, :2], causal=True,
+                                              return_state=True)
+            out = state.step(q[:, 2:], k[:, 2:], v[:, 2:])  # long: chunk method, segments
+            results.append((out, state.S.copy()))
+    finally:
+        attnx.set_num_threads(threads)
+    assert_close(results[0][0], attnx.linear_attention(q, k, v, causal=True)[:, 2:], np.float64)
+    assert_close(results[1][0], results[0][0], np.float64)
+    assert_close(results[1][1], results[0][1], np.float64)
