@@ -12,8 +12,12 @@ Per case:
 2. rounds: as many as fit in `budget_s`, clamped to [min_rounds, max_rounds];
    every round takes one sample of every competitor in a fixed order;
 3. a sample is the mean time of its inner repetitions (time.perf_counter,
-   garbage collector off); a short pause before each sample lets the spinning
-   worker threads of the previous competitor's thread pool fall asleep.
+   garbage collector off). Before each sample the harness sleeps `pause_s`,
+   so that the previous competitor's worker threads stop spinning: OpenBLAS
+   threads spin for about 2^28 cycles (~0.1 s) after a call and libgomp's
+   for a few ms. With a 5 ms pause, attnx at n = 512 timed right after the
+   gemm measured 2.6-11 ms instead of its 1.5 ms alone; from 0.1 s on it
+   measures 1.5-1.6 ms, as alone.
 """
 import gc
 import math
@@ -29,7 +33,7 @@ class Settings:
     budget_s: float = 20.0      # target time for the timed rounds of one case
     warmup_s: float = 0.2
     min_sample_s: float = 0.02
-    pause_s: float = 0.005
+    pause_s: float = 0.15
 
 
 @dataclass
@@ -50,10 +54,6 @@ class Stats:
         else:
             self.q1 = self.q3 = self.median
         self.min, self.max = min(self.samples), max(self.samples)
-
-    @property
-    def iqr_fraction(self):
-        return (self.q3 - self.q1) / self.median
 
     def as_dict(self):
         return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3,
@@ -99,18 +99,25 @@ def round_count(seconds_per_round, settings):
 def measure(calls, settings):
     """Time the zero-argument callables in `calls` ({name: call}), interleaved.
 
-    Returns ({name: Stats}, {name: result of the first warm-up call}).
+    Returns ({name: Stats}, {name: result of the first warm-up call},
+    {name: error message} for the calls that raised during warm-up, which
+    are left out of the rounds).
     """
-    first_results, numbers = {}, {}
+    first_results, numbers, failures = {}, {}, {}
     seconds_per_round = 0.0
     for name, call in calls.items():
-        first_results[name], fastest = warm_up(call, settings.warmup_s)
+        time.sleep(settings.pause_s)
+        try:
+            first_results[name], fastest = warm_up(call, settings.warmup_s)
+        except Exception as error:      # reported beside the others, not fatal
+            failures[name] = "%s: %s" % (type(error).__name__, error)
+            continue
         numbers[name] = max(1, math.ceil(settings.min_sample_s / max(fastest, 1e-9)))
         seconds_per_round += numbers[name] * fastest + settings.pause_s
-    samples = {name: [] for name in calls}
+    samples = {name: [] for name in numbers}
     for _ in range(round_count(seconds_per_round, settings)):
-        for name, call in calls.items():
+        for name in numbers:
             time.sleep(settings.pause_s)
-            samples[name].append(take_sample(call, numbers[name]))
-    stats = {name: Stats(samples[name], numbers[name]) for name in calls}
-    return stats, first_results
+            samples[name].append(take_sample(calls[name], numbers[name]))
+    stats = {name: Stats(samples[name], numbers[name]) for name in numbers}
+    return stats, first_results, failures
