@@ -113,19 +113,29 @@ ext = Extension(
 )
 
 
+def replace_file(src, dst):
+    """Copy under a new name, then rename: a process that has the old file
+    mapped keeps its copy instead of crashing on the rewritten pages."""
+    shutil.copy2(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
+
+
 class BuildExtBundlingBlas(build_ext):
     """Copy the bundled BLAS library and its licences next to the module."""
 
     def run(self):
+        module_path = self.get_ext_fullpath("attnx._C")
+        if self.inplace and os.path.exists(module_path):
+            os.unlink(module_path)  # as replace_file: running processes keep theirs
         super().run()
-        package_dir = os.path.dirname(self.get_ext_fullpath("attnx._C"))
+        package_dir = os.path.dirname(module_path)
         for lib in blas["bundle"]:
-            shutil.copy2(lib, os.path.join(package_dir, os.path.basename(lib)))
+            replace_file(lib, os.path.join(package_dir, os.path.basename(lib)))
         if blas["licenses"]:
             lic_dir = os.path.join(package_dir, "licenses")
             os.makedirs(lic_dir, exist_ok=True)
             for lic in blas["licenses"]:
-                shutil.copy2(lic, os.path.join(lic_dir, "OpenBLAS-" + os.path.basename(lic)))
+                replace_file(lic, os.path.join(lic_dir, "OpenBLAS-" + os.path.basename(lic)))
 
 
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtBundlingBlas})
