@@ -532,3 +532,13 @@ void attnx_release(attnx_operand *ops, int count)
 {
     for (int i = 0; i < count; i++) Py_CLEAR(ops[i].array);
 }
+
+int attnx_check_status(int status)
+{
+    if (status == ATTNX_OK) return 0;
+    if (status == ATTNX_ENOMEM)
+        PyErr_NoMemory();
+    else
+        PyErr_Format(PyExc_RuntimeError, "attnx kernel failed with status %d", status);
+    return -1;
+}

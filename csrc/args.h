@@ -112,4 +112,8 @@ attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy
 
 void attnx_release(attnx_operand *ops, int count);
 
+/* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM);
+ * 0 for ATTNX_OK, else -1. */
+int attnx_check_status(int status);
+
 #endif

@@ -544,10 +544,7 @@ static PyObject *run_linear(const linear_call *c)
     Py_BEGIN_ALLOW_THREADS
     status = linear_kernels[dtypes.compute == NPY_DOUBLE](&kargs);
     Py_END_ALLOW_THREADS
-    if (status != ATTNX_OK) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (attnx_check_status(status) < 0) goto done;
     if (attnx_output_finish(result, compute_out) < 0) goto done;
     if (c->in_place) {
         PyObject *advanced = PyLong_FromSsize_t((Py_ssize_t)(offset + m));

@@ -114,10 +114,7 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     Py_BEGIN_ALLOW_THREADS
     status = softmax_kernels[dtypes.compute == NPY_DOUBLE](&args);
     Py_END_ALLOW_THREADS
-    if (status != ATTNX_OK) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (attnx_check_status(status) < 0) goto done;
     if (attnx_output_finish(result, compute_out) < 0) goto done;
     if (return_lse)
         ret = PyTuple_Pack(2, (PyObject *)result, (PyObject *)outs[1].array);

@@ -57,6 +57,23 @@ def qkv(rng, lead, n, m, d, e, dtype=np.float64):
             make(rng, lead + (m, e), dtype))
 
 
+def mixed_dtype_qkv(rng, dtypes, n=6, m=9, d=4, e=3):
+    """q, k, v of the given dtypes (two heads): bool as the sign, integers
+    rounded (unsigned ones from |x|), floats cast."""
+    arrays = []
+    for shape, dtype in zip([(2, n, d), (2, m, d), (2, m, e)], map(np.dtype, dtypes)):
+        x = rng.standard_normal(shape) * 2
+        if dtype == np.bool_:
+            arrays.append(x > 0)
+        elif dtype.kind == "u":
+            arrays.append(np.abs(np.round(x)).astype(dtype))
+        elif dtype.kind == "i":
+            arrays.append(np.round(x).astype(dtype))
+        else:
+            arrays.append(x.astype(dtype))
+    return arrays
+
+
 def f64(x):
     return None if x is None else np.asarray(x, dtype=np.float64)
 

@@ -39,7 +39,7 @@ import attnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
-                     qkv, run_isolated, tol, vscale)
+                     mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
 
 HYP = hypothesis_settings(40)
 
@@ -1312,19 +1312,7 @@ def test_identity_features():
 ])
 @pytest.mark.parametrize("name", VARIANTS)
 def test_dtype_promotion(dts, want_dtype, name):
-    rng = np.random.default_rng(46)
-    n, m, d, e = 6, 9, 4, 3
-    raw = [rng.standard_normal((2, n, d)) * 2, rng.standard_normal((2, m, d)) * 2,
-           rng.standard_normal((2, m, e)) * 2]
-    arrs = []
-    for a, dt in zip(raw, dts):
-        if np.dtype(dt) == np.bool_:
-            arrs.append(a > 0)
-        elif np.dtype(dt).kind in "iu":
-            arrs.append(np.round(a).astype(dt))
-        else:
-            arrs.append(a.astype(dt))
-    q, k, v = arrs
+    q, k, v = mixed_dtype_qkv(np.random.default_rng(46), dts)
     q, k = prep(name, q, k)
     causal = name != "efficient" and name != "cosformer"
     got = call(name, q, k, v, causal=causal)

@@ -32,7 +32,7 @@ import attnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
-                     qkv, run_isolated, tol, vscale)
+                     mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
 
 HYP = hypothesis_settings(60)
 
@@ -420,20 +420,7 @@ def test_leading_axes_broadcast_rules():
 ])
 @pytest.mark.parametrize("variant", ["softmax", "gaussian"])
 def test_dtype_promotion(dts, want_dtype, variant):
-    rng = np.random.default_rng(21)
-    n, m, d, e = 6, 9, 4, 3
-    raw = [rng.standard_normal((2, n, d)) * 2, rng.standard_normal((2, m, d)) * 2,
-           rng.standard_normal((2, m, e)) * 2]
-    arrs = []
-    for a, dt in zip(raw, dts):
-        if np.dtype(dt) == np.bool_:
-            arrs.append(a > 0)
-        elif np.dtype(dt).kind in "iu":
-            arrs.append(np.abs(np.round(a)).astype(dt) if np.dtype(dt).kind == "u"
-                        else np.round(a).astype(dt))
-        else:
-            arrs.append(a.astype(dt))
-    q, k, v = arrs
+    q, k, v = mixed_dtype_qkv(np.random.default_rng(21), dts)
     fn, rf = FRONT[variant]
     kw = dict(sigma=2.0) if variant == "gaussian" else {}
     got = fn(q, k, v, causal=True, **kw)
