@@ -1,33 +1,32 @@
-/* microkernel.h - register-blocked float32 products for the softmax tiles,
+/* microkernel.h - register-blocked float32 kernels for the softmax tiles,
  * for AVX-512 and AVX2+FMA, picked at run time (attnx_mk_width).
  *
+ * softmax.c holds a tile of scores transposed, st[j][r] for key j and query
+ * row r, so that the query rows lie across the vector lanes. Then:
+ *   - the online softmax is vertical: the max and the sum over keys of W
+ *     rows are elementwise vector operations, with no horizontal reductions;
+ *   - the scores kernel folds the tile's row max into its epilogue, where
+ *     the scores are still in registers;
+ *   - both products broadcast their scalar operand from one pointer with
+ *     constant offsets (a packed key panel; a column of P), so the inner
+ *     loops hold no per-row pointers.
  * BLAS is slow on these tiles: K = d is short, and sgemm re-packs each key
  * and value tile for every query tile. Here the keys are packed once per
- * head (attnx_mk_pack_keys) into panels of MK_NR(w) keys stored feature by
- * feature, which the scores kernel streams; the values are streamed from
- * their own rows (a row of e floats is already contiguous).
+ * head and the queries once per query tile; the values are read in place.
  *
- * Both skip the register blocks that the band (causal, window) hides
- * entirely: on the tiles that straddle the diagonal, half the work. Scores
- * left unwritten there lie outside every row's visible range, which the
- * softmax pass never reads, and the P V product skips exactly the keys
- * whose p is 0 because the band hides them.
- *
- * Legend (as in softmax.c): rows query rows, cols keys of the tile,
- *   d features, e value features, W floats per vector, NR = 2 W keys per
- *   panel, MR rows per register block.
- *   kt     (panels, d, NR)    packed keys, zero past the last key
- *   scores (rows, panels NR)  scale * Q K^T, whole panels stored
- *   out    (rows, e)          += P V, e a multiple of W
- *
- * Measured on one AVX-512 core (n = 2048, 8 heads): the kernels run the
- * two products at ~150 GF/s where sgemm on the same tiles gave ~115.
+ * Legend (as in softmax.c): W floats per vector; a strip is MK_RV vectors,
+ *   3 W query rows; a panel is MK_KB keys.
+ *   qt  (strips, d, 3 W)   packed Q^T of the query tile, zero past its rows
+ *   kt  (panels, d, KB)    packed keys of the head, zero past the last key
+ *   st  (cols, st_ld)      scores (log2 units), then probabilities
+ *   out (rows, e)          += P V, e a multiple of W
  *
  * The file includes itself once per width with MK_W defined; each body is
  * compiled for its instruction set under #pragma GCC target. */
 #ifndef MK_W
 #ifndef ATTNX_MICROKERNEL_H
 #define ATTNX_MICROKERNEL_H
+#include <math.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -36,8 +35,15 @@
 #include <immintrin.h>
 #endif
 
-/* keys per packed panel for vectors of w floats */
-#define MK_NR(w) (2 * (w))
+/* vectors of query rows per strip: a strip is 3 W rows for every width, so
+ * a query tile that holds whole AVX-512 strips holds whole AVX2 strips */
+#define MK_RV 3
+#define MK_STRIP(w) (MK_RV * (w))
+/* keys per packed panel: MK_KB(w) x MK_RV accumulators fill the registers */
+#define MK_KB(w) ((w) == 16 ? 8 : 4)
+/* every strip and panel size divides these */
+#define MK_ROW_ALIGN 48
+#define MK_KEY_ALIGN 8
 
 /* The tile: queries [i0, i0 + rows), keys [j0, j0 + cols), and the band
  * that decides which of them meet. */
@@ -58,11 +64,58 @@ static inline void mk_block_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count
     if (*hi > t->cols) *hi = t->cols;
 }
 
+/* The keys [*lo, *hi) whose scores the kernels compute for the strip of
+ * rows [r0, r0 + count): those its rows see, widened to whole panels of kb
+ * keys (j0 is a multiple of kb); empty when the strip sees nothing. */
+static inline void mk_strip_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count, ptrdiff_t kb,
+                                 ptrdiff_t *lo, ptrdiff_t *hi)
+{
+    mk_block_keys(t, r0, count, lo, hi);
+    if (*hi <= *lo) {
+        *lo = *hi = 0;
+        return;
+    }
+    *lo -= *lo % kb;
+    *hi = (*hi + kb - 1) / kb * kb;
+}
+
+/* Rows [*lo, *hi) of the tile (0-based in it) that see its key j (0-based
+ * in the tile): the band's bounds solved for i. */
+static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptrdiff_t *hi)
+{
+    const attnx_band *band = t->band;
+    ptrdiff_t key = t->j0 + j;
+    *lo = band->has_hi ? key - band->hi_shift - t->i0 : 0;
+    *hi = band->has_lo ? key - band->lo_shift - t->i0 + 1 : t->rows;
+    if (*lo < 0) *lo = 0;
+    if (*hi > t->rows) *hi = t->rows;
+    if (*hi < *lo) *hi = *lo;
+}
+
+/* The band hides some scores of the block of keys [c0, c0 + kb) and strip
+ * rows [r0, r0 + strip): set those to -inf, then fold the block into the
+ * strip's row max. Runs on the few blocks that straddle the band's edges;
+ * padding lanes past the tile's rows are left as they are. */
+static void mk_hide_and_max(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
+                            ptrdiff_t strip, ptrdiff_t c0, ptrdiff_t kb, float *tile_max)
+{
+    ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
+    for (ptrdiff_t j = c0; j < c0 + kb; j++) {
+        ptrdiff_t lo = r1, hi = r1;
+        if (j < t->cols) mk_key_rows(t, j, &lo, &hi);
+        float *s_j = st + j * st_ld;
+        for (ptrdiff_t r = r0; r < r1; r++) {
+            if (r < lo || r >= hi) s_j[r] = -INFINITY;
+            if (s_j[r] > tile_max[r]) tile_max[r] = s_j[r];
+        }
+    }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
 #define MK_HAVE_X86 1
 
 #define MK_W 16
-#define MK_MR 12 /* 24 of the 32 zmm registers accumulate */
+#define MK_MR 12 /* P V: 24 of the 32 zmm registers accumulate */
 #define MK_TARGET _Pragma("GCC target(\"avx512f\")")
 #include "microkernel.h"
 #undef MK_W
@@ -70,7 +123,7 @@ static inline void mk_block_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count
 #undef MK_TARGET
 
 #define MK_W 8
-#define MK_MR 6 /* 12 of the 16 ymm registers accumulate */
+#define MK_MR 6 /* P V: 12 of the 16 ymm registers accumulate */
 #define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
 #include "microkernel.h"
 #undef MK_W
@@ -89,18 +142,34 @@ static inline int attnx_mk_width(void)
     return 0;
 }
 
-/* kt (panels, d, nr) <- keys [0, count) of k (row stride k_row), transposed
+/* kt (panels, d, kb) <- keys [0, count) of k (row stride k_row), transposed
  * panel by panel; the lanes past `count` in the last panel are 0. */
 static void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdiff_t count,
-                               ptrdiff_t d, ptrdiff_t nr)
+                               ptrdiff_t d, ptrdiff_t kb)
 {
-    for (ptrdiff_t j0 = 0; j0 < count; j0 += nr) {
+    for (ptrdiff_t j0 = 0; j0 < count; j0 += kb) {
         float *panel = kt + j0 * d;
-        ptrdiff_t keys = count - j0 < nr ? count - j0 : nr;
-        if (keys < nr) memset(panel, 0, (size_t)(d * nr) * sizeof *panel);
+        ptrdiff_t keys = count - j0 < kb ? count - j0 : kb;
+        if (keys < kb) memset(panel, 0, (size_t)(d * kb) * sizeof *panel);
         for (ptrdiff_t jj = 0; jj < keys; jj++) {
             const float *k_j = k + (j0 + jj) * k_row;
-            for (ptrdiff_t c = 0; c < d; c++) panel[c * nr + jj] = k_j[c];
+            for (ptrdiff_t c = 0; c < d; c++) panel[c * kb + jj] = k_j[c];
+        }
+    }
+}
+
+/* qt (strips, d, strip) <- rows [0, rows) of q transposed strip by strip;
+ * the lanes past `rows` in the last strip are 0. */
+static void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row, ptrdiff_t rows,
+                                  ptrdiff_t d, ptrdiff_t strip)
+{
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip) {
+        float *block = qt + r0 * d;
+        ptrdiff_t count = rows - r0 < strip ? rows - r0 : strip;
+        if (count < strip) memset(block, 0, (size_t)(d * strip) * sizeof *block);
+        for (ptrdiff_t r = 0; r < count; r++) {
+            const float *q_r = q + (r0 + r) * q_row;
+            for (ptrdiff_t c = 0; c < d; c++) block[c * strip + r] = q_r[c];
         }
     }
 }
@@ -112,21 +181,25 @@ static void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdi
 #define MK_DISPATCH(w, name, ...) ((void)0)
 #endif
 
-/* scores (rows, panels NR), row stride s_row, = scale * Q K^T for the
- * visible blocks; kt holds the tile's panels, the first at key j0 */
-static inline void attnx_mk_scores(int w, const mk_tile *t, float *scores, ptrdiff_t s_row,
-                                   const float *q, ptrdiff_t q_row, const float *kt, ptrdiff_t d,
-                                   float scale)
+/* st = scale Q K^T + key_term for the keys each strip computes
+ * (mk_strip_keys), with the keys the band hides at -inf, and tile_max[r]
+ * raised to the max of row r's scores. kt holds the tile's panels, the
+ * first at key j0; key_term (cols rounded up to a panel) is added per key,
+ * and a key whose term is -inf scores -inf whatever q . k is. */
+static inline void attnx_mk_scores(int w, const mk_tile *t, float *st, ptrdiff_t st_ld,
+                                   const float *qt, const float *kt, ptrdiff_t d, float scale,
+                                   const float *key_term, float *tile_max)
 {
-    MK_DISPATCH(w, mk_scores, t, scores, s_row, q, q_row, kt, d, scale);
+    MK_DISPATCH(w, mk_scores, t, st, st_ld, qt, kt, d, scale, key_term, tile_max);
 }
 
-/* out (rows, e) += P V over the tile's keys; P row stride p_row; e % w == 0 */
+/* out (rows, e) += P V over the tile's keys, P^T in pt (row stride pt_ld);
+ * e % w == 0 */
 static inline void attnx_mk_add_pv(int w, const mk_tile *t, float *out, ptrdiff_t out_row,
-                                   const float *p, ptrdiff_t p_row, const float *v,
+                                   const float *pt, ptrdiff_t pt_ld, const float *v,
                                    ptrdiff_t v_row, ptrdiff_t e)
 {
-    MK_DISPATCH(w, mk_add_pv, t, out, out_row, p, p_row, v, v_row, e);
+    MK_DISPATCH(w, mk_add_pv, t, out, out_row, pt, pt_ld, v, v_row, e);
 }
 #undef MK_DISPATCH
 
@@ -141,69 +214,86 @@ MK_TARGET
 #define MK_CAT(a, b) MK_CAT2(a, b)
 #define MK_NAME(name) MK_CAT(name, MK_CAT(_w, MK_W))
 #define MK_VEC MK_NAME(mk_vec)
+#define MK_KB_W MK_KB(MK_W)
 
 /* unaligned, may alias the float arrays it is loaded from */
 typedef float MK_VEC __attribute__((vector_size(MK_W * 4), aligned(4), may_alias));
 
-/* One MR x NR block of scores. Rows past `rows` reread the last row (their
- * results are dropped), so every block runs the same unrolled code. */
+#if MK_W == 16
+#define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
+#else
+#define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
+#endif
+
+/* One block: KB keys of a panel against the 3 W rows of a strip. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
-    float *scores, ptrdiff_t s_row, const float *q, ptrdiff_t q_row, ptrdiff_t rows,
-    const float *panel, ptrdiff_t d, float scale)
+    float *st, ptrdiff_t st_ld, const float *q_strip, const float *panel, ptrdiff_t d,
+    float scale, const float *key_term, float *strip_max, int fold_max)
 {
-    const float *q_r[MK_MR];
-    MK_VEC acc[MK_MR][2];
-#pragma GCC unroll 16
-    for (int r = 0; r < MK_MR; r++) {
-        q_r[r] = q + (r < rows ? r : rows - 1) * q_row;
-        acc[r][0] = acc[r][1] = (MK_VEC){0};
-    }
+    MK_VEC acc[MK_KB_W][MK_RV];
+#pragma GCC unroll 8
+    for (int jj = 0; jj < MK_KB_W; jj++)
+        for (int h = 0; h < MK_RV; h++) acc[jj][h] = (MK_VEC){0};
     for (ptrdiff_t c = 0; c < d; c++) {
-        MK_VEC k0 = *(const MK_VEC *)(panel + c * 2 * MK_W);
-        MK_VEC k1 = *(const MK_VEC *)(panel + c * 2 * MK_W + MK_W);
-#pragma GCC unroll 16
-        for (int r = 0; r < MK_MR; r++) {
-            float q_rc = q_r[r][c];
-            acc[r][0] += k0 * q_rc;
-            acc[r][1] += k1 * q_rc;
+        MK_VEC q_c[MK_RV];
+        for (int h = 0; h < MK_RV; h++) q_c[h] = *(const MK_VEC *)(q_strip + (c * MK_RV + h) * MK_W);
+#pragma GCC unroll 8
+        for (int jj = 0; jj < MK_KB_W; jj++) {
+            float k_jc = panel[c * MK_KB_W + jj];
+            for (int h = 0; h < MK_RV; h++) acc[jj][h] += q_c[h] * k_jc;
         }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < MK_MR; r++)
-        if (r < rows) {
-            *(MK_VEC *)(scores + r * s_row) = acc[r][0] * scale;
-            *(MK_VEC *)(scores + r * s_row + MK_W) = acc[r][1] * scale;
+    MK_VEC row_max[MK_RV];
+    for (int h = 0; h < MK_RV; h++) row_max[h] = *(const MK_VEC *)(strip_max + h * MK_W);
+#pragma GCC unroll 8
+    for (int jj = 0; jj < MK_KB_W; jj++)
+        for (int h = 0; h < MK_RV; h++) {
+            /* a masked key (term -inf) must not turn a NaN score into a
+             * NaN weight: it is -inf outright */
+            MK_VEC s = key_term[jj] == -INFINITY ? (MK_VEC){0} - INFINITY
+                                                  : acc[jj][h] * scale + key_term[jj];
+            *(MK_VEC *)(st + jj * st_ld + h * MK_W) = s;
+            row_max[h] = MK_VMAX(row_max[h], s);
         }
+    if (fold_max)
+        for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
 }
 
-static void MK_NAME(mk_scores)(const mk_tile *t, float *scores, ptrdiff_t s_row, const float *q,
-                               ptrdiff_t q_row, const float *kt, ptrdiff_t d, float scale)
+static void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld, const float *qt,
+                               const float *kt, ptrdiff_t d, float scale, const float *key_term,
+                               float *tile_max)
 {
-    /* a panel of keys (d NR floats) stays in L1 while the query rows
+    const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
+    /* a strip of queries (3 W d floats) stays in L1 while the key panels
      * stream past it from L2 */
-    for (ptrdiff_t c0 = 0; c0 < t->cols; c0 += 2 * MK_W)
-        for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += MK_MR) {
-            ptrdiff_t lo, hi;
-            mk_block_keys(t, r0, MK_MR, &lo, &hi);
-            if (hi <= c0 || lo >= c0 + 2 * MK_W) continue;
-            MK_NAME(mk_scores_block)(scores + r0 * s_row + c0, s_row, q + r0 * q_row, q_row,
-                                     t->rows - r0, kt + c0 * d, d, scale);
+    for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += strip) {
+        ptrdiff_t lo, hi, all_lo, all_hi;
+        mk_strip_keys(t, r0, strip, kb, &lo, &hi);
+        /* keys [all_lo, all_hi) are visible to every row of the strip (the
+         * padding lanes past the last row are never read: no matter) */
+        ptrdiff_t r_last = (r0 + strip < t->rows ? r0 + strip : t->rows) - 1;
+        all_lo = attnx_band_first(t->band, t->i0 + r_last) - t->j0;
+        all_hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
+        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
+            int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
+            MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, kt + c0 * d, d,
+                                     scale, key_term + c0, tile_max + r0, whole);
+            if (!whole) mk_hide_and_max(t, st, st_ld, r0, strip, c0, kb, tile_max);
         }
+    }
 }
 
-/* out[r][0, nv W) += sum_j p[r][j] v[j][0, nv W) for one block of mr rows;
+/* out[r][0, nv W) += sum_j p[j][r] v[j][0, nv W) for one block of mr rows;
  * mr and nv (mr nv <= 2 MK_MR accumulators) are constants after inlining.
- * Rows past `rows` reread the last row and are not stored. */
+ * Rows past `rows` compute on P's padding lanes and are not stored. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
-    float *out, ptrdiff_t out_row, const float *p, ptrdiff_t p_row, ptrdiff_t rows,
+    float *out, ptrdiff_t out_row, const float *pt, ptrdiff_t pt_ld, ptrdiff_t rows,
     const float *v, ptrdiff_t v_row, ptrdiff_t cols, int mr, int nv)
 {
-    const float *p_r[MK_MR];
     MK_VEC acc[MK_MR][4];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++) {
         ptrdiff_t row = r < rows ? r : rows - 1;
-        p_r[r] = p + row * p_row;
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++) acc[r][h] = *(const MK_VEC *)(out + row * out_row + h * MK_W);
     }
@@ -213,7 +303,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
         for (int h = 0; h < nv; h++) v_j[h] = *(const MK_VEC *)(v + j * v_row + h * MK_W);
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
-            float p_rj = p_r[r][j];
+            float p_rj = pt[j * pt_ld + r];
 #pragma GCC unroll 4
             for (int h = 0; h < nv; h++) acc[r][h] += v_j[h] * p_rj;
         }
@@ -226,13 +316,13 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
 }
 
 /* Keys per slice of the value tile: a slice of MK_KC rows of 4 vectors
- * (16 KB with AVX-512) stays in L1 while the rows of P stream past it. */
+ * (16 KB with AVX-512) stays in L1 while the columns of P stream past it. */
 #define MK_KC 64
 
 /* columns [c0, c0 + nv W) of out, keys [j0, j1) of the tile, by blocks of
- * mr rows, each over the keys its rows see */
+ * mr rows (mr divides the strip), each over the keys its rows see */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
-    const mk_tile *t, float *out, ptrdiff_t out_row, const float *p, ptrdiff_t p_row,
+    const mk_tile *t, float *out, ptrdiff_t out_row, const float *pt, ptrdiff_t pt_ld,
     const float *v, ptrdiff_t v_row, ptrdiff_t c0, ptrdiff_t j0, ptrdiff_t j1, int mr, int nv)
 {
     for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += mr) {
@@ -241,13 +331,13 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
         lo = lo > j0 ? lo : j0;
         hi = hi < j1 ? hi : j1;
         if (hi > lo)
-            MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, p + r0 * p_row + lo, p_row,
+            MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, pt + lo * pt_ld + r0, pt_ld,
                                  t->rows - r0, v + lo * v_row + c0, v_row, hi - lo, mr, nv);
     }
 }
 
-static void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, const float *p,
-                               ptrdiff_t p_row, const float *v, ptrdiff_t v_row, ptrdiff_t e)
+static void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, const float *pt,
+                               ptrdiff_t pt_ld, const float *v, ptrdiff_t v_row, ptrdiff_t e)
 {
     for (ptrdiff_t j0 = 0; j0 < t->cols; j0 += MK_KC) {
         ptrdiff_t j1 = t->cols - j0 < MK_KC ? t->cols : j0 + MK_KC;
@@ -255,56 +345,74 @@ static void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, 
          * rows of P, fewer loads per multiply-add than 2 vectors x MR rows */
         ptrdiff_t c0 = 0;
         for (; c0 + 4 * MK_W <= e; c0 += 4 * MK_W)
-            MK_NAME(mk_pv_columns)(t, out, out_row, p, p_row, v, v_row, c0, j0, j1, MK_MR / 2, 4);
+            MK_NAME(mk_pv_columns)(t, out, out_row, pt, pt_ld, v, v_row, c0, j0, j1, MK_MR / 2, 4);
         for (; c0 + 2 * MK_W <= e; c0 += 2 * MK_W)
-            MK_NAME(mk_pv_columns)(t, out, out_row, p, p_row, v, v_row, c0, j0, j1, MK_MR, 2);
+            MK_NAME(mk_pv_columns)(t, out, out_row, pt, pt_ld, v, v_row, c0, j0, j1, MK_MR, 2);
         if (c0 < e)
-            MK_NAME(mk_pv_columns)(t, out, out_row, p, p_row, v, v_row, c0, j0, j1, MK_MR, 1);
+            MK_NAME(mk_pv_columns)(t, out, out_row, pt, pt_ld, v, v_row, c0, j0, j1, MK_MR, 1);
     }
 }
 #undef MK_KC
 
 #if MK_W == 16
-/* p_j = exp(s_j - max) in place over s[0, count); returns sum_j p_j and sets
- * *has_zero when some p_j is 0. The same values as vexp_f32(s_j - max) for
- * the arguments softmax makes (<= 0, -inf or NaN): the same reduction and
- * polynomial, but AVX-512's scalef builds p 2^n and a mask gives the 0
- * below EXP_LO, where vexp spends clamps, integer ops and selects: about
- * half the instructions in the loop that dominates the softmax pass. */
-static float mk_exp_sum_w16(float *s, ptrdiff_t count, float max, int *has_zero)
+/* 2^t for t <= 0 (and -inf, NaN) on AVX-512: t = n + f with n an integer
+ * and |f| <= 1/2, 2^f by a degree-6 polynomial (relative error 1.9e-9, a
+ * fit on Chebyshev nodes; the one vexp2_f32 uses), and scalef builds p 2^n.
+ * Below -125 the result is 0 by a mask, with the arithmetic done on -125:
+ * results under the smallest normal would cost a microcode assist each, and
+ * the hidden scores (-inf) are many. NaN stays NaN (max returns its second
+ * operand when one is NaN; the compare keeps unordered lanes). */
+static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
 {
-    const __m512 row_max = _mm512_set1_ps(max), log2e = _mm512_set1_ps(1.44269504088896340736f);
-    const __m512 magic = _mm512_set1_ps(12582912.0f); /* 1.5 * 2^23: round to nearest */
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    const __m512 exp_lo = _mm512_set1_ps(-87.0f);
-    __m512 sum = _mm512_setzero_ps();
-    __mmask16 zero = 0;
-    for (ptrdiff_t j = 0; j < count; j += 16) {
-        __mmask16 lanes = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1);
-        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), row_max);
-        __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, log2e, magic), magic);
-        __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-        r = _mm512_fnmadd_ps(n, ln2_lo, r);
-        __m512 p = _mm512_set1_ps(1.0f / 5040.0f); /* Taylor to r^7, as vexp */
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        /* x >= EXP_LO or NaN keeps p 2^n; -inf and the tail lanes give 0 */
-        __mmask16 keep = _mm512_mask_cmp_ps_mask(lanes, x, exp_lo, _CMP_NLT_UQ);
-        __m512 y = _mm512_maskz_scalef_ps(keep, p, n);
-        _mm512_mask_storeu_ps(s + j, lanes, y);
-        sum = _mm512_add_ps(sum, y);
-        zero |= _mm512_mask_cmp_ps_mask(lanes, y, _mm512_setzero_ps(), _CMP_EQ_OQ);
+    const __m512 lowest = _mm512_set1_ps(-125.0f);
+    __mmask16 keep = _mm512_cmp_ps_mask(t, lowest, _CMP_NLT_UQ);
+    t = _mm512_max_ps(lowest, t);
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5337576837119846e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399860363333747e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618519534386695e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550328997517368e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402264660871246f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472056005106f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* The online softmax of one strip over the keys [lo, hi) of the tile, on
+ * AVX-512: see softmax_strip in softmax.c, which this computes in
+ * registers, 3 vectors of rows at a time. */
+static void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
+                                 const float *tile_max, float *row_max, float *row_sum,
+                                 float *correction)
+{
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 sub[MK_RV], sum[MK_RV];
+    for (int h = 0; h < MK_RV; h++) {
+        __m512 old_max = _mm512_loadu_ps(row_max + h * 16);
+        __m512 new_max = _mm512_max_ps(old_max, _mm512_loadu_ps(tile_max + h * 16));
+        __mmask16 unseen = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ);
+        __mmask16 same = _mm512_cmp_ps_mask(new_max, old_max, _CMP_EQ_OQ);
+        sub[h] = _mm512_mask_blend_ps(unseen, new_max, _mm512_setzero_ps());
+        __m512 corr = _mm512_mask_blend_ps(same, mk_exp2_w16(_mm512_sub_ps(old_max, sub[h])),
+                                           _mm512_set1_ps(1.0f));
+        _mm512_storeu_ps(correction + h * 16, corr);
+        _mm512_storeu_ps(row_max + h * 16, new_max);
+        sum[h] = _mm512_mul_ps(_mm512_loadu_ps(row_sum + h * 16), corr);
     }
-    if (zero) *has_zero = 1;
-    return _mm512_reduce_add_ps(sum);
+    for (ptrdiff_t j = lo; j < hi; j++)
+        for (int h = 0; h < MK_RV; h++) {
+            float *s = st + j * st_ld + h * 16;
+            __m512 p = mk_exp2_w16(_mm512_sub_ps(_mm512_loadu_ps(s), sub[h]));
+            _mm512_storeu_ps(s, p);
+            sum[h] = _mm512_add_ps(sum[h], p);
+        }
+    for (int h = 0; h < MK_RV; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
 }
 #endif
 
+#undef MK_VMAX
+#undef MK_KB_W
 #undef MK_CAT2
 #undef MK_CAT
 #undef MK_NAME

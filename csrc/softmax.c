@@ -2,13 +2,20 @@
  *
  * For each head and each tile of Q_TILE query rows, walk the key tiles that
  * the rows can see (the causal/window band skips the rest), and keep per
- * row an online softmax: the running max, the running sum of exp(s - max),
+ * row an online softmax: the running max, the running sum of 2^(s - max),
  * and the unnormalised output in the output rows themselves. Memory is one
  * scores tile per thread: nothing grows with n * m.
  *
+ * The scores tile is held transposed, one query row per column, so that
+ * the softmax over keys runs down the columns in vector lanes (see
+ * microkernel.h), and in log2 units, log2(e) times the natural scores, so
+ * that each weight is one 2^x. The rounding of the row max cancels between
+ * a row's weights, because every weight and every rescaling of the row is
+ * 2^(x - max) for the same max.
+ *
  * Legend: n queries, m keys, d features, e value features.
- *   scores (rows, KEY_TILE)  scale * Q_tile K_tile^T, then p = exp(s - max)
- *   out    (rows, e)         sum_j p_ij v_j, rescaled when the max grows
+ *   st    (cols, st_ld)  log2(e) (scale Q_tile K_tile^T + bias), then p = 2^(st - max)
+ *   out   (rows, e)      sum_j p_rj v_j, rescaled when the max grows
  */
 #ifndef REAL
 #include <math.h>
@@ -20,10 +27,10 @@
 #include "microkernel.h"
 
 /* Tile sizes: a scores tile of Q_TILE x KEY_TILE stays in L2, and tall
- * query tiles amortise BLAS's packing of each key and value tile over many
- * rows (measured on AVX-512: 256 x 256 beat 64 x 256 by ~15%; with the
- * micro-kernels, 128 x 256, 256 x 128 and 256 x 512 are within noise). */
-#define Q_TILE 256
+ * query tiles amortise the packing of each key tile over many rows. Q_TILE
+ * is a whole number of micro-kernel strips (MK_ROW_ALIGN); KEY_TILE a whole
+ * number of panels. */
+#define Q_TILE 240
 #define KEY_TILE 256
 
 /* Below this many queries, packing every key costs more than the
@@ -31,12 +38,16 @@
  * the micro-kernels from 48): BLAS or plain loops instead. */
 #define MK_MIN_ROWS 48
 
+/* Values are checked for inf and NaN (see add_visible_values) in blocks of
+ * this many keys, once per head and thread. */
+#define V_BLOCK 64
+
 /* One thread's keys of one head, packed for the float32 micro-kernels; a
  * panel is packed the first time a query tile needs it, and reused by every
  * later tile of the head (and of heads that share the keys). */
 typedef struct {
     int width;            /* floats per vector of the micro-kernels */
-    float *kt;            /* (m rounded up to MK_NR(width), d) */
+    float *kt;            /* (m rounded up to MK_KB(width), d) */
     unsigned char *ready; /* per panel: packed yet */
     ptrdiff_t panels;
     const void *k;        /* the keys whose panels are in kt */
@@ -47,68 +58,183 @@ typedef struct {
 
 #else /* REAL: the body, compiled once per type */
 
-/* p_j = exp(s_j - max) in place over s[0, count); returns sum_j p_j and sets
- * *has_zero when some p_j is 0 (float32 on AVX-512: mk_exp_sum_w16). */
-typedef REAL (*SFX(exp_sum_fn))(REAL *s, ptrdiff_t count, REAL max, int *has_zero);
+#define LOG2E ((REAL)1.44269504088896340736)
 
-static ATTNX_HOT REAL SFX(exp_sum)(REAL *s, ptrdiff_t count, REAL max, int *has_zero)
+/* One thread's working memory for a query tile (arrays of st_ld lanes are
+ * indexed by the tile's query rows). */
+typedef struct {
+    REAL *st;           /* (KEY_TILE, st_ld) scores, then probabilities */
+    ptrdiff_t st_ld;
+    REAL *qt;           /* the micro-kernels' packed Q^T of the tile */
+    REAL *key_term;     /* (KEY_TILE) per-key addend of the scores, log2 units */
+    REAL *tile_max;     /* max of the row's scores in the current key tile */
+    REAL *row_max, *row_sum;  /* the online softmax, log2 units */
+    REAL *correction;   /* 2^(old max - new max), to rescale out */
+    REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum */
+    packed_keys *pk;    /* NULL: BLAS and plain loops */
+    unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
+    const void *v_seen;       /* the values v_state describes */
+} SFX(tile_work);
+
+/* bias[j] = coef * |x_j|^2 over rows x_j (gaussian attention's -|k_j|^2 /
+ * (2 sigma^2), and the query's own term of its lse) */
+static ATTNX_HOT void SFX(sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_t x_row,
+                                        ptrdiff_t count, ptrdiff_t d, REAL coef)
 {
-    REAL sum = 0;
-    int zeros = 0;
-#pragma omp simd reduction(+ : sum, zeros)
     for (ptrdiff_t j = 0; j < count; j++) {
-        REAL p = SFX(vexp)(s[j] - max);
-        s[j] = p;
-        sum += p;
-        zeros += p == 0;
+        const REAL *x_j = rows_x + j * x_row;
+        REAL sq = 0;
+        for (ptrdiff_t c = 0; c < d; c++) sq += x_j[c] * x_j[c];
+        bias[j] = coef * sq;
     }
-    if (zeros) *has_zero = 1;
-    return sum;
 }
 
-/* Pass 2 for one row of a tile: add bias, mask, then fold the tile into the
- * online softmax. Invariant, per row: out = sum_j exp(s_j - row_max) v_j
- * and row_sum = sum_j exp(s_j - row_max) over the keys seen so far; a row
- * that has seen no visible key keeps row_max = -inf, row_sum = 0, out = 0.
- * Returns the factor by which `out` must be rescaled (1 when unchanged). */
-static ATTNX_HOT REAL SFX(online_softmax_row)(REAL *scores, ptrdiff_t cols, ptrdiff_t vis_lo,
-                                              ptrdiff_t vis_hi, const REAL *bias_row,
-                                              ptrdiff_t bias_col, const unsigned char *mask_row,
-                                              ptrdiff_t mask_col, const REAL *key_bias,
-                                              SFX(exp_sum_fn) exp_sum, REAL *row_max,
-                                              REAL *row_sum, int *has_zero)
+/* A bias or mask that depends on the key only (key padding: shape (..., 1,
+ * m)) joins the per-key term; one that depends on the query too is
+ * applied to the scores tile. */
+static int SFX(bias_per_key)(const attnx_softmax_args *a) { return a->bias_row == 0 || a->n == 1; }
+static int SFX(mask_per_key)(const attnx_softmax_args *a) { return a->mask_row == 0 || a->n == 1; }
+
+/* key_term[j] for the tile's keys [j0, j0 + cols), in log2 units: the
+ * gaussian term, a per-key bias, -inf for a key its mask removes; 0 in the
+ * panel padding up to `padded`. */
+static void SFX(fill_key_term)(const attnx_softmax_args *a, REAL *key_term, const REAL *k,
+                               const REAL *bias, const unsigned char *mask, ptrdiff_t j0,
+                               ptrdiff_t cols, ptrdiff_t padded)
+{
+    if (a->key_sqnorm_coef != 0)
+        SFX(sqnorm_terms)(key_term, k + j0 * a->k_row, a->k_row, cols, a->d,
+                          (REAL)a->key_sqnorm_coef);
+    else
+        for (ptrdiff_t j = 0; j < cols; j++) key_term[j] = 0;
+    if (bias && SFX(bias_per_key)(a))
+        for (ptrdiff_t j = 0; j < cols; j++) key_term[j] += bias[(j0 + j) * a->bias_col];
+    for (ptrdiff_t j = 0; j < cols; j++) key_term[j] *= LOG2E;
+    if (mask && SFX(mask_per_key)(a))
+        for (ptrdiff_t j = 0; j < cols; j++)
+            if (!mask[(j0 + j) * a->mask_col]) key_term[j] = -(REAL)INFINITY;
+    for (ptrdiff_t j = cols; j < padded; j++) key_term[j] = 0;
+}
+
+/* Plain-loop epilogue of the BLAS scores: add the key term, hide what the
+ * band or a masked key hides (-inf, whatever the score: a NaN there must
+ * not reach the row), and take each row's max. */
+static ATTNX_HOT void SFX(finish_scores)(const mk_tile *t, REAL *st, ptrdiff_t st_ld,
+                                         const REAL *key_term, REAL *tile_max)
 {
     const REAL neg_inf = -(REAL)INFINITY;
-    if (bias_row)
-        for (ptrdiff_t j = vis_lo; j < vis_hi; j++) scores[j] += bias_row[j * bias_col];
-    if (key_bias)
-        for (ptrdiff_t j = vis_lo; j < vis_hi; j++) scores[j] += key_bias[j];
-    if (mask_row)
-        for (ptrdiff_t j = vis_lo; j < vis_hi; j++)
-            scores[j] = mask_row[j * mask_col] ? scores[j] : neg_inf;
-
-    REAL tile_max = neg_inf;
-#pragma omp simd reduction(max : tile_max)
-    for (ptrdiff_t j = vis_lo; j < vis_hi; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
-    REAL new_max = tile_max > *row_max ? tile_max : *row_max;
-
-    for (ptrdiff_t j = 0; j < vis_lo; j++) scores[j] = 0;
-    for (ptrdiff_t j = vis_hi; j < cols; j++) scores[j] = 0;
-    if (vis_lo > 0 || vis_hi < cols || new_max == neg_inf) *has_zero = 1;
-    if (new_max == neg_inf) {
-        /* Nothing visible yet (exp(-inf - -inf) would be NaN), unless the
-         * max skipped NaN scores: then the row must come out NaN. */
-        for (ptrdiff_t j = vis_lo; j < vis_hi; j++) {
-            if (scores[j] != scores[j]) *row_sum = scores[j];
-            scores[j] = 0;
+    for (ptrdiff_t j = 0; j < t->cols; j++) {
+        ptrdiff_t lo, hi;
+        mk_key_rows(t, j, &lo, &hi);
+        if (key_term[j] == neg_inf) hi = lo;
+        REAL *s_j = st + j * st_ld, term = key_term[j];
+        for (ptrdiff_t r = 0; r < lo; r++) s_j[r] = neg_inf;
+#pragma omp simd
+        for (ptrdiff_t r = lo; r < hi; r++) {
+            s_j[r] += term;
+            tile_max[r] = s_j[r] > tile_max[r] ? s_j[r] : tile_max[r];
         }
-        return 1;
+        for (ptrdiff_t r = hi; r < t->rows; r++) s_j[r] = neg_inf;
     }
-    REAL tile_sum = exp_sum(scores + vis_lo, vis_hi - vis_lo, new_max, has_zero);
-    REAL correction = *row_max == new_max ? 1 : SFX(vexp)(*row_max - new_max);
-    *row_sum = *row_sum * correction + tile_sum;
-    *row_max = new_max;
-    return correction;
+}
+
+/* st = scores of the tile, with hidden keys at -inf, and tile_max; the
+ * keys each strip of rows computes are mk_strip_keys(.., kb) (BLAS: all of
+ * the tile's keys for all its rows, kb = 1). */
+static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w,
+                             const REAL *q, const REAL *k, REAL scale2)
+{
+    for (ptrdiff_t r = 0; r < w->st_ld; r++) w->tile_max[r] = -(REAL)INFINITY;
+#if !REAL_IS_DOUBLE
+    packed_keys *pk = w->pk;
+    if (pk) {
+        ptrdiff_t kb = MK_KB(pk->width), p0 = t->j0 / kb, p1 = (t->j0 + t->cols + kb - 1) / kb;
+        for (ptrdiff_t p = p0; p < p1; p++)
+            if (!pk->ready[p]) {
+                attnx_mk_pack_keys(pk->kt + p * kb * a->d, k + p * kb * a->k_row, a->k_row,
+                                   ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
+                pk->ready[p] = 1;
+            }
+        attnx_mk_scores(pk->width, t, w->st, w->st_ld, w->qt, pk->kt + t->j0 * a->d, a->d, scale2,
+                        w->key_term, w->tile_max);
+        return;
+    }
+#endif
+    SFX(gemm)(0, 1, t->cols, t->rows, a->d, scale2, k + t->j0 * a->k_row, a->k_row, q, a->q_row,
+              0, w->st, w->st_ld);
+    SFX(finish_scores)(t, w->st, w->st_ld, w->key_term, w->tile_max);
+}
+
+/* A bias or mask that depends on the query as well: added to (or hiding)
+ * the visible scores of rows [r0, r1) over the keys [lo, hi) their strip
+ * computes, then those rows' max taken anew. */
+static void SFX(apply_bias_mask)(const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w,
+                                 const REAL *bias, const unsigned char *mask, ptrdiff_t r0,
+                                 ptrdiff_t r1, ptrdiff_t lo, ptrdiff_t hi)
+{
+    const REAL neg_inf = -(REAL)INFINITY;
+    int use_bias = bias && !SFX(bias_per_key)(a), use_mask = mask && !SFX(mask_per_key)(a);
+    for (ptrdiff_t r = r0; r < r1; r++) w->tile_max[r] = neg_inf;
+    for (ptrdiff_t j = lo; j < hi; j++) {
+        REAL *s_j = w->st + j * w->st_ld;
+        ptrdiff_t key = t->j0 + j;
+        for (ptrdiff_t r = r0; r < r1; r++) {
+            ptrdiff_t i = t->i0 + r;
+            /* hidden stays hidden, whatever the bias (-inf + inf is NaN) */
+            if (s_j[r] == neg_inf) continue;
+            if (use_bias) s_j[r] += LOG2E * bias[i * a->bias_row + key * a->bias_col];
+            if (use_mask && !mask[i * a->mask_row + key * a->mask_col]) s_j[r] = neg_inf;
+            w->tile_max[r] = s_j[r] > w->tile_max[r] ? s_j[r] : w->tile_max[r];
+        }
+    }
+}
+
+/* The online softmax of rows [r0, r1) over the keys [lo, hi) of the tile:
+ * st <- 2^(st - max) with max the rows' new running max, the rows' running
+ * sums brought up to date, and correction[r] = 2^(old max - new max), the
+ * factor for what out holds already (1 when the max did not move).
+ * Invariant, per row: out = sum_j 2^(s_j - row_max) v_j and row_sum = sum_j
+ * 2^(s_j - row_max) over the keys seen so far; a row that has seen no
+ * visible key keeps row_max = -inf, row_sum = 0, out = 0. */
+static ATTNX_HOT void SFX(softmax_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,
+                                         ptrdiff_t lo, ptrdiff_t hi)
+{
+    const REAL neg_inf = -(REAL)INFINITY;
+    REAL *st = w->st, *shift = w->shift, *tile_sum = w->tile_sum;
+    const ptrdiff_t st_ld = w->st_ld;
+#pragma omp simd
+    for (ptrdiff_t r = r0; r < r1; r++) {
+        REAL old_max = w->row_max[r], new_max = w->tile_max[r] > old_max ? w->tile_max[r] : old_max;
+        /* a row with nothing visible yet subtracts 0: its scores are -inf */
+        shift[r] = new_max == neg_inf ? 0 : new_max;
+        REAL correction = new_max == old_max ? 1 : SFX(vexp2)(old_max - shift[r]);
+        w->correction[r] = correction;
+        tile_sum[r] = w->row_sum[r] * correction;
+        w->row_max[r] = new_max;
+    }
+    if (r1 - r0 >= 8) {
+        /* down the columns: each key's row of st is a vector of rows */
+        for (ptrdiff_t j = lo; j < hi; j++)
+#pragma omp simd
+            for (ptrdiff_t r = r0; r < r1; r++) {
+                REAL p = SFX(vexp2)(st[j * st_ld + r] - shift[r]);
+                st[j * st_ld + r] = p;
+                tile_sum[r] += p;
+            }
+    } else {
+        /* few rows (decoding): along each row */
+        for (ptrdiff_t r = r0; r < r1; r++) {
+            REAL row_shift = shift[r], sum = tile_sum[r];
+#pragma omp simd reduction(+ : sum)
+            for (ptrdiff_t j = lo; j < hi; j++) {
+                REAL p = SFX(vexp2)(st[j * st_ld + r] - row_shift);
+                st[j * st_ld + r] = p;
+                sum += p;
+            }
+            tile_sum[r] = sum;
+        }
+    }
+    for (ptrdiff_t r = r0; r < r1; r++) w->row_sum[r] = tile_sum[r];
 }
 
 /* 0 when every entry of the (rows, cols) block is finite. */
@@ -122,19 +248,41 @@ static ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdi
     return probe != 0;
 }
 
-/* out_r += sum_j p_rj v_j over the keys with p_rj != 0 only: the slow path
- * for value tiles holding inf or NaN, where the GEMM's 0 * NaN would leak
- * a masked key's NaN into rows that cannot see it. */
-static void SFX(add_visible_values)(REAL *out, ptrdiff_t out_row, const REAL *p, ptrdiff_t p_row,
-                                    const REAL *v_tile, ptrdiff_t v_row, ptrdiff_t rows,
-                                    ptrdiff_t cols, ptrdiff_t e)
+/* 1 when the values of the keys [j0, j0 + cols) are all finite; each
+ * block of V_BLOCK keys is checked once per head and thread */
+static int SFX(values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *v,
+                              ptrdiff_t j0, ptrdiff_t cols)
 {
-    for (ptrdiff_t r = 0; r < rows; r++)
-        for (ptrdiff_t j = 0; j < cols; j++) {
-            REAL p_rj = p[r * p_row + j];
+    if (w->v_seen != v) {
+        memset(w->v_state, 0, (size_t)((a->m + V_BLOCK - 1) / V_BLOCK));
+        w->v_seen = v;
+    }
+    for (ptrdiff_t b = j0 / V_BLOCK; b * V_BLOCK < j0 + cols; b++) {
+        if (!w->v_state[b]) {
+            ptrdiff_t first = b * V_BLOCK, count = ATTNX_MIN(V_BLOCK, a->m - first);
+            w->v_state[b] = SFX(has_nonfinite)(v + first * a->v_row, count, a->e, a->v_row) ? 2 : 1;
+        }
+        if (w->v_state[b] == 2) return 0;
+    }
+    return 1;
+}
+
+/* out_r += sum_j p_rj v_j over the keys with p_rj != 0 only: the path for
+ * value tiles holding inf or NaN, where the product's 0 * NaN would leak a
+ * hidden key's NaN into rows that cannot see it. */
+static void SFX(add_visible_values)(const mk_tile *t, REAL *out, ptrdiff_t out_row,
+                                    const REAL *pt, ptrdiff_t pt_ld, const REAL *v_tile,
+                                    ptrdiff_t v_row, ptrdiff_t e)
+{
+    for (ptrdiff_t r = 0; r < t->rows; r++) {
+        ptrdiff_t lo, hi;
+        mk_block_keys(t, r, 1, &lo, &hi);
+        for (ptrdiff_t j = lo; j < hi; j++) {
+            REAL p_rj = pt[j * pt_ld + r];
             if (p_rj == 0) continue;
             for (ptrdiff_t c = 0; c < e; c++) out[r * out_row + c] += p_rj * v_tile[j * v_row + c];
         }
+    }
 }
 
 static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
@@ -142,62 +290,28 @@ static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
     for (ptrdiff_t j = 0; j < count; j++) row[j] *= factor;
 }
 
-/* bias[j] = coef * |x_j|^2 over rows x_j (gaussian attention's -|k_j|^2 /
- * (2 sigma^2), and the query's own term of its lse) */
-static ATTNX_HOT void SFX(sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_t x_row,
-                                           ptrdiff_t count, ptrdiff_t d, REAL coef)
+/* out (rows, e) += P V_tile, P^T the probabilities in st */
+static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w,
+                             REAL *out, const REAL *v)
 {
-    for (ptrdiff_t j = 0; j < count; j++) {
-        const REAL *x_j = rows_x + j * x_row;
-        REAL sq = 0;
-        for (ptrdiff_t c = 0; c < d; c++) sq += x_j[c] * x_j[c];
-        bias[j] = coef * sq;
+    const REAL *v_tile = v + t->j0 * a->v_row;
+    if (!SFX(values_finite)(a, w, v, t->j0, t->cols)) {
+        SFX(add_visible_values)(t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row, a->e);
+        return;
     }
-}
-
-/* scores (rows, cols) = scale * Q K_tile^T for the tile's keys [j0, j0 +
- * cols); pk: the micro-kernels' packed keys, NULL for BLAS (always for
- * float64), which computes the scores outside the band too. */
-static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, packed_keys *pk,
-                             REAL *scores, const REAL *q, const REAL *k)
-{
-    ptrdiff_t rows = t->rows, j0 = t->j0, cols = t->cols;
 #if !REAL_IS_DOUBLE
-    if (pk) {
-        ptrdiff_t nr = MK_NR(pk->width), p0 = j0 / nr, p1 = (j0 + cols + nr - 1) / nr;
-        for (ptrdiff_t p = p0; p < p1; p++)
-            if (!pk->ready[p]) {
-                attnx_mk_pack_keys(pk->kt + p * nr * a->d, k + p * nr * a->k_row, a->k_row,
-                                   ATTNX_MIN(nr, a->m - p * nr), a->d, nr);
-                pk->ready[p] = 1;
-            }
-        attnx_mk_scores(pk->width, t, scores, KEY_TILE, q, a->q_row, pk->kt + j0 * a->d, a->d,
-                        (float)a->scale);
+    if (w->pk) {
+        attnx_mk_add_pv(w->pk->width, t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row, a->e);
         return;
     }
 #endif
-    SFX(gemm)(0, 1, rows, cols, a->d, (REAL)a->scale, q, a->q_row, k + j0 * a->k_row, a->k_row,
-              0, scores, KEY_TILE);
-}
-
-/* out (rows, e) += P V_tile, P the (rows, cols) probabilities in scores */
-static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, const packed_keys *pk,
-                             REAL *out, const REAL *scores, const REAL *v_tile)
-{
-#if !REAL_IS_DOUBLE
-    if (pk) {
-        attnx_mk_add_pv(pk->width, t, out, a->out_row, scores, KEY_TILE, v_tile, a->v_row, a->e);
-        return;
-    }
-#endif
-    SFX(gemm)(0, 0, t->rows, a->e, t->cols, 1, scores, KEY_TILE, v_tile, a->v_row, 1, out,
+    SFX(gemm)(1, 0, t->rows, a->e, t->cols, 1, w->st, w->st_ld, v_tile, a->v_row, 1, out,
               a->out_row);
 }
 
 /* One query tile [i0, i0 + rows) of one head. */
 static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdiff_t i0,
-                              ptrdiff_t rows, packed_keys *pk, SFX(exp_sum_fn) exp_sum,
-                              REAL *scores, REAL *key_bias, REAL *row_max, REAL *row_sum)
+                              ptrdiff_t rows, SFX(tile_work) *w)
 {
     const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
     const REAL *q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]) + i0 * a->q_row;
@@ -207,68 +321,69 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
     const REAL *bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL;
     const unsigned char *mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL;
     const ptrdiff_t e = a->e;
+    const REAL scale2 = (REAL)(a->scale * 1.44269504088896340736);
+    int per_query = (bias && !SFX(bias_per_key)(a)) || (mask && !SFX(mask_per_key)(a));
 
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        row_max[r] = -(REAL)INFINITY;
-        row_sum[r] = 0;
-        for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
+    for (ptrdiff_t r = 0; r < w->st_ld; r++) {
+        w->row_max[r] = -(REAL)INFINITY;
+        w->row_sum[r] = 0;
     }
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
 
-    /* pass 1 range: the keys any row of the tile can see */
+    /* the keys any row of the tile can see; with the micro-kernels, from a
+     * panel's start (the keys before the band are hidden like any other) */
     ptrdiff_t key_first = attnx_band_first(&a->band, i0);
     ptrdiff_t key_end = attnx_band_end(&a->band, i0 + rows - 1);
-    if (pk) {
-        /* tiles start on a packed panel; the keys before the band are
-         * masked out in pass 2 like any invisible key */
-        key_first -= key_first % MK_NR(pk->width);
-        if (pk->k != k) {
-            memset(pk->ready, 0, (size_t)pk->panels);
-            pk->k = k;
+    ptrdiff_t strip = rows, kb = 1;
+#if !REAL_IS_DOUBLE
+    if (w->pk) {
+        strip = MK_STRIP(w->pk->width);
+        kb = MK_KB(w->pk->width);
+        key_first -= key_first % kb;
+        if (w->pk->k != k) {
+            memset(w->pk->ready, 0, (size_t)w->pk->panels);
+            w->pk->k = k;
         }
+        attnx_mk_pack_queries(w->qt, q, a->q_row, rows, a->d, strip);
     }
+#endif
     for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
         ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0);
         const mk_tile tile = {&a->band, i0, rows, j0, cols};
-        /* pass 1: scores = scale * Q_tile K_tile^T */
-        SFX(tile_scores)(a, &tile, pk, scores, q, k);
-        if (a->key_sqnorm_coef != 0)
-            SFX(sqnorm_terms)(key_bias, k + j0 * a->k_row, a->k_row, cols, a->d,
-                                 (REAL)a->key_sqnorm_coef);
-        /* pass 2: bias, mask, online softmax, rescale what is accumulated */
-        int has_zero = 0;
-        for (ptrdiff_t r = 0; r < rows; r++) {
-            ptrdiff_t i = i0 + r;
-            ptrdiff_t vis_lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
-            ptrdiff_t vis_hi = ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0;
-            if (vis_hi < vis_lo) vis_hi = vis_lo;
-            REAL correction = SFX(online_softmax_row)(
-                scores + r * KEY_TILE, cols, vis_lo, vis_hi,
-                bias ? bias + i * a->bias_row + j0 * a->bias_col : NULL, a->bias_col,
-                mask ? mask + i * a->mask_row + j0 * a->mask_col : NULL, a->mask_col,
-                a->key_sqnorm_coef != 0 ? key_bias : NULL, exp_sum, &row_max[r], &row_sum[r],
-                &has_zero);
-            if (correction != 1) SFX(scale_row)(out + r * a->out_row, e, correction);
+        SFX(fill_key_term)(a, w->key_term, k, bias, mask, j0, cols, (cols + kb - 1) / kb * kb);
+        SFX(tile_scores)(a, &tile, w, q, k, scale2);
+        for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip) {
+            ptrdiff_t lo = 0, hi = cols, r1 = ATTNX_MIN(r0 + strip, rows);
+            if (kb > 1) mk_strip_keys(&tile, r0, strip, kb, &lo, &hi);
+            if (per_query) SFX(apply_bias_mask)(a, &tile, w, bias, mask, r0, r1, lo, hi);
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+            if (w->pk && w->pk->width == 16) {
+                mk_softmax_strip_w16(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
+                                     w->row_sum + r0, w->correction + r0);
+                continue;
+            }
+#endif
+            SFX(softmax_strip)(w, r0, kb > 1 ? r0 + strip : r1, lo, hi);
         }
-        /* pass 3: out += P V_tile; where P has zeros (masked keys) a NaN
-         * value must not reach the rows that cannot see it */
-        const REAL *v_tile = v + j0 * a->v_row;
-        if (has_zero && SFX(has_nonfinite)(v_tile, cols, e, a->v_row))
-            SFX(add_visible_values)(out, a->out_row, scores, KEY_TILE, v_tile, a->v_row, rows, cols, e);
-        else
-            SFX(tile_add_pv)(a, &tile, pk, out, scores, v_tile);
+        for (ptrdiff_t r = 0; r < rows; r++)
+            if (w->correction[r] != 1) SFX(scale_row)(out + r * a->out_row, e, w->correction[r]);
+        SFX(tile_add_pv)(a, &tile, w, out, v);
     }
 
-    /* pass 4: normalise; a row that saw nothing has row_sum 0 and gives 0 */
+    /* normalise; a row that saw nothing has row_sum 0 and gives 0 */
     REAL *lse = a->lse ? (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0 : NULL;
     if (lse && a->key_sqnorm_coef != 0)
         /* gaussian: lse of the true scores, -|q_i - k_j|^2 / (2 sigma^2) */
         SFX(sqnorm_terms)(lse, q, a->q_row, rows, a->d, (REAL)a->key_sqnorm_coef);
     for (ptrdiff_t r = 0; r < rows; r++) {
-        REAL inv_sum = row_sum[r] == 0 ? 0 : 1 / row_sum[r];
-        SFX(scale_row)(out + r * a->out_row, e, inv_sum);
+        REAL row_sum = w->row_sum[r];
+        SFX(scale_row)(out + r * a->out_row, e, row_sum == 0 ? 0 : 1 / row_sum);
         if (lse) {
             REAL query_term = a->key_sqnorm_coef != 0 ? lse[r] : 0;
-            lse[r] = row_sum[r] == 0 ? -(REAL)INFINITY : row_max[r] + log(row_sum[r]) + query_term;
+            lse[r] = row_sum == 0 ? -(REAL)INFINITY
+                                  : (REAL)(((double)w->row_max[r] + log2((double)row_sum)) *
+                                           0.69314718055994530942) + query_term;
         }
     }
 }
@@ -288,49 +403,68 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
      * have rows enough to pay for packing the keys */
     int cpu_width = REAL_IS_DOUBLE ? 0 : attnx_mk_width();
     int width = a->e % ATTNX_MAX(cpu_width, 1) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
-    ptrdiff_t panels = width ? (a->m + MK_NR(width) - 1) / MK_NR(width) : 0;
-    SFX(exp_sum_fn) exp_sum = SFX(exp_sum);
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    if (cpu_width == 16) exp_sum = mk_exp_sum_w16;
-#endif
+    ptrdiff_t kb = width ? MK_KB(width) : 1;
+    ptrdiff_t panels = width ? (a->m + kb - 1) / kb : 0;
+    /* the micro-kernels fill whole strips of lanes; the plain loops use
+     * just the rows (a decoding step: one) */
+    ptrdiff_t st_ld = width ? ATTNX_MIN(Q_TILE, (a->n + MK_ROW_ALIGN - 1) / MK_ROW_ALIGN * MK_ROW_ALIGN)
+                            : ATTNX_MIN(Q_TILE, a->n);
 
-    /* per-thread scratch: packed keys (first, so that their panels are
-     * cache-line aligned), scores tile, key bias, row max, row sum (small
-     * problems take small buffers: a decoding step has one query row);
-     * each thread's share is a whole number of cache lines */
-    size_t packed = (size_t)(panels * MK_NR(width) * a->d);
-    size_t per_thread = packed + (size_t)ATTNX_MIN(Q_TILE, a->n) * KEY_TILE + KEY_TILE + 2 * Q_TILE;
-    per_thread = (per_thread + 63) / 64 * 64;
+    /* per-thread scratch, each part a whole number of cache lines: packed
+     * keys, packed queries, scores tile, key term, the lane arrays */
+    ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
+#define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
+    ptrdiff_t packed = LINES(panels * kb * a->d), queries = width ? LINES(st_ld * a->d) : 0;
+    ptrdiff_t tile = LINES(KEY_TILE * st_ld), key_terms = LINES(KEY_TILE), lanes = LINES(st_ld);
+    ptrdiff_t per_thread = packed + queries + tile + key_terms + 6 * lanes;
+#undef LINES
     REAL *scratch = NULL;
-    unsigned char *ready = malloc((size_t)(panels * threads) + 1);
+    ptrdiff_t v_blocks = (a->m + V_BLOCK - 1) / V_BLOCK;
+    unsigned char *ready = malloc((size_t)((panels + v_blocks) * threads) + 1);
     packed_keys *pks = calloc((size_t)threads, sizeof *pks);
+    SFX(tile_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
-    if (!ready || !pks || posix_memalign((void **)&scratch, 64, per_thread * threads * sizeof(REAL)))
+    if (!ready || !pks || !works ||
+        posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
         goto done;
+    for (int t = 0; t < threads; t++) {
+        SFX(tile_work) *w = &works[t];
+        REAL *base = scratch + per_thread * t, *lane = base + packed + queries + tile + key_terms;
+        *w = (SFX(tile_work)){
+            .st = base + packed + queries,
+            .st_ld = st_ld,
+            .qt = base + packed,
+            .key_term = base + packed + queries + tile,
+            .tile_max = lane,
+            .row_max = lane + lanes,
+            .row_sum = lane + 2 * lanes,
+            .correction = lane + 3 * lanes,
+            .shift = lane + 4 * lanes,
+            .tile_sum = lane + 5 * lanes,
+            .v_state = ready + panels * threads + v_blocks * t,
+        };
 #if !REAL_IS_DOUBLE
-    for (int t = 0; t < threads && width; t++)
-        pks[t] = (packed_keys){width, scratch + per_thread * t, ready + panels * t, panels, NULL};
+        if (width) {
+            pks[t] = (packed_keys){width, base, ready + panels * t, panels, NULL};
+            w->pk = &pks[t];
+        }
 #endif
+    }
 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (ptrdiff_t item = 0; item < work; item++) {
-        int thread = omp_get_thread_num();
-        REAL *scores = scratch + per_thread * thread + packed;
-        REAL *key_bias = scores + ATTNX_MIN(Q_TILE, a->n) * KEY_TILE;
-        REAL *row_max = key_bias + KEY_TILE;
-        REAL *row_sum = row_max + Q_TILE;
-        packed_keys *pk = width ? &pks[thread] : NULL;
         ptrdiff_t head = item / q_tiles;
         ptrdiff_t i0 = (item % q_tiles) * Q_TILE;
-        SFX(softmax_tile)(a, head, i0, ATTNX_MIN(Q_TILE, a->n - i0), pk, exp_sum, scores, key_bias,
-                          row_max, row_sum);
+        SFX(softmax_tile)(a, head, i0, ATTNX_MIN(Q_TILE, a->n - i0), &works[omp_get_thread_num()]);
     }
     status = ATTNX_OK;
 done:
     free(scratch);
     free(ready);
     free(pks);
+    free(works);
     return status;
 }
 
+#undef LOG2E
 #endif /* REAL */

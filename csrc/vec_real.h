@@ -75,6 +75,7 @@ static inline void SFX(gemm)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N,
  * stabilised, non-positive arguments). */
 #if REAL_IS_DOUBLE
 #define EXP_LO (-708.0)
+#define EXP2_LO (-1022.0)
 #define EXP_HI 709.0
 #define EXP_MAGIC 6755399441055744.0          /* 1.5 * 2^52 */
 #define EXP_LN2_HI 6.93147180369123816490e-01
@@ -84,6 +85,7 @@ typedef int64_t SFX(bits_t);
 #define EXP_BIAS 1023
 #else
 #define EXP_LO (-87.0f)
+#define EXP2_LO (-125.0f)
 #define EXP_HI 88.37f
 #define EXP_MAGIC 12582912.0f                 /* 1.5 * 2^23 */
 #define EXP_LN2_HI 0.693359375f
@@ -93,22 +95,11 @@ typedef int32_t SFX(bits_t);
 #define EXP_BIAS 127
 #endif
 
-static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
+/* e^r for |r| <= ln2/2 by its Taylor series (truncation below half an ulp) */
+static inline __attribute__((always_inline)) REAL SFX(exp_reduced)(REAL r)
 {
-    REAL xc = x < EXP_LO ? EXP_LO : x;
-    xc = xc > EXP_HI ? EXP_HI : xc;
-    REAL shifted = xc * (REAL)1.44269504088896340736 + EXP_MAGIC;
-    REAL nf = shifted - EXP_MAGIC;
-    SFX(bits_t) shifted_bits, magic_bits, pow2_bits;
-    REAL magic = EXP_MAGIC, pow2;
-    memcpy(&shifted_bits, &shifted, sizeof shifted);
-    memcpy(&magic_bits, &magic, sizeof magic);
-    pow2_bits = (SFX(bits_t))((shifted_bits - magic_bits) + EXP_BIAS) << EXP_MANT_BITS;
-    memcpy(&pow2, &pow2_bits, sizeof pow2);
-    REAL r = xc - nf * EXP_LN2_HI;
-    r = r - nf * EXP_LN2_LO;
 #if REAL_IS_DOUBLE
-    REAL p = 1.0 / 6227020800.0;              /* Taylor to r^13 */
+    REAL p = 1.0 / 6227020800.0;              /* to r^13 */
     p = p * r + 1.0 / 479001600.0;
     p = p * r + 1.0 / 39916800.0;
     p = p * r + 1.0 / 3628800.0;
@@ -116,28 +107,74 @@ static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
     p = p * r + 1.0 / 40320.0;
     p = p * r + 1.0 / 5040.0;
     p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
 #else
-    REAL p = 1.0f / 5040.0f;                  /* Taylor to r^7 */
+    REAL p = 1.0f / 5040.0f;                  /* to r^7 */
     p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
 #endif
-    REAL y = p * pow2;
+    p = p * r + (REAL)1 / 120;
+    p = p * r + (REAL)1 / 24;
+    p = p * r + (REAL)1 / 6;
+    p = p * r + (REAL)0.5;
+    p = p * r + 1;
+    p = p * r + 1;
+    return p;
+}
+
+/* 2^n for the integer n held in shifted = n + EXP_MAGIC, built in the
+ * exponent bits; n must be a normal exponent */
+static inline __attribute__((always_inline)) REAL SFX(pow2_shifted)(REAL shifted)
+{
+    SFX(bits_t) shifted_bits, magic_bits, pow2_bits;
+    REAL magic = EXP_MAGIC, pow2;
+    memcpy(&shifted_bits, &shifted, sizeof shifted);
+    memcpy(&magic_bits, &magic, sizeof magic);
+    pow2_bits = (SFX(bits_t))((shifted_bits - magic_bits) + EXP_BIAS) << EXP_MANT_BITS;
+    memcpy(&pow2, &pow2_bits, sizeof pow2);
+    return pow2;
+}
+
+static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
+{
+    REAL xc = x < EXP_LO ? EXP_LO : x;
+    xc = xc > EXP_HI ? EXP_HI : xc;
+    REAL shifted = xc * (REAL)1.44269504088896340736 + EXP_MAGIC;
+    REAL nf = shifted - EXP_MAGIC;
+    REAL r = xc - nf * EXP_LN2_HI;
+    r = r - nf * EXP_LN2_LO;
+    REAL y = SFX(exp_reduced)(r) * SFX(pow2_shifted)(shifted);
     y = x < EXP_LO ? 0 : y;
     y = x > EXP_HI ? (REAL)INFINITY : y;
     return y;
 }
+
+/* 2^x for x <= 0, written to vectorise, for the softmax tiles (whose
+ * scores are kept in log2 units): x = n + f with n = round(x), |f| <= 1/2,
+ * 2^f by a polynomial and 2^n in the exponent bits. float: a degree-6 fit
+ * on Chebyshev nodes (relative error 1.9e-9), the one the AVX-512 kernel
+ * uses; double: e^(f ln2) by Taylor. 2^x = 0 below EXP2_LO (-inf
+ * included); NaN stays NaN. */
+static inline __attribute__((always_inline)) REAL SFX(vexp2)(REAL x)
+{
+    REAL xc = x < EXP2_LO ? EXP2_LO : x;
+    xc = xc > 0 ? 0 : xc;
+    REAL shifted = xc + EXP_MAGIC;
+    REAL f = xc - (shifted - EXP_MAGIC);
+#if REAL_IS_DOUBLE
+    REAL p = SFX(exp_reduced)(f * 0.69314718055994530942);
+#else
+    REAL p = 1.5337576837119846e-4f;
+    p = p * f + 1.3399860363333747e-3f;
+    p = p * f + 9.618519534386695e-3f;
+    p = p * f + 5.550328997517368e-2f;
+    p = p * f + 0.2402264660871246f;
+    p = p * f + 0.6931472056005106f;
+    p = p * f + 1.0f;
+#endif
+    REAL y = p * SFX(pow2_shifted)(shifted);
+    return x < EXP2_LO ? 0 : y;
+}
 #undef EXP_LO
+#undef EXP2_LO
 #undef EXP_HI
 #undef EXP_MAGIC
 #undef EXP_LN2_HI
