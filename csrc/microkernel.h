@@ -142,36 +142,64 @@ static inline int attnx_mk_width(void)
     return 0;
 }
 
-/* kt (panels, d, kb) <- keys [0, count) of k (row stride k_row), transposed
- * panel by panel; the lanes past `count` in the last panel are 0. */
+#ifdef MK_HAVE_X86
+/* dst[c][r] = src[r][c] for an 8 x 8 block (row strides in floats) */
+__attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptrdiff_t dst_row,
+                                                                 const float *src,
+                                                                 ptrdiff_t src_row)
+{
+    __m256 row[8], pair[8], quad[8];
+    for (int r = 0; r < 8; r++) row[r] = _mm256_loadu_ps(src + r * src_row);
+    for (int r = 0; r < 8; r += 2) {
+        pair[r] = _mm256_unpacklo_ps(row[r], row[r + 1]);
+        pair[r + 1] = _mm256_unpackhi_ps(row[r], row[r + 1]);
+    }
+    for (int r = 0; r < 8; r += 4) {
+        quad[r] = _mm256_shuffle_ps(pair[r], pair[r + 2], 0x44);
+        quad[r + 1] = _mm256_shuffle_ps(pair[r], pair[r + 2], 0xee);
+        quad[r + 2] = _mm256_shuffle_ps(pair[r + 1], pair[r + 3], 0x44);
+        quad[r + 3] = _mm256_shuffle_ps(pair[r + 1], pair[r + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + c * dst_row, _mm256_permute2f128_ps(quad[c], quad[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + 4) * dst_row, _mm256_permute2f128_ps(quad[c], quad[c + 4], 0x31));
+    }
+}
+#endif
+
+/* block (d, lanes) <- rows [0, count) of x (row stride x_row) transposed,
+ * lanes past `count` 0: a panel of keys or a strip of queries. Only called
+ * where the micro-kernels run, so AVX2 is there for the 8 x 8 transposes. */
+static void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
+                    ptrdiff_t lanes)
+{
+    if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
+    ptrdiff_t r0 = 0, c0 = 0;
+#ifdef MK_HAVE_X86
+    if (lanes % 8 == 0) {
+        for (; r0 + 8 <= count; r0 += 8)
+            for (c0 = 0; c0 + 8 <= d; c0 += 8)
+                mk_transpose8(block + c0 * lanes + r0, lanes, x + r0 * x_row + c0, x_row);
+    }
+#endif
+    for (ptrdiff_t r = 0; r < count; r++)
+        for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) block[c * lanes + r] = x[r * x_row + c];
+}
+
+/* kt (panels, d, kb) <- keys [0, count) of k, panel by panel */
 static void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdiff_t count,
                                ptrdiff_t d, ptrdiff_t kb)
 {
-    for (ptrdiff_t j0 = 0; j0 < count; j0 += kb) {
-        float *panel = kt + j0 * d;
-        ptrdiff_t keys = count - j0 < kb ? count - j0 : kb;
-        if (keys < kb) memset(panel, 0, (size_t)(d * kb) * sizeof *panel);
-        for (ptrdiff_t jj = 0; jj < keys; jj++) {
-            const float *k_j = k + (j0 + jj) * k_row;
-            for (ptrdiff_t c = 0; c < d; c++) panel[c * kb + jj] = k_j[c];
-        }
-    }
+    for (ptrdiff_t j0 = 0; j0 < count; j0 += kb)
+        mk_pack(kt + j0 * d, k + j0 * k_row, k_row, count - j0 < kb ? count - j0 : kb, d, kb);
 }
 
-/* qt (strips, d, strip) <- rows [0, rows) of q transposed strip by strip;
- * the lanes past `rows` in the last strip are 0. */
+/* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
 static void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row, ptrdiff_t rows,
                                   ptrdiff_t d, ptrdiff_t strip)
 {
-    for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip) {
-        float *block = qt + r0 * d;
-        ptrdiff_t count = rows - r0 < strip ? rows - r0 : strip;
-        if (count < strip) memset(block, 0, (size_t)(d * strip) * sizeof *block);
-        for (ptrdiff_t r = 0; r < count; r++) {
-            const float *q_r = q + (r0 + r) * q_row;
-            for (ptrdiff_t c = 0; c < d; c++) block[c * strip + r] = q_r[c];
-        }
-    }
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip)
+        mk_pack(qt + r0 * d, q + r0 * q_row, q_row, rows - r0 < strip ? rows - r0 : strip, d, strip);
 }
 
 #ifdef MK_HAVE_X86
@@ -392,7 +420,10 @@ static void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdi
         __m512 old_max = _mm512_loadu_ps(row_max + h * 16);
         __m512 new_max = _mm512_max_ps(old_max, _mm512_loadu_ps(tile_max + h * 16));
         __mmask16 unseen = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ);
-        __mmask16 same = _mm512_cmp_ps_mask(new_max, old_max, _CMP_EQ_OQ);
+        /* out holds nothing to rescale while the max stays, or before the
+         * row has seen a key (it is 0, and so is the sum) */
+        __mmask16 same = _mm512_cmp_ps_mask(new_max, old_max, _CMP_EQ_OQ) |
+                         _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_EQ_OQ);
         sub[h] = _mm512_mask_blend_ps(unseen, new_max, _mm512_setzero_ps());
         __m512 corr = _mm512_mask_blend_ps(same, mk_exp2_w16(_mm512_sub_ps(old_max, sub[h])),
                                            _mm512_set1_ps(1.0f));

@@ -207,7 +207,9 @@ static ATTNX_HOT void SFX(softmax_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdif
         REAL old_max = w->row_max[r], new_max = w->tile_max[r] > old_max ? w->tile_max[r] : old_max;
         /* a row with nothing visible yet subtracts 0: its scores are -inf */
         shift[r] = new_max == neg_inf ? 0 : new_max;
-        REAL correction = new_max == old_max ? 1 : SFX(vexp2)(old_max - shift[r]);
+        /* out holds nothing to rescale while the max stays, or before the
+         * row has seen a key (it is 0, and so is the sum) */
+        REAL correction = new_max == old_max || old_max == neg_inf ? 1 : SFX(vexp2)(old_max - shift[r]);
         w->correction[r] = correction;
         tile_sum[r] = w->row_sum[r] * correction;
         w->row_max[r] = new_max;
@@ -237,15 +239,23 @@ static ATTNX_HOT void SFX(softmax_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdif
     for (ptrdiff_t r = r0; r < r1; r++) w->row_sum[r] = tile_sum[r];
 }
 
-/* 0 when every entry of the (rows, cols) block is finite. */
+/* 0 when every entry of the (rows, cols) block is finite: no entry has
+ * all exponent bits set (an integer test, free of the latency of a
+ * floating-point sum) */
 static ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdiff_t cols,
                                         ptrdiff_t row_stride)
 {
-    REAL probe = 0;
+    const SFX(bits_t) exponent = (SFX(bits_t))((1 << (sizeof(REAL) == 4 ? 8 : 11)) - 1)
+                                 << (sizeof(REAL) == 4 ? 23 : 52);
+    int nonfinite = 0;
     for (ptrdiff_t r = 0; r < rows; r++)
-#pragma omp simd reduction(+ : probe)
-        for (ptrdiff_t c = 0; c < cols; c++) probe += block[r * row_stride + c] * 0;
-    return probe != 0;
+#pragma omp simd reduction(| : nonfinite)
+        for (ptrdiff_t c = 0; c < cols; c++) {
+            SFX(bits_t) bits;
+            memcpy(&bits, &block[r * row_stride + c], sizeof bits);
+            nonfinite |= (bits & exponent) == exponent;
+        }
+    return nonfinite;
 }
 
 /* 1 when the values of the keys [j0, j0 + cols) are all finite; each
