@@ -49,6 +49,7 @@
 /* Below about this many flops, a call runs on one thread: waking a second
  * one costs more than it saves (decoding steps, tiny heads). */
 #define MIN_PARALLEL_FLOPS 1e6
+#define MIN_PARALLEL_STATE_BYTES (256 * 1024)
 #define CACHE_LINE 64
 
 /* What every work item of one call shares. */
@@ -690,10 +691,15 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
             SFX(segment_starts)(p, h, deltas, starts, &w);
         }
     }
-#pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
-    for (ptrdiff_t item = 0; item < a->heads * p->segs; item++) {
-        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
-        SFX(segment_rows)(p, rows_fn, item, starts, &w);
+#pragma omp parallel num_threads(p->threads)
+    {
+        ptrdiff_t items = a->heads * p->segs, team = omp_get_num_threads(), me = omp_get_thread_num();
+        ptrdiff_t first = items * me / team, end = items * (me + 1) / team;
+        const char *table = (const char *)(a->offsets + first / p->segs * ATTNX_LIN_NOPS);
+        size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
+        for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(table + b);
+        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
+        for (ptrdiff_t item = first; item < end; item++) SFX(segment_rows)(p, rows_fn, item, starts, &w);
     }
     free(deltas);
     return ATTNX_OK;
@@ -758,7 +764,9 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     double flops = 2.0 * (double)a->heads *
                    ((double)(a->n + a->m) * (double)(p.r * a->e) +
                     (double)a->n * (double)ATTNX_MIN(p.C, a->m) * (double)(p.r + a->e));
-    if (flops < MIN_PARALLEL_FLOPS) threads = 1;
+    /* a decoding step is few flops but a pass over every head's state */
+    double state_bytes = (double)a->heads * (double)p.state_size * sizeof(REAL);
+    if (flops < MIN_PARALLEL_FLOPS && state_bytes < MIN_PARALLEL_STATE_BYTES) threads = 1;
     if (a->method == ATTNX_METHOD_CHUNK && a->heads < threads) {
         ptrdiff_t length = p.causal ? a->n : ATTNX_MAX(a->n, a->m);
         ptrdiff_t longest = length / (MIN_SEGMENT_CHUNKS * p.C);
