@@ -215,17 +215,6 @@ static ATTNX_HOT REAL SFX(keep_visible)(REAL *row, ptrdiff_t cols, ptrdiff_t lo,
     return sum;
 }
 
-/* 0 when every entry of the (rows, cols) block is finite */
-static ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdiff_t cols,
-                                        ptrdiff_t row_stride)
-{
-    REAL probe = 0;  /* x * 0 is 0 for finite x, NaN for inf and NaN */
-    for (ptrdiff_t t = 0; t < rows; t++)
-#pragma omp simd reduction(+ : probe)
-        for (ptrdiff_t c = 0; c < cols; c++) probe += block[t * row_stride + c] * 0;
-    return probe != 0;
-}
-
 /* ---------------------------------------------------------------- states */
 
 /* dst = from (nothing to do when from is dst itself).
@@ -395,6 +384,16 @@ static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, 
     }
 }
 
+/* Ask the memory for `rows` rows of `count` elements (row stride x_row). */
+static inline __attribute__((always_inline)) void SFX(prefetch_rows)(const REAL *x, ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t count)
+{
+    for (ptrdiff_t t = 0; t < rows; t++)
+        for (ptrdiff_t c = 0; c < count; c += CACHE_LINE / (ptrdiff_t)sizeof(REAL))
+            __builtin_prefetch(x + t * x_row + c);
+    if (count > 0)
+        for (ptrdiff_t t = 0; t < rows; t++) __builtin_prefetch(x + t * x_row + count - 1);
+}
+
 /* ---------------------------------------------------------------- query rows */
 
 static void SFX(query_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
@@ -502,6 +501,17 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
         ptrdiff_t hi = attnx_band_end(&a->band, i0 + rows - 1);
         REAL *out = hd->out + i0 * a->out_row;
+        if (i0 + rows < qb) {
+            /* long inputs stream from memory: ask for the next chunk's rows
+             * while this one computes */
+            ptrdiff_t next = ATTNX_MIN(p->C, qb - i0 - rows), key_next = hi;
+            SFX(prefetch_rows)(hd->q + (i0 + rows) * a->q_row, a->q_row, next, a->d);
+            if (key_next < a->m) {
+                next = ATTNX_MIN(next, a->m - key_next);
+                SFX(prefetch_rows)(hd->k + key_next * a->k_row, a->k_row, next, a->d);
+                SFX(prefetch_rows)(hd->v + key_next * a->v_row, a->v_row, next, a->e);
+            }
+        }
         SFX(query_block)(p, hd, i0, rows, w);
         SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
         if (hi > lo) {

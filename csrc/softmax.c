@@ -239,25 +239,6 @@ static ATTNX_HOT void SFX(softmax_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdif
     for (ptrdiff_t r = r0; r < r1; r++) w->row_sum[r] = tile_sum[r];
 }
 
-/* 0 when every entry of the (rows, cols) block is finite: no entry has
- * all exponent bits set (an integer test, free of the latency of a
- * floating-point sum) */
-static ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdiff_t cols,
-                                        ptrdiff_t row_stride)
-{
-    const SFX(bits_t) exponent = (SFX(bits_t))((1 << (sizeof(REAL) == 4 ? 8 : 11)) - 1)
-                                 << (sizeof(REAL) == 4 ? 23 : 52);
-    int nonfinite = 0;
-    for (ptrdiff_t r = 0; r < rows; r++)
-#pragma omp simd reduction(| : nonfinite)
-        for (ptrdiff_t c = 0; c < cols; c++) {
-            SFX(bits_t) bits;
-            memcpy(&bits, &block[r * row_stride + c], sizeof bits);
-            nonfinite |= (bits & exponent) == exponent;
-        }
-    return nonfinite;
-}
-
 /* 1 when the values of the keys [j0, j0 + cols) are all finite; each
  * block of V_BLOCK keys is checked once per head and thread */
 static int SFX(values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *v,

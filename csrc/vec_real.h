@@ -173,6 +173,26 @@ static inline __attribute__((always_inline)) REAL SFX(vexp2)(REAL x)
     REAL y = p * SFX(pow2_shifted)(shifted);
     return x < EXP2_LO ? 0 : y;
 }
+
+/* 0 when every entry of the (rows, cols) block is finite: no entry has
+ * all exponent bits set (an integer test, free of the latency of a
+ * floating-point sum) */
+static inline ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdiff_t cols,
+                                        ptrdiff_t row_stride)
+{
+    const SFX(bits_t) exponent = (SFX(bits_t))((1 << (sizeof(REAL) == 4 ? 8 : 11)) - 1)
+                                 << (sizeof(REAL) == 4 ? 23 : 52);
+    int nonfinite = 0;
+    for (ptrdiff_t r = 0; r < rows; r++)
+#pragma omp simd reduction(| : nonfinite)
+        for (ptrdiff_t c = 0; c < cols; c++) {
+            SFX(bits_t) bits;
+            memcpy(&bits, &block[r * row_stride + c], sizeof bits);
+            nonfinite |= (bits & exponent) == exponent;
+        }
+    return nonfinite;
+}
+
 #undef EXP_LO
 #undef EXP2_LO
 #undef EXP_HI
