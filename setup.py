@@ -92,10 +92,8 @@ if debug:
     link_opt = ["-fsanitize=address,undefined"]
 else:
     # No -ffast-math: inf and NaN must keep their IEEE meaning (masked rows,
-    # propagation of NaN inputs). Hot loops are vectorised by target_clones;
-    # gcc's tuning would keep the AVX-512 clones to 256-bit vectors (measured:
-    # the elu feature map ran at half speed).
-    opt = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-mprefer-vector-width=512"]
+    # propagation of NaN inputs). Hot loops are vectorised by target_clones.
+    opt = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
     link_opt = []
 
 ext = Extension(
