@@ -187,8 +187,9 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
     (j <= i). key_mask: bool (..., m), False removes a key. mask (bool,
     broadcast to (..., n, m)) and window (w or (left, right)) select the
     quadratic method. method: "chunk" (default when causal; chunks of
-    chunk_size, default 32, with a carried state), "recurrent" (one token
-    at a time; the default for causal calls of at most 8 queries),
+    chunk_size, default 16 for 32 to 128 features, else 32, with a carried
+    state), "recurrent" (one token at a time; the default for causal calls
+    of at most 8 queries),
     "cumsum" (materialised prefix states, refused above 2 GiB per head),
     "quadratic" (explicit similarities in tiles). Non-causal calls default
     to two GEMM passes, psi(K)^T V then phi(Q) S.

@@ -20,11 +20,16 @@ static const linear_kernel linear_kernels[2] = {attnx_linear_fwd_f32, attnx_line
  * masked C x C block costs 2 C (r + e) flops per token beside the state's
  * 4 r e, so shorter chunks do less arithmetic, until the GEMMs get too
  * small to run at speed. Measured on the development machine (AVX-512,
- * float32, one thread, causal, n = 8192): elu d = e = 64 took 20, 23, 29
- * and 37 ms at C = 16, 32, 64, 128 (8 heads); FAVOR+ with r = 266, whose
- * feature GEMM wants more rows, 48, 45, 45 ms at C = 16, 32, 64. 32 is
- * close to the best of both. */
-#define DEFAULT_CHUNK 32
+ * float32, 2 threads, causal elu, n = 8192, 8 heads, out= given): d = e =
+ * 64 took 10.3, 11.5, 14.5, 19.2 ms at C = 16, 32, 64, 128; d = 32: 4.7,
+ * 5.4, 6.8 ms and d = 128: 28.5, 30.2, 40.4 ms at C = 16, 32, 64; but
+ * d = 16 13.3 and 4.4 ms at C = 16, 32 (its GEMMs fall under
+ * ATTNX_SMALL_GEMM), and FAVOR+ with r = 266, whose feature GEMM wants more
+ * rows, 48, 45, 45 ms at C = 16, 32, 64 (one thread). */
+static npy_intp default_chunk(int method, npy_intp r)
+{
+    return method == ATTNX_METHOD_CHUNK && r >= 32 && r <= 128 ? 16 : 32;
+}
 
 /* A causal call with at most this many query rows (decoding) defaults to
  * the recurrent method: a few rank-1 updates cost less than the GEMM calls
@@ -510,7 +515,7 @@ static PyObject *run_linear(const linear_call *c)
     if (!(offsets = attnx_offsets(table, ATTNX_LIN_NOPS, &batch))) goto done;
 
     /* a chunk longer than the sequence is the sequence */
-    npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : DEFAULT_CHUNK;
+    npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : default_chunk(o.method, r);
     if (chunk > longest) chunk = longest > 0 ? longest : 1;
     attnx_linear_args kargs = {
         .n = n, .m = m, .d = d, .e = e, .heads = batch.heads, .offsets = offsets,
