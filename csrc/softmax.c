@@ -442,11 +442,23 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
 #endif
     }
 
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (ptrdiff_t item = 0; item < work; item++) {
-        ptrdiff_t head = item / q_tiles;
-        ptrdiff_t i0 = (item % q_tiles) * Q_TILE;
-        SFX(softmax_tile)(a, head, i0, ATTNX_MIN(Q_TILE, a->n - i0), &works[omp_get_thread_num()]);
+    /* whole heads per thread when they split evenly: each head's keys are
+     * then packed by one thread only; else tile by tile, first come */
+    int by_heads = a->heads % threads == 0;
+#pragma omp parallel num_threads(threads)
+    {
+        SFX(tile_work) *w = &works[omp_get_thread_num()];
+        if (by_heads) {
+#pragma omp for schedule(static)
+            for (ptrdiff_t item = 0; item < work; item++)
+                SFX(softmax_tile)(a, item / q_tiles, item % q_tiles * Q_TILE,
+                                  ATTNX_MIN(Q_TILE, a->n - item % q_tiles * Q_TILE), w);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (ptrdiff_t item = 0; item < work; item++)
+                SFX(softmax_tile)(a, item / q_tiles, item % q_tiles * Q_TILE,
+                                  ATTNX_MIN(Q_TILE, a->n - item % q_tiles * Q_TILE), w);
+        }
     }
     status = ATTNX_OK;
 done:
