@@ -1067,6 +1067,65 @@ def test_mask_and_bias_layouts(dtype):
         assert_close(got, want, dtype, vscale(v), err_msg=str(i))
 
 
+# The float32 micro-kernels (at least 48 query rows, e a multiple of the
+# vector width) hold the scores transposed, fold key-only masks and biases
+# into a per-key term and apply the others to the tile: every kind must match
+# the reference there too, on tiles that straddle the band, partial strips
+# and panels, and more than one key tile.
+MK_SHAPES = [(48, 48, 64, 16), (100, 300, 64, 64), (257, 263, 32, 32), (250, 517, 128, 128)]
+
+
+@pytest.mark.parametrize("n,m,d,e", MK_SHAPES)
+@pytest.mark.parametrize("kind", ["none", "key_mask", "key_bias", "query_mask", "query_bias",
+                                  "window", "gaussian"])
+def test_microkernel_path_masks_and_biases(n, m, d, e, kind):
+    rng = np.random.default_rng(n + m + d)
+    q, k, v = qkv(rng, (2,), n, m, d, e, np.float32)
+    kw = {}
+    if kind == "key_mask":
+        kw["mask"] = rng.random((2, 1, m)) < 0.6
+        kw["mask"][1, 0, m // 2:] = False          # a padded tail: whole panels and tiles
+    elif kind == "key_bias":
+        kw["bias"] = make(rng, (2, 1, m), np.float32)
+    elif kind == "query_mask":
+        kw["mask"] = rng.random((n, m)) < 0.6
+    elif kind == "query_bias":
+        kw["bias"] = make(rng, (2, n, m), np.float32)
+    elif kind == "window":
+        kw["window"] = (37, 5)
+    fn, rf = FRONT["gaussian" if kind == "gaussian" else "softmax"]
+    if kind == "gaussian":
+        kw["sigma"] = math.sqrt(d)
+    for causal in CAUSAL_MODES:
+        got, lse = fn(q, k, v, causal=causal, return_lse=True, **kw)
+        want, wlse = rf(q, k, v, causal=causal, return_lse=True,
+                        **{key: f64(val) if key == "bias" else val for key, val in kw.items()})
+        assert_close(got, want, np.float32, vscale(v), err_msg=str(causal))
+        seen = np.isfinite(wlse)
+        assert np.array_equal(np.isfinite(lse), seen)
+        if seen.any():
+            assert_close(lse[seen], wlse[seen], np.float32, np.max(np.abs(wlse[seen])))
+
+
+def test_microkernel_path_nan_in_masked_keys_has_no_effect():
+    """On the micro-kernels too: NaN or inf in a masked key (its k or its v),
+    whether masked per key or per query, reaches no row."""
+    rng = np.random.default_rng(41)
+    n, m, d, e = 96, 300, 32, 32
+    q, k, v = qkv(rng, (), n, m, d, e, np.float32)
+    key_mask = np.ones(m, bool)
+    key_mask[[5, 130, 299]] = False
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[5] = np.nan
+    v_bad[130] = np.inf
+    v_bad[299] = np.nan
+    want = ref_softmax(q, k[key_mask], v[key_mask])
+    for mask in (key_mask, np.broadcast_to(key_mask, (n, m)).copy()):
+        got = attnx.softmax_attention(q, k_bad, v_bad, mask=mask)
+        assert np.all(np.isfinite(got))
+        assert_close(got, want, np.float32, vscale(v))
+
+
 # --------------------------------------------------------------------------
 # hypothesis properties (design.md section 4)
 # --------------------------------------------------------------------------
