@@ -41,9 +41,8 @@
 #define MK_STRIP(w) (MK_RV * (w))
 /* keys per packed panel: MK_KB(w) x MK_RV accumulators fill the registers */
 #define MK_KB(w) ((w) == 16 ? 8 : 4)
-/* every strip and panel size divides these */
+/* every strip size divides this */
 #define MK_ROW_ALIGN 48
-#define MK_KEY_ALIGN 8
 
 /* The tile: queries [i0, i0 + rows), keys [j0, j0 + cols), and the band
  * that decides which of them meet. */

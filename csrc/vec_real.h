@@ -133,6 +133,7 @@ static inline __attribute__((always_inline)) REAL SFX(pow2_shifted)(REAL shifted
     return pow2;
 }
 
+/* e^x, as the comment above the constants says */
 static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
 {
     REAL xc = x < EXP_LO ? EXP_LO : x;
