@@ -327,6 +327,12 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
      * panel's start (the keys before the band are hidden like any other) */
     ptrdiff_t key_first = attnx_band_first(&a->band, i0);
     ptrdiff_t key_end = attnx_band_end(&a->band, i0 + rows - 1);
+    if (mask && SFX(mask_per_key)(a)) {
+        /* key padding: the keys past the last kept one (and before the
+         * first) are not computed at all */
+        while (key_end > key_first && !mask[(key_end - 1) * a->mask_col]) key_end--;
+        while (key_first < key_end && !mask[key_first * a->mask_col]) key_first++;
+    }
     ptrdiff_t strip = rows, kb = 1;
 #if !REAL_IS_DOUBLE
     if (w->pk) {
