@@ -512,6 +512,10 @@ attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy
 {
     attnx_band band = {.n = n, .m = m};
     ptrdiff_t align = (ptrdiff_t)m - (ptrdiff_t)n;  /* i' = i + (m - n) */
+    /* a side wider than both sequences hides nothing more: clamped, so
+     * that the shifts (and their differences) cannot overflow */
+    left = left < n + m ? left : n + m;
+    right = right < n + m ? right : n + m;
     if (has_left) {
         band.has_lo = 1;
         band.lo_shift = align - left;

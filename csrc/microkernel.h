@@ -17,7 +17,8 @@
  * Legend (as in softmax.c): W floats per vector; a strip is MK_RV vectors,
  *   3 W query rows; a panel is MK_KB keys.
  *   qt  (strips, d, 3 W)   packed Q^T of the query tile, zero past its rows
- *   kt  (panels, d, KB)    packed keys of the head, zero past the last key
+ *   kt  (slots, d, KB)     packed keys of the head, zero past the last key;
+ *                          panel p (keys from p KB) in slot p % slots
  *   st  (cols, st_ld)      scores (log2 units), then probabilities
  *   out (rows, e)          += P V, e a multiple of W
  *
@@ -210,14 +211,14 @@ static void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row, pt
 
 /* st = scale Q K^T + key_term for the keys each strip computes
  * (mk_strip_keys), with the keys the band hides at -inf, and tile_max[r]
- * raised to the max of row r's scores. kt holds the tile's panels, the
- * first at key j0; key_term (cols rounded up to a panel) is added per key,
+ * raised to the max of row r's scores. kt holds the tile's panels in
+ * their slots; key_term (cols rounded up to a panel) is added per key,
  * and a key whose term is -inf scores -inf whatever q . k is. */
 static inline void attnx_mk_scores(int w, const mk_tile *t, float *st, ptrdiff_t st_ld,
-                                   const float *qt, const float *kt, ptrdiff_t d, float scale,
-                                   const float *key_term, float *tile_max)
+                                   const float *qt, const float *kt, ptrdiff_t slots, ptrdiff_t d,
+                                   float scale, const float *key_term, float *tile_max)
 {
-    MK_DISPATCH(w, mk_scores, t, st, st_ld, qt, kt, d, scale, key_term, tile_max);
+    MK_DISPATCH(w, mk_scores, t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max);
 }
 
 /* out (rows, e) += P V over the tile's keys, P^T in pt (row stride pt_ld);
@@ -287,8 +288,8 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
 }
 
 static void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld, const float *qt,
-                               const float *kt, ptrdiff_t d, float scale, const float *key_term,
-                               float *tile_max)
+                               const float *kt, ptrdiff_t slots, ptrdiff_t d, float scale,
+                               const float *key_term, float *tile_max)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
     /* a strip of queries (3 W d floats) stays in L1 while the key panels
@@ -303,8 +304,9 @@ static void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld, con
         all_hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
         for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
             int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
-            MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, kt + c0 * d, d,
-                                     scale, key_term + c0, tile_max + r0, whole);
+            const float *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
+            MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
+                                     key_term + c0, tile_max + r0, whole);
             if (!whole) mk_hide_and_max(t, st, st_ld, r0, strip, c0, kb, tile_max);
         }
     }

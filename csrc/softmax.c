@@ -45,12 +45,15 @@
 
 /* One thread's keys of one head, packed for the float32 micro-kernels; a
  * panel is packed the first time a query tile needs it, and reused by every
- * later tile of the head (and of heads that share the keys). */
+ * later tile of the head (and of heads that share the keys). Panel p lives
+ * in slot p % slots: every panel of the head when the query tiles may see
+ * any key, or, under a window, a ring over the keys two neighbouring query
+ * tiles see, so that memory (and its page faults) does not grow with m. */
 typedef struct {
     int width;            /* floats per vector of the micro-kernels */
-    float *kt;            /* (m rounded up to MK_KB(width), d) */
-    unsigned char *ready; /* per panel: packed yet */
-    ptrdiff_t panels;
+    float *kt;            /* (slots, d, MK_KB(width)) */
+    ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
+    ptrdiff_t slots;
     const void *k;        /* the keys whose panels are in kt */
 } packed_keys;
 
@@ -151,12 +154,12 @@ static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, SFX(
     if (pk) {
         ptrdiff_t kb = MK_KB(pk->width), p0 = t->j0 / kb, p1 = (t->j0 + t->cols + kb - 1) / kb;
         for (ptrdiff_t p = p0; p < p1; p++)
-            if (!pk->ready[p]) {
-                attnx_mk_pack_keys(pk->kt + p * kb * a->d, k + p * kb * a->k_row, a->k_row,
-                                   ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
-                pk->ready[p] = 1;
+            if (pk->owner[p % pk->slots] != p + 1) {
+                attnx_mk_pack_keys(pk->kt + p % pk->slots * kb * a->d, k + p * kb * a->k_row,
+                                   a->k_row, ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
+                pk->owner[p % pk->slots] = p + 1;
             }
-        attnx_mk_scores(pk->width, t, w->st, w->st_ld, w->qt, pk->kt + t->j0 * a->d, a->d, scale2,
+        attnx_mk_scores(pk->width, t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2,
                         w->key_term, w->tile_max);
         return;
     }
@@ -340,7 +343,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         kb = MK_KB(w->pk->width);
         key_first -= key_first % kb;
         if (w->pk->k != k) {
-            memset(w->pk->ready, 0, (size_t)w->pk->panels);
+            memset(w->pk->owner, 0, (size_t)w->pk->slots * sizeof *w->pk->owner);
             w->pk->k = k;
         }
         attnx_mk_pack_queries(w->qt, q, a->q_row, rows, a->d, strip);
@@ -402,7 +405,13 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     int cpu_width = REAL_IS_DOUBLE ? 0 : attnx_mk_width();
     int width = a->e % ATTNX_MAX(cpu_width, 1) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
     ptrdiff_t kb = width ? MK_KB(width) : 1;
-    ptrdiff_t panels = width ? (a->m + kb - 1) / kb : 0;
+    /* slots of packed keys: every panel, or under a window the keys of two
+     * neighbouring query tiles (more than one key tile's panels) */
+    ptrdiff_t slots = width ? (a->m + kb - 1) / kb : 0;
+    if (a->band.has_lo && a->band.has_hi) {
+        ptrdiff_t span = 2 * Q_TILE + (a->band.hi_shift - a->band.lo_shift) + 1;
+        slots = ATTNX_MIN(slots, (span + kb - 1) / kb + 2);
+    }
     /* the micro-kernels fill whole strips of lanes; the plain loops use
      * just the rows (a decoding step: one) */
     ptrdiff_t st_ld = width ? ATTNX_MIN(Q_TILE, (a->n + MK_ROW_ALIGN - 1) / MK_ROW_ALIGN * MK_ROW_ALIGN)
@@ -412,17 +421,18 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
      * keys, packed queries, scores tile, key term, the lane arrays */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
-    ptrdiff_t packed = LINES(panels * kb * a->d), queries = width ? LINES(st_ld * a->d) : 0;
+    ptrdiff_t packed = LINES(slots * kb * a->d), queries = width ? LINES(st_ld * a->d) : 0;
     ptrdiff_t tile = LINES(KEY_TILE * st_ld), key_terms = LINES(KEY_TILE), lanes = LINES(st_ld);
     ptrdiff_t per_thread = packed + queries + tile + key_terms + 6 * lanes;
 #undef LINES
     REAL *scratch = NULL;
     ptrdiff_t v_blocks = (a->m + V_BLOCK - 1) / V_BLOCK;
-    unsigned char *ready = malloc((size_t)((panels + v_blocks) * threads) + 1);
+    unsigned char *v_states = malloc((size_t)(v_blocks * threads) + 1);
+    ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
     packed_keys *pks = calloc((size_t)threads, sizeof *pks);
     SFX(tile_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
-    if (!ready || !pks || !works ||
+    if (!v_states || !owners || !pks || !works ||
         posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
         goto done;
     for (int t = 0; t < threads; t++) {
@@ -439,11 +449,11 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
             .correction = lane + 3 * lanes,
             .shift = lane + 4 * lanes,
             .tile_sum = lane + 5 * lanes,
-            .v_state = ready + panels * threads + v_blocks * t,
+            .v_state = v_states + v_blocks * t,
         };
 #if !REAL_IS_DOUBLE
         if (width) {
-            pks[t] = (packed_keys){width, base, ready + panels * t, panels, NULL};
+            pks[t] = (packed_keys){width, base, owners + slots * t, slots, NULL};
             w->pk = &pks[t];
         }
 #endif
@@ -470,7 +480,8 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     status = ATTNX_OK;
 done:
     free(scratch);
-    free(ready);
+    free(v_states);
+    free(owners);
     free(pks);
     free(works);
     return status;

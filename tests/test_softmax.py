@@ -1107,6 +1107,28 @@ def test_microkernel_path_masks_and_biases(n, m, d, e, kind):
             assert_close(lse[seen], wlse[seen], np.float32, np.max(np.abs(wlse[seen])))
 
 
+@pytest.mark.parametrize("heads", [2, 3])
+@pytest.mark.parametrize("window", [(40, 0), (30, 20), (0, 0), (300, 100)])
+def test_microkernel_window_ring_of_key_panels(heads, window):
+    """Under a window the packed keys live in a ring that holds the keys of
+    two neighbouring query tiles: with many more keys than that, panels are
+    evicted and packed again. The result must not depend on it, whether a
+    thread takes whole heads (2 heads) or tiles of several (3), and for n !=
+    m (the band shifted by m - n)."""
+    rng = np.random.default_rng(heads * 7 + window[0])
+    orig = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(2)
+        for n, m in ((1500, 1500), (1300, 1700)):
+            q, k, v = qkv(rng, (heads,), n, m, 64, 64, np.float32)
+            for causal in (False, True):
+                got = attnx.softmax_attention(q, k, v, window=window, causal=causal)
+                want = ref_softmax(q, k, v, window=window, causal=causal)
+                assert_close(got, want, np.float32, vscale(v), err_msg=str((n, m, causal)))
+    finally:
+        attnx.set_num_threads(orig)
+
+
 def test_microkernel_path_nan_in_masked_keys_has_no_effect():
     """On the micro-kernels too: NaN or inf in a masked key (its k or its v),
     whether masked per key or per query, reaches no row."""
