@@ -514,15 +514,13 @@ attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy
     ptrdiff_t align = (ptrdiff_t)m - (ptrdiff_t)n;  /* i' = i + (m - n) */
     /* a side wider than both sequences hides nothing more: clamped, so
      * that the shifts (and their differences) cannot overflow */
-    left = left < n + m ? left : n + m;
-    right = right < n + m ? right : n + m;
     if (has_left) {
         band.has_lo = 1;
-        band.lo_shift = align - left;
+        band.lo_shift = align - (left < n + m ? left : n + m);
     }
     if (has_right) {
         band.has_hi = 1;
-        band.hi_shift = align + right;
+        band.hi_shift = align + (right < n + m ? right : n + m);
     }
     if (causal) {
         ptrdiff_t causal_shift = causal == 2 ? 0 : align;

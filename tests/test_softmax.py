@@ -239,6 +239,25 @@ def test_window_causal_mask_combined(causal, window, n, m):
         assert_close(got, want, np.float64, vscale(v), err_msg=variant)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n,m", [(60, 60), (70, 17), (17, 70)])
+def test_window_wider_than_the_sequences(dtype, n, m):
+    """A side as large as an index can be hides nothing, like an open side
+    (the band's shifts must not overflow on the way)."""
+    rng = np.random.default_rng(n * m)
+    q, k, v = qkv(rng, (2,), n, m, 16, 16, dtype)
+    huge = sys.maxsize
+    for window, same in (((huge, huge), (None, None)), ((huge, 0), (None, 0)),
+                         ((3, huge), (3, None))):
+        for causal in (False, True):
+            got = attnx.softmax_attention(q, k, v, window=window, causal=causal)
+            want = ref_softmax(q, k, v, window=same, causal=causal)
+            assert_close(got, want, dtype, vscale(v), err_msg=str((window, causal)))
+            lin = attnx.linear_attention(q, k, v, window=window, causal=causal)
+            lin_want = attnx.linear_attention(q, k, v, window=same, causal=causal)
+            assert_close(lin, lin_want, dtype, vscale(v), err_msg=str((window, causal)))
+
+
 def test_window_numpy_integer_accepted():
     rng = np.random.default_rng(12)
     q, k, v = qkv(rng, (), 20, 20, 4, 4)
