@@ -406,10 +406,11 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     int width = a->e % ATTNX_MAX(cpu_width, 1) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
     ptrdiff_t kb = width ? MK_KB(width) : 1;
     /* slots of packed keys: every panel, or under a window the keys of two
-     * neighbouring query tiles (more than one key tile's panels) */
+     * neighbouring query tiles, and at least one key tile's panels (the
+     * band may be empty: hi_shift < lo_shift) */
     ptrdiff_t slots = width ? (a->m + kb - 1) / kb : 0;
     if (a->band.has_lo && a->band.has_hi) {
-        ptrdiff_t span = 2 * Q_TILE + (a->band.hi_shift - a->band.lo_shift) + 1;
+        ptrdiff_t span = ATTNX_MAX(2 * Q_TILE + (a->band.hi_shift - a->band.lo_shift) + 1, KEY_TILE);
         slots = ATTNX_MIN(slots, (span + kb - 1) / kb + 2);
     }
     /* the micro-kernels fill whole strips of lanes; the plain loops use

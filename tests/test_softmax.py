@@ -1138,9 +1138,10 @@ def test_microkernel_window_ring_of_key_panels(heads, window):
     orig = attnx.get_num_threads()
     try:
         attnx.set_num_threads(2)
-        for n, m in ((1500, 1500), (1300, 1700)):
+        # (100, 1000) upper-left: under a narrow window no row sees a key
+        for n, m in ((1500, 1500), (1300, 1700), (100, 1000)):
             q, k, v = qkv(rng, (heads,), n, m, 64, 64, np.float32)
-            for causal in (False, True):
+            for causal in (False, True, "upper_left"):
                 got = attnx.softmax_attention(q, k, v, window=window, causal=causal)
                 want = ref_softmax(q, k, v, window=window, causal=causal)
                 assert_close(got, want, np.float32, vscale(v), err_msg=str((n, m, causal)))
