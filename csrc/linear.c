@@ -41,6 +41,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "microkernel.h"
 
 /* A head is cut into segments only when each gets at least this many
  * chunks: the precomputation (A) costs half a chunk loop's GEMM work on the
@@ -65,7 +66,11 @@ typedef struct {
     ptrdiff_t segs;           /* segments per head (chunk method), >= 1 */
     ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
     int threads;
+    int chunk_kernel;         /* full chunks go through mk_linear_chunk (float32, AVX-512) */
 } linear_plan;
+
+/* The fused chunk kernel's chunk length */
+#define KERNEL_CHUNK 16
 
 #define ATTNX_FAMILY_FILE "linear.c"
 #include "real.h"
@@ -104,6 +109,7 @@ typedef struct {
 /* One thread's scratch. */
 typedef struct {
     REAL *phi, *psi, *scores;  /* (C, r), (C, r), (C, C) */
+    REAL *psi_t;               /* (r, C) the fused chunk kernel's psi^T */
     REAL *values;              /* (C, e) a block of values with masked keys' rows zeroed */
     REAL *den, *log_scale;     /* (C,) per query row of a chunk */
     REAL *col_shift;           /* (d,) efficient attention: key column max */
@@ -156,7 +162,8 @@ static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
     w.phi = block;
     w.psi = w.phi + C * r;
     w.scores = w.psi + C * r;
-    w.values = w.scores + C * C;
+    w.psi_t = w.scores + C * C;
+    w.values = w.psi_t + C * r;
     w.den = w.values + C * e;
     w.log_scale = w.den + C;
     w.col_shift = w.log_scale + C;
@@ -171,7 +178,7 @@ static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
 static size_t SFX(scratch_size)(const linear_plan *p)
 {
     const attnx_linear_args *a = p->a;
-    size_t size = (size_t)(2 * p->C * p->r + p->C * p->C + p->C * a->e + 2 * p->C + a->d +
+    size_t size = (size_t)(3 * p->C * p->r + p->C * p->C + p->C * a->e + 2 * p->C + a->d +
                            ATTNX_MAX(p->r, a->e) + p->state_size);
     if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)p->state_size;
     size_t line = CACHE_LINE / sizeof(REAL);
@@ -486,6 +493,34 @@ static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scr
     }
 }
 
+/* One whole chunk (KERNEL_CHUNK rows against as many keys) through the
+ * fused AVX-512 kernel, which keeps every product in registers: read_state,
+ * add_block and state_add in one pass (microkernel.h). Returns 0 where it
+ * does not apply (float64, other CPUs, partial chunks, values holding inf
+ * or NaN), leaving the work to those three. */
+static int SFX(fused_chunk)(const linear_plan *p, ptrdiff_t i0, ptrdiff_t rows, ptrdiff_t j0,
+                            ptrdiff_t cols, SFX(values) vals, const SFX(scratch) *w,
+                            SFX(state) st, REAL *out)
+{
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    const attnx_linear_args *a = p->a;
+    if (!p->chunk_kernel || rows != KERNEL_CHUNK || cols != KERNEL_CHUNK ||
+        SFX(has_nonfinite)(vals.v, cols, a->e, vals.v_row))
+        return 0;
+    ptrdiff_t visible[KERNEL_CHUNK];
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        visible[t] = ATTNX_MIN(ATTNX_MAX(attnx_band_end(&a->band, i0 + t) - j0, 0), cols);
+        w->den[t] = SFX(dot)(w->phi + t * p->r, st.z, p->r);
+    }
+    mk_linear_chunk_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, a->e, visible, st.S, st.z, out,
+                        a->out_row, w->den, w->psi_t, w->scores);
+    return 1;
+#else
+    (void)p, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w, (void)st, (void)out;
+    return 0;
+#endif
+}
+
 /* ---------------------------------------------------------------- methods */
 
 /* A method's pass over the queries [qa, qb) of one head. The state starts
@@ -521,13 +556,17 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
             }
         }
         SFX(query_block)(p, hd, i0, rows, w);
-        SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
         if (hi > lo) {
             /* the chunk's own keys: a masked block, then into the state */
             SFX(values) vals = SFX(key_block)(p, hd, lo, hi - lo, w);
-            SFX(add_block)(p, hd, i0, rows, lo, hi - lo, vals, w, out);
-            SFX(state_add)(p, w->psi, hi - lo, vals, st);
+            if (!SFX(fused_chunk)(p, i0, rows, lo, hi - lo, vals, w, st, out)) {
+                SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
+                SFX(add_block)(p, hd, i0, rows, lo, hi - lo, vals, w, out);
+                SFX(state_add)(p, w->psi, hi - lo, vals, st);
+            }
             lo = hi;
+        } else {
+            SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
         }
         SFX(finish_rows)(p, rows, w, out);
     }
@@ -783,6 +822,12 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     linear_plan p = {.a = a, .r = a->features.r, .C = a->chunk, .causal = a->band.has_hi,
                      .segs = 1, .needed = 0, .split = 1};
     p.state_size = p.r * a->e + p.r;
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    /* the fused kernel: whole chunks of 16 under a causal band that opens
+     * at key 0, features in blocks of 8, values in whole vectors */
+    p.chunk_kernel = attnx_mk_width() == 16 && p.C == KERNEL_CHUNK && p.r % 8 == 0 &&
+                     a->e % 16 == 0 && !a->band.has_lo;
+#endif
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);
     /* the state's GEMMs (queries read it, keys enter it), plus the blocks of scores */

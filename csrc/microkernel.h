@@ -1,5 +1,8 @@
 /* microkernel.h - register-blocked float32 kernels for the softmax tiles,
- * for AVX-512 and AVX2+FMA, picked at run time (attnx_mk_width).
+ * for AVX-512 and AVX2+FMA, picked at run time (attnx_mk_width), and for
+ * one chunk of kernelised attention on AVX-512 (at the end of the file).
+ * Header functions are static inline, so that a file that uses some of
+ * them compiles without the others.
  *
  * softmax.c holds a tile of scores transposed, st[j][r] for key j and query
  * row r, so that the query rows lie across the vector lanes. Then:
@@ -96,7 +99,7 @@ static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptr
  * rows [r0, r0 + strip): set those to -inf, then fold the block into the
  * strip's row max. Runs on the few blocks that straddle the band's edges;
  * padding lanes past the tile's rows are left as they are. */
-static void mk_hide_and_max(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
+static inline void mk_hide_and_max(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
                             ptrdiff_t strip, ptrdiff_t c0, ptrdiff_t kb, float *tile_max)
 {
     ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
@@ -113,6 +116,29 @@ static void mk_hide_and_max(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
 #define MK_HAVE_X86 1
+
+/* dst[c][r] = src[r][c] for an 8 x 8 block (row strides in floats) */
+__attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptrdiff_t dst_row,
+                                                                 const float *src,
+                                                                 ptrdiff_t src_row)
+{
+    __m256 row[8], pair[8], quad[8];
+    for (int r = 0; r < 8; r++) row[r] = _mm256_loadu_ps(src + r * src_row);
+    for (int r = 0; r < 8; r += 2) {
+        pair[r] = _mm256_unpacklo_ps(row[r], row[r + 1]);
+        pair[r + 1] = _mm256_unpackhi_ps(row[r], row[r + 1]);
+    }
+    for (int r = 0; r < 8; r += 4) {
+        quad[r] = _mm256_shuffle_ps(pair[r], pair[r + 2], 0x44);
+        quad[r + 1] = _mm256_shuffle_ps(pair[r], pair[r + 2], 0xee);
+        quad[r + 2] = _mm256_shuffle_ps(pair[r + 1], pair[r + 3], 0x44);
+        quad[r + 3] = _mm256_shuffle_ps(pair[r + 1], pair[r + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + c * dst_row, _mm256_permute2f128_ps(quad[c], quad[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + 4) * dst_row, _mm256_permute2f128_ps(quad[c], quad[c + 4], 0x31));
+    }
+}
 
 #define MK_W 16
 #define MK_MR 12 /* P V: 24 of the 32 zmm registers accumulate */
@@ -142,35 +168,11 @@ static inline int attnx_mk_width(void)
     return 0;
 }
 
-#ifdef MK_HAVE_X86
-/* dst[c][r] = src[r][c] for an 8 x 8 block (row strides in floats) */
-__attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptrdiff_t dst_row,
-                                                                 const float *src,
-                                                                 ptrdiff_t src_row)
-{
-    __m256 row[8], pair[8], quad[8];
-    for (int r = 0; r < 8; r++) row[r] = _mm256_loadu_ps(src + r * src_row);
-    for (int r = 0; r < 8; r += 2) {
-        pair[r] = _mm256_unpacklo_ps(row[r], row[r + 1]);
-        pair[r + 1] = _mm256_unpackhi_ps(row[r], row[r + 1]);
-    }
-    for (int r = 0; r < 8; r += 4) {
-        quad[r] = _mm256_shuffle_ps(pair[r], pair[r + 2], 0x44);
-        quad[r + 1] = _mm256_shuffle_ps(pair[r], pair[r + 2], 0xee);
-        quad[r + 2] = _mm256_shuffle_ps(pair[r + 1], pair[r + 3], 0x44);
-        quad[r + 3] = _mm256_shuffle_ps(pair[r + 1], pair[r + 3], 0xee);
-    }
-    for (int c = 0; c < 4; c++) {
-        _mm256_storeu_ps(dst + c * dst_row, _mm256_permute2f128_ps(quad[c], quad[c + 4], 0x20));
-        _mm256_storeu_ps(dst + (c + 4) * dst_row, _mm256_permute2f128_ps(quad[c], quad[c + 4], 0x31));
-    }
-}
-#endif
 
 /* block (d, lanes) <- rows [0, count) of x (row stride x_row) transposed,
  * lanes past `count` 0: a panel of keys or a strip of queries. Only called
  * where the micro-kernels run, so AVX2 is there for the 8 x 8 transposes. */
-static void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
+static inline void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
                     ptrdiff_t lanes)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
@@ -187,7 +189,7 @@ static void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t cou
 }
 
 /* kt (panels, d, kb) <- keys [0, count) of k, panel by panel */
-static void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdiff_t count,
+static inline void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdiff_t count,
                                ptrdiff_t d, ptrdiff_t kb)
 {
     for (ptrdiff_t j0 = 0; j0 < count; j0 += kb)
@@ -195,7 +197,7 @@ static void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdi
 }
 
 /* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
-static void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row, ptrdiff_t rows,
+static inline void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row, ptrdiff_t rows,
                                   ptrdiff_t d, ptrdiff_t strip)
 {
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip)
@@ -287,7 +289,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
         for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
 }
 
-static void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld, const float *qt,
+static inline void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld, const float *qt,
                                const float *kt, ptrdiff_t slots, ptrdiff_t d, float scale,
                                const float *key_term, float *tile_max)
 {
@@ -365,7 +367,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
     }
 }
 
-static void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, const float *pt,
+static inline void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, const float *pt,
                                ptrdiff_t pt_ld, const float *v, ptrdiff_t v_row, ptrdiff_t e)
 {
     for (ptrdiff_t j0 = 0; j0 < t->cols; j0 += MK_KC) {
@@ -411,7 +413,7 @@ static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
 /* The online softmax of one strip over the keys [lo, hi) of the tile, on
  * AVX-512: see softmax_strip in softmax.c, which this computes in
  * registers, 3 vectors of rows at a time. */
-static void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
+static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
                                  const float *tile_max, float *row_max, float *row_sum,
                                  float *correction)
 {
@@ -441,6 +443,144 @@ static void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdi
         }
     for (int h = 0; h < MK_RV; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
 }
+
+/* ------------------------------------------------------------------------
+ * Kernelised attention, the chunk method (linear.c): one chunk of 16 query
+ * rows against the state and the 16 keys of its diagonal block.
+ *   phi, psi (16, r)  features of the chunk's queries and keys, rows r apart
+ *   P        (16, 16) phi psi^T, the pairs a row cannot see zeroed
+ *   S (r, e), z (r,)  the state, S contiguous
+ */
+
+/* acc[i][h] += sum_p A[i][p] B[p][16 h .. 16 h + 16) over p < k, for mr
+ * rows of A (element (i, p) at a[i a_row + p a_col]) and nv vectors of
+ * B's rows; mr and nv are constants after inlining. */
+static inline __attribute__((always_inline)) void mk_rank_w16(__m512 acc[6][4], int mr, int nv,
+                                                              const float *a, ptrdiff_t a_row,
+                                                              ptrdiff_t a_col, const float *b,
+                                                              ptrdiff_t b_row, ptrdiff_t k)
+{
+    for (ptrdiff_t p = 0; p < k; p++) {
+        __m512 b_p[4];
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) b_p[h] = _mm512_loadu_ps(b + p * b_row + h * 16);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            __m512 a_ip = _mm512_set1_ps(a[i * a_row + p * a_col]);
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++) acc[i][h] = _mm512_fmadd_ps(a_ip, b_p[h], acc[i][h]);
+        }
+    }
+}
+
+/* rows [0, mr) of the chunk's output, columns [0, 16 nv): phi S + P V,
+ * S still without the chunk's keys */
+static inline __attribute__((always_inline)) void mk_chunk_out_w16(
+    int mr, int nv, const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e, const float *p,
+    const float *v, ptrdiff_t v_row, float *out, ptrdiff_t out_row)
+{
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) acc[i][h] = _mm512_setzero_ps();
+    mk_rank_w16(acc, mr, nv, phi, r, 1, S, e, r);
+    mk_rank_w16(acc, mr, nv, p, 16, 1, v, v_row, 16);
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + i * out_row + h * 16, acc[i][h]);
+}
+
+/* rows [0, mr) of S, columns [0, 16 nv): S += psi^T V */
+static inline __attribute__((always_inline)) void mk_chunk_state_w16(
+    int mr, int nv, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row, float *S,
+    ptrdiff_t e)
+{
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + i * e + h * 16);
+    mk_rank_w16(acc, mr, nv, psi, 1, r, v, v_row, 16);
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) _mm512_storeu_ps(S + i * e + h * 16, acc[i][h]);
+}
+
+/* one call per width of the column block, nv a constant in each */
+#define MK_CHUNK_COLUMNS(e, CALL)                             \
+    for (ptrdiff_t c0 = 0; c0 < (e); c0 += 64) {              \
+        switch ((e) - c0 >= 64 ? 4 : ((e) - c0) / 16) {       \
+        case 4: CALL(4); break;                               \
+        case 3: CALL(3); break;                               \
+        case 2: CALL(2); break;                               \
+        default: CALL(1); break;                              \
+        }                                                     \
+    }
+
+/* The chunk: out = phi S + P V and den[t] += sum_j P[t][j], with P =
+ * phi psi^T where row t sees the keys j < visible[t] (others 0; negative
+ * similarities, rounding in taylor's 1 + cos, clamped to 0 as in linear.c,
+ * NaN kept); then S += psi^T V and z += sum_j psi_j. r % 8 == 0, e % 16
+ * == 0, V finite (linear.c checks); psi_t (r, 16) and p (16, 16) scratch. */
+static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                       const float *v, ptrdiff_t v_row, ptrdiff_t e,
+                                       const ptrdiff_t *visible, float *S, float *z, float *out,
+                                       ptrdiff_t out_row, float *den, float *psi_t, float *p)
+{
+    /* pass 1: P, each row one vector over the 16 keys, from psi^T */
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 8)
+        for (ptrdiff_t j0 = 0; j0 < 16; j0 += 8)
+            mk_transpose8(psi_t + f0 * 16 + j0, 16, psi + j0 * r + f0, r);
+    __m512 p_row[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) p_row[t] = _mm512_setzero_ps();
+    for (ptrdiff_t f = 0; f < r; f++) {
+        __m512 keys_f = _mm512_loadu_ps(psi_t + f * 16);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++)
+            p_row[t] = _mm512_fmadd_ps(_mm512_set1_ps(phi[t * r + f]), keys_f, p_row[t]);
+    }
+    for (int t = 0; t < 16; t++) {
+        __mmask16 seen = visible[t] >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << visible[t]) - 1);
+        /* max(0, x) is x for NaN: the second operand wins when one is NaN */
+        __m512 kept = _mm512_maskz_max_ps(seen, _mm512_setzero_ps(), p_row[t]);
+        den[t] += _mm512_reduce_add_ps(kept);
+        _mm512_storeu_ps(p + t * 16, kept);
+    }
+    /* pass 2: the output, from the state before the chunk's keys */
+#define MK_OUT(nv)                                                                              \
+    do {                                                                                        \
+        mk_chunk_out_w16(6, nv, phi, r, S + c0, e, p, v + c0, v_row, out + c0, out_row);        \
+        mk_chunk_out_w16(6, nv, phi + 6 * r, r, S + c0, e, p + 6 * 16, v + c0, v_row,           \
+                         out + 6 * out_row + c0, out_row);                                      \
+        mk_chunk_out_w16(4, nv, phi + 12 * r, r, S + c0, e, p + 12 * 16, v + c0, v_row,         \
+                         out + 12 * out_row + c0, out_row);                                     \
+    } while (0)
+    MK_CHUNK_COLUMNS(e, MK_OUT)
+#undef MK_OUT
+    /* pass 3: the chunk's keys into the state, 6 features at a time (r %
+     * 6 is 0, 2 or 4 since r % 8 == 0) */
+#define MK_STATE(nv)                                                                            \
+    do {                                                                                        \
+        ptrdiff_t f0 = 0;                                                                       \
+        for (; f0 + 6 <= r; f0 += 6)                                                            \
+            mk_chunk_state_w16(6, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
+        if (r - f0 == 4) mk_chunk_state_w16(4, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e); \
+        if (r - f0 == 2) mk_chunk_state_w16(2, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e); \
+    } while (0)
+    MK_CHUNK_COLUMNS(e, MK_STATE)
+#undef MK_STATE
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
+        __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);
+        for (int j = 0; j < 16; j++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, psi + j * r + f0));
+        _mm512_mask_storeu_ps(z + f0, lanes, sum);
+    }
+}
+#undef MK_CHUNK_COLUMNS
 #endif
 
 #undef MK_VMAX
