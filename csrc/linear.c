@@ -18,6 +18,8 @@
  *   chunk      per chunk of C queries: out = phi S for the keys before the
  *              chunk, plus the masked C x C block of the chunk's own keys,
  *              then S += psi^T V. GEMMs carry all the work; O(n) time.
+ *              Whole float32 chunks of 16 on AVX-512 do the three in one
+ *              register-blocked kernel instead (fused_chunk).
  *   recurrent  the RNN form: S += psi(k_j) v_j^T one key at a time, each
  *              query read from the state as soon as its keys are in.
  *   cumsum     every prefix state materialised ((m + 1) states), then each
@@ -66,7 +68,7 @@ typedef struct {
     ptrdiff_t segs;           /* segments per head (chunk method), >= 1 */
     ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
     int threads;
-    int chunk_kernel;         /* full chunks go through mk_linear_chunk (float32, AVX-512) */
+    int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
 } linear_plan;
 
 /* The fused chunk kernel's chunk length */
