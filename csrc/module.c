@@ -60,5 +60,6 @@ PyMODINIT_FUNC PyInit__C(void)
 {
     import_array();
     attnx_blas_init();
+    if (attnx_linear_names_init() < 0) return NULL;
     return PyModule_Create(&module);
 }

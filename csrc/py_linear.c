@@ -211,15 +211,29 @@ static int feature_size(const linear_options *o, PyObject *projection_obj, npy_i
     return 0;
 }
 
+/* The attributes of a LinearAttentionState, interned once: a decoding
+ * step reads four of them and writes one, and a name made from a C string
+ * on every call costs about as much as the lookup. */
+static PyObject *name_S, *name_z, *name_offset, *name_options;
+
+int attnx_linear_names_init(void)
+{
+    name_S = PyUnicode_InternFromString("S");
+    name_z = PyUnicode_InternFromString("z");
+    name_offset = PyUnicode_InternFromString("offset");
+    name_options = PyUnicode_InternFromString("_options");
+    return name_S && name_z && name_offset && name_options ? 0 : -1;
+}
+
 /* initial_state: its S (..., r, e) and z (..., r) as operands, its offset */
 static int state_convert(PyObject *state, int typenum, attnx_operand *S, attnx_operand *z,
                          npy_intp *offset)
 {
     *offset = 0;
     if (state == Py_None) return 0;
-    PyObject *S_obj = PyObject_GetAttrString(state, "S");
-    PyObject *z_obj = S_obj ? PyObject_GetAttrString(state, "z") : NULL;
-    PyObject *offset_obj = z_obj ? PyObject_GetAttrString(state, "offset") : NULL;
+    PyObject *S_obj = PyObject_GetAttr(state, name_S);
+    PyObject *z_obj = S_obj ? PyObject_GetAttr(state, name_z) : NULL;
+    PyObject *offset_obj = z_obj ? PyObject_GetAttr(state, name_offset) : NULL;
     int status = -1;
     if (!offset_obj) {
         PyErr_Format(PyExc_TypeError,
@@ -555,7 +569,7 @@ static PyObject *run_linear(const linear_call *c)
     if (attnx_output_finish(result, compute_out) < 0) goto done;
     if (c->in_place) {
         PyObject *advanced = PyLong_FromSsize_t((Py_ssize_t)(offset + m));
-        int status = advanced ? PyObject_SetAttrString(initial_state, "offset", advanced) : -1;
+        int status = advanced ? PyObject_SetAttr(initial_state, name_offset, advanced) : -1;
         Py_XDECREF(advanced);
         if (status == 0) {
             ret = (PyObject *)result;
@@ -599,7 +613,7 @@ PyObject *attnx_py_linear_step(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOO|O:step", &c.initial_state, &c.q, &c.k, &c.v, &out))
         return NULL;
     c.out = out;
-    if (!(options = PyObject_GetAttrString(c.initial_state, "_options"))) return NULL;
+    if (!(options = PyObject_GetAttr(c.initial_state, name_options))) return NULL;
     if (!PyTuple_Check(options) || PyTuple_GET_SIZE(options) != 7 ||
         !PyUnicode_Check(PyTuple_GET_ITEM(options, 0))) {
         PyErr_SetString(PyExc_ValueError,
