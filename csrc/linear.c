@@ -421,13 +421,19 @@ static void SFX(query_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_
                         w->phi, w->log_scale);
 }
 
+/* den = phi z: the denominators the absorbed keys give a block of rows */
+static void SFX(state_dens)(const linear_plan *p, ptrdiff_t rows, const REAL *z,
+                            const SFX(scratch) *w)
+{
+    for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * p->r, z, p->r);
+}
+
 /* out = phi S, den = phi z: what the absorbed keys give a block of rows */
 static void SFX(read_state)(const linear_plan *p, ptrdiff_t rows, const REAL *S, ptrdiff_t S_row,
                             const REAL *z, const SFX(scratch) *w, REAL *out)
 {
-    const ptrdiff_t r = p->r;
-    SFX(gemm)(0, 0, rows, p->a->e, r, 1, w->phi, r, S, S_row, 0, out, p->a->out_row);
-    for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * r, z, r);
+    SFX(gemm)(0, 0, rows, p->a->e, p->r, 1, w->phi, p->r, S, S_row, 0, out, p->a->out_row);
+    SFX(state_dens)(p, rows, z, w);
 }
 
 /* The keys of [j0, j0 + cols) that row i sees: [*lo, *hi) relative to j0,
@@ -500,25 +506,26 @@ static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scr
  * add_block and state_add in one pass (microkernel.h). Returns 0 where it
  * does not apply (float64, other CPUs, partial chunks, values holding inf
  * or NaN), leaving the work to those three. */
-static int SFX(fused_chunk)(const linear_plan *p, ptrdiff_t i0, ptrdiff_t rows, ptrdiff_t j0,
-                            ptrdiff_t cols, SFX(values) vals, const SFX(scratch) *w,
-                            SFX(state) st, REAL *out)
+static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
+                            ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
+                            const SFX(scratch) *w, SFX(state) st, REAL *out)
 {
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     const attnx_linear_args *a = p->a;
     if (!p->chunk_kernel || rows != KERNEL_CHUNK || cols != KERNEL_CHUNK ||
         SFX(has_nonfinite)(vals.v, cols, a->e, vals.v_row))
         return 0;
-    ptrdiff_t visible[KERNEL_CHUNK];
-    for (ptrdiff_t t = 0; t < rows; t++) {
-        visible[t] = ATTNX_MIN(ATTNX_MAX(attnx_band_end(&a->band, i0 + t) - j0, 0), cols);
-        w->den[t] = SFX(dot)(w->phi + t * p->r, st.z, p->r);
-    }
+    /* the band opens at key 0 (chunk_kernel), so row t sees [0, visible[t]) */
+    ptrdiff_t visible[KERNEL_CHUNK], first;
+    for (ptrdiff_t t = 0; t < rows; t++)
+        SFX(row_span)(p, hd, i0 + t, j0, cols, &first, &visible[t]);
+    SFX(state_dens)(p, rows, st.z, w);
     mk_linear_chunk_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, a->e, visible, st.S, st.z, out,
                         a->out_row, w->den, w->psi_t, w->scores);
     return 1;
 #else
-    (void)p, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w, (void)st, (void)out;
+    (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w, (void)st,
+        (void)out;
     return 0;
 #endif
 }
@@ -561,7 +568,7 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
         if (hi > lo) {
             /* the chunk's own keys: a masked block, then into the state */
             SFX(values) vals = SFX(key_block)(p, hd, lo, hi - lo, w);
-            if (!SFX(fused_chunk)(p, i0, rows, lo, hi - lo, vals, w, st, out)) {
+            if (!SFX(fused_chunk)(p, hd, i0, rows, lo, hi - lo, vals, w, st, out)) {
                 SFX(read_state)(p, rows, st.S, a->e, st.z, w, out);
                 SFX(add_block)(p, hd, i0, rows, lo, hi - lo, vals, w, out);
                 SFX(state_add)(p, w->psi, hi - lo, vals, st);

@@ -100,7 +100,7 @@ static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptr
  * strip's row max. Runs on the few blocks that straddle the band's edges;
  * padding lanes past the tile's rows are left as they are. */
 static inline void mk_hide_and_max(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
-                            ptrdiff_t strip, ptrdiff_t c0, ptrdiff_t kb, float *tile_max)
+                                   ptrdiff_t strip, ptrdiff_t c0, ptrdiff_t kb, float *tile_max)
 {
     ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
     for (ptrdiff_t j = c0; j < c0 + kb; j++) {
@@ -168,12 +168,11 @@ static inline int attnx_mk_width(void)
     return 0;
 }
 
-
 /* block (d, lanes) <- rows [0, count) of x (row stride x_row) transposed,
  * lanes past `count` 0: a panel of keys or a strip of queries. Only called
  * where the micro-kernels run, so AVX2 is there for the 8 x 8 transposes. */
-static inline void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
-                    ptrdiff_t lanes)
+static inline void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t count,
+                           ptrdiff_t d, ptrdiff_t lanes)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
     ptrdiff_t r0 = 0, c0 = 0;
@@ -189,16 +188,16 @@ static inline void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdif
 }
 
 /* kt (panels, d, kb) <- keys [0, count) of k, panel by panel */
-static inline void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row, ptrdiff_t count,
-                               ptrdiff_t d, ptrdiff_t kb)
+static inline void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row,
+                                      ptrdiff_t count, ptrdiff_t d, ptrdiff_t kb)
 {
     for (ptrdiff_t j0 = 0; j0 < count; j0 += kb)
         mk_pack(kt + j0 * d, k + j0 * k_row, k_row, count - j0 < kb ? count - j0 : kb, d, kb);
 }
 
 /* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
-static inline void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row, ptrdiff_t rows,
-                                  ptrdiff_t d, ptrdiff_t strip)
+static inline void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row,
+                                         ptrdiff_t rows, ptrdiff_t d, ptrdiff_t strip)
 {
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip)
         mk_pack(qt + r0 * d, q + r0 * q_row, q_row, rows - r0 < strip ? rows - r0 : strip, d, strip);
@@ -289,9 +288,10 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
         for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
 }
 
-static inline void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld, const float *qt,
-                               const float *kt, ptrdiff_t slots, ptrdiff_t d, float scale,
-                               const float *key_term, float *tile_max)
+static inline void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld,
+                                      const float *qt, const float *kt, ptrdiff_t slots,
+                                      ptrdiff_t d, float scale, const float *key_term,
+                                      float *tile_max)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
     /* a strip of queries (3 W d floats) stays in L1 while the key panels
@@ -367,8 +367,9 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
     }
 }
 
-static inline void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row, const float *pt,
-                               ptrdiff_t pt_ld, const float *v, ptrdiff_t v_row, ptrdiff_t e)
+static inline void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row,
+                                      const float *pt, ptrdiff_t pt_ld, const float *v,
+                                      ptrdiff_t v_row, ptrdiff_t e)
 {
     for (ptrdiff_t j0 = 0; j0 < t->cols; j0 += MK_KC) {
         ptrdiff_t j1 = t->cols - j0 < MK_KC ? t->cols : j0 + MK_KC;
@@ -414,8 +415,8 @@ static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
  * AVX-512: see softmax_strip in softmax.c, which this computes in
  * registers, 3 vectors of rows at a time. */
 static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
-                                 const float *tile_max, float *row_max, float *row_sum,
-                                 float *correction)
+                                        const float *tile_max, float *row_max, float *row_sum,
+                                        float *correction)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 sub[MK_RV], sum[MK_RV];
@@ -568,15 +569,18 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
         ptrdiff_t f0 = 0;                                                                       \
         for (; f0 + 6 <= r; f0 += 6)                                                            \
             mk_chunk_state_w16(6, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
-        if (r - f0 == 4) mk_chunk_state_w16(4, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e); \
-        if (r - f0 == 2) mk_chunk_state_w16(2, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e); \
+        if (r - f0 == 4)                                                                        \
+            mk_chunk_state_w16(4, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
+        if (r - f0 == 2)                                                                        \
+            mk_chunk_state_w16(2, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
     } while (0)
     MK_CHUNK_COLUMNS(e, MK_STATE)
 #undef MK_STATE
     for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
         __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
         __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);
-        for (int j = 0; j < 16; j++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, psi + j * r + f0));
+        for (int j = 0; j < 16; j++)
+            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, psi + j * r + f0));
         _mm512_mask_storeu_ps(z + f0, lanes, sum);
     }
 }

@@ -153,12 +153,13 @@ static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, SFX(
     packed_keys *pk = w->pk;
     if (pk) {
         ptrdiff_t kb = MK_KB(pk->width), p0 = t->j0 / kb, p1 = (t->j0 + t->cols + kb - 1) / kb;
-        for (ptrdiff_t p = p0; p < p1; p++)
-            if (pk->owner[p % pk->slots] != p + 1) {
-                attnx_mk_pack_keys(pk->kt + p % pk->slots * kb * a->d, k + p * kb * a->k_row,
-                                   a->k_row, ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
-                pk->owner[p % pk->slots] = p + 1;
-            }
+        for (ptrdiff_t p = p0; p < p1; p++) {
+            ptrdiff_t slot = p % pk->slots;
+            if (pk->owner[slot] == p + 1) continue;
+            attnx_mk_pack_keys(pk->kt + slot * kb * a->d, k + p * kb * a->k_row, a->k_row,
+                               ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
+            pk->owner[slot] = p + 1;
+        }
         attnx_mk_scores(pk->width, t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2,
                         w->key_term, w->tile_max);
         return;
