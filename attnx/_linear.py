@@ -41,17 +41,28 @@ class LinearAttentionState:
     projection, eps, p, M), but absorbs the new keys and values into this
     object's own ``S`` and ``z`` in place and advances ``offset``, so a
     step allocates nothing but its output (none with ``out=``). Any number
-    of new tokens per step. The state owns its arrays: arrays taken from it
-    earlier change with it (copy them to keep a snapshot). Only a state
+    of new tokens per step.
+
+    A step of one token holds its key back from ``S`` (``z`` takes it at
+    once) and adds the keys a head holds into ``S`` 8 at a time, the heads
+    taking turns; its output counts them all. Most steps then only read
+    ``S`` instead of reading and writing it, which halves a step's memory
+    traffic. Reading ``state.S`` (or passing the state as
+    ``initial_state=``, or a step of several tokens) first adds every held
+    key in, in order, giving the state the RNN form would have: ``S`` is
+    always exact when read. The state owns its arrays: an array taken from
+    it earlier changes with it (copy it to keep a snapshot), but between
+    reads of ``state.S`` it lags by the held keys. Assigning ``state.S``
+    replaces the sum of every key so far, held ones included. Only a state
     returned by a causal call with ``return_state=True`` can step, while
     ``S`` and ``z`` stay writeable, C-contiguous arrays of the computing
     dtype with the batch shape of the step's q, k, v; otherwise ``step``
     raises ValueError (TypeError for another dtype)."""
 
-    __slots__ = ("S", "z", "offset", "_options", "_features")
+    __slots__ = ("_S", "z", "offset", "_options", "_features", "_pending", "_tick")
 
     def __init__(self, S, z, offset):
-        self.S = S
+        self._S = S
         self.z = z
         self.offset = offset
         # what step() needs to repeat the call that made the state (set by
@@ -59,6 +70,23 @@ class LinearAttentionState:
         # and a callable feature map applied in Python; None: cannot step
         self._options = None
         self._features = None
+        # the keys single-token steps hold back from S: two arrays
+        # (..., 8, r) and (..., 8, e) made by the first such step, and the
+        # steps since S last held every key (0: it holds them all)
+        self._pending = None
+        self._tick = 0
+
+    @property
+    def S(self):
+        """sum_j psi(k_j) v_j^T over every key so far (held keys added in)."""
+        if self._tick:
+            _C.linear_flush(self)
+        return self._S
+
+    @S.setter
+    def S(self, value):
+        self._S = value
+        self._tick = 0
 
     def step(self, q, k, v, out=None):
         """Decode in place: the outputs (..., n, e) for the new queries q

@@ -146,6 +146,32 @@ enum { ATTNX_METHOD_CHUNK, ATTNX_METHOD_RECURRENT, ATTNX_METHOD_CUMSUM, ATTNX_ME
  * at once as fit under it. */
 #define ATTNX_CUMSUM_LIMIT ((size_t)2 << 30)
 
+/* Keys of single-token decoding steps not yet added into S (linear.c,
+ * deferred_rows): head h holds attnx_pending_rows(tick, h, capacity) of
+ * them, their features psi (capacity, r) and values (capacity, e) at
+ * head h of psi and v. z already holds them. */
+typedef struct {
+    void *psi, *v;        /* (heads, capacity, r), (heads, capacity, e), C order */
+    ptrdiff_t capacity;   /* keys a head holds at most */
+    ptrdiff_t tick;       /* deferred steps since S last held every key */
+} attnx_pending;
+
+/* Head h adds its held keys into S at the steps where
+ * (step + h) % capacity == capacity - 1 (0-based steps since S held every
+ * key), so that heads take turns: a step reads every head's S but writes
+ * one head in `capacity`, and no step pays for all of them. */
+static inline int attnx_pending_adds(ptrdiff_t tick, ptrdiff_t h, ptrdiff_t capacity)
+{
+    return (tick + h) % capacity == capacity - 1;
+}
+
+/* what head h holds after `tick` steps: the steps since its last turn */
+static inline ptrdiff_t attnx_pending_rows(ptrdiff_t tick, ptrdiff_t h, ptrdiff_t capacity)
+{
+    ptrdiff_t first_turn = capacity - 1 - h % capacity;
+    return tick <= first_turn ? tick : (tick + h) % capacity;
+}
+
 typedef struct {
     ptrdiff_t n, m, d, e;
     ptrdiff_t heads;
@@ -170,10 +196,19 @@ typedef struct {
     double eps;                        /* clamp of the denominator, >= 0 */
     int normalise;                     /* 0: out_i = phi(q_i) S unnormalised (similarities) */
     int num_threads;
+    attnx_pending pending;             /* psi NULL, or a deferred step: n = m = 1, S_out and
+                                          z_out are S0 and z0, C order, no key_mask */
 } attnx_linear_args;
 
 int attnx_linear_fwd_f32(const attnx_linear_args *args);
 int attnx_linear_fwd_f64(const attnx_linear_args *args);
+
+/* S (heads, r, e) C order += every key `pending` holds (the caller then
+ * records tick = 0) */
+void attnx_linear_flush_f32(float *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
+                            ptrdiff_t e, int num_threads);
+void attnx_linear_flush_f64(double *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
+                            ptrdiff_t e, int num_threads);
 
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);

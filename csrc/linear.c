@@ -88,6 +88,9 @@ typedef struct {
     const unsigned char *key_mask, *mask;
     const REAL *S0, *z0;
     REAL *S_out, *z_out;
+    REAL *held_keys, *held_values;  /* deferred steps: (capacity, r), (capacity, e) */
+    ptrdiff_t held;                 /* keys in them */
+    int adds_held;                  /* this step adds them (and its own key) into S */
 } SFX(head);
 
 /* A state being built: S (r, e) with contiguous rows of e, and z (r,). */
@@ -135,6 +138,13 @@ static SFX(head) SFX(head_at)(const attnx_linear_args *a, ptrdiff_t h)
         .S_out = a->S_out ? (REAL *)((char *)a->S_out + off[ATTNX_LIN_S_OUT]) : NULL,
         .z_out = a->z_out ? (REAL *)((char *)a->z_out + off[ATTNX_LIN_Z_OUT]) : NULL,
     };
+    const attnx_pending *pending = &a->pending;
+    if (pending->psi) {
+        hd.held_keys = (REAL *)pending->psi + h * pending->capacity * a->features.r;
+        hd.held_values = (REAL *)pending->v + h * pending->capacity * a->e;
+        hd.held = attnx_pending_rows(pending->tick, h, pending->capacity);
+        hd.adds_held = attnx_pending_adds(pending->tick, h, pending->capacity);
+    }
     return hd;
 }
 
@@ -396,6 +406,37 @@ static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, 
     }
 }
 
+/* S += keys^T values for `rows` held keys (deferred steps), in key order
+ * like the RNN steps they stand for: one pass over S. Float32 on AVX-512
+ * keeps blocks of 6 rows of S in registers (microkernel.h); otherwise a
+ * block of one row stays in registers while the values stream from L1. */
+static ATTNX_HOT void SFX(add_held)(ptrdiff_t r, ptrdiff_t e, REAL *S, const REAL *keys,
+                                    const REAL *values, ptrdiff_t rows)
+{
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    if (attnx_mk_width() == 16 && r % 2 == 0 && e % 16 == 0) {
+        mk_add_keys_w16(keys, r, values, e, rows, S, e);
+        return;
+    }
+#endif
+    for (ptrdiff_t f = 0; f < r; f++) {
+        REAL *S_f = S + f * e;
+        ptrdiff_t c0 = 0;
+        for (; c0 + ROW_BLOCK <= e; c0 += ROW_BLOCK) {
+            REAL acc[ROW_BLOCK];
+            memcpy(acc, S_f + c0, sizeof acc);
+            for (ptrdiff_t t = 0; t < rows; t++) {
+                const REAL key = keys[t * r + f], *value = values + t * e + c0;
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < ROW_BLOCK; c++) acc[c] += key * value[c];
+            }
+            memcpy(S_f + c0, acc, sizeof acc);
+        }
+        for (ptrdiff_t t = 0; c0 < e && t < rows; t++)
+            SFX(axpy)(S_f + c0, keys[t * r + f], values + t * e + c0, e - c0);
+    }
+}
+
 /* Ask the memory for `rows` rows of `count` elements (row stride x_row).
  * Always inlined: gcc deletes calls to a function that only prefetches, as
  * it has no effect it can see. */
@@ -606,6 +647,51 @@ static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdi
     SFX(state_load)(p, st, from);  /* no key at all: st is still the initial state */
 }
 
+/* out_i += sum_t (phi . keys_t) values_t over `held` held keys (one
+ * function, so that its loops inline: a call per dot product and axpy
+ * took a tenth of a decoding step) */
+static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *phi,
+                                          const REAL *keys, const REAL *values, ptrdiff_t held,
+                                          REAL *out_i)
+{
+    for (ptrdiff_t t = 0; t < held; t++) {
+        REAL weight = 0;
+#pragma omp simd reduction(+ : weight)
+        for (ptrdiff_t f = 0; f < r; f++) weight += phi[f] * keys[t * r + f];
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < e; c++) out_i[c] += weight * values[t * e + c];
+    }
+}
+
+/* One single-token decoding step (a->pending): the key joins z at once
+ * but S only through the head's held keys, and the query reads
+ * out = phi (S + keys^T values) as phi S plus one term per held key.
+ * The held keys go into S at the head's turn, once in `capacity` steps,
+ * so most steps read S without writing it: half the memory traffic of
+ * the RNN step, which reads and writes all of S for one rank-1 update
+ * (the chunk method's trade, one token at a time). */
+static void SFX(deferred_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
+                               ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
+                               const SFX(scratch) *w, SFX(state) st)
+{
+    (void)qa, (void)qb, (void)from, (void)K, (void)last;  /* one row and key; from is st */
+    const ptrdiff_t r = p->r, e = p->a->e;
+    ptrdiff_t held = hd->held;
+    SFX(query_block)(p, hd, 0, 1, w);
+    SFX(values) vals = SFX(key_block)(p, hd, 0, 1, w);
+    memcpy(hd->held_keys + held * r, w->psi, (size_t)r * sizeof(REAL));
+    memcpy(hd->held_values + held * e, vals.v, (size_t)e * sizeof(REAL));
+    SFX(axpy)(st.z, 1, w->psi, r);
+    held++;
+    if (hd->adds_held) {
+        SFX(add_held)(r, e, st.S, hd->held_keys, hd->held_values, held);
+        held = 0;
+    }
+    SFX(state_pass)(r, e, SFX(view_of)(p, st), NULL, NULL, st, w->phi, hd->out, w->den);
+    SFX(add_held_terms)(r, e, w->phi, hd->held_keys, hd->held_values, held, hd->out);
+    SFX(finish_rows)(p, 1, w, hd->out);
+}
+
 /* prefix[t] = the state after the keys [K, K + t), every one of them held
  * in memory ((m - K + 1) states); query i contracts the prefix of the keys
  * it sees. */
@@ -737,7 +823,8 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
 {
     const attnx_linear_args *a = p->a;
     const ptrdiff_t size = p->state_size;
-    SFX(rows_fn) rows_fn = a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
+    SFX(rows_fn) rows_fn = a->pending.psi                    ? SFX(deferred_rows)
+                           : a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
                            : a->method == ATTNX_METHOD_CUMSUM  ? SFX(cumsum_rows)
                                                                : SFX(chunk_rows);
     REAL *deltas = NULL, *starts = NULL;
@@ -878,6 +965,17 @@ int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
                                                      : SFX(run_scan)(&p, scratch, per_thread);
     free(scratch);
     return status;
+}
+
+void SFX(attnx_linear_flush)(REAL *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
+                             ptrdiff_t e, int num_threads)
+{
+    const ptrdiff_t capacity = pending->capacity;
+#pragma omp parallel for num_threads(ATTNX_MAX(num_threads, 1))
+    for (ptrdiff_t h = 0; h < heads; h++)
+        SFX(add_held)(r, e, S + h * r * e, (const REAL *)pending->psi + h * capacity * r,
+                      (const REAL *)pending->v + h * capacity * e,
+                      attnx_pending_rows(pending->tick, h, capacity));
 }
 
 #endif /* REAL */

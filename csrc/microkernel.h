@@ -493,17 +493,17 @@ static inline __attribute__((always_inline)) void mk_chunk_out_w16(
         for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + i * out_row + h * 16, acc[i][h]);
 }
 
-/* rows [0, mr) of S, columns [0, 16 nv): S += psi^T V */
+/* rows [0, mr) of S, columns [0, 16 nv): S += psi^T V over `keys` keys */
 static inline __attribute__((always_inline)) void mk_chunk_state_w16(
-    int mr, int nv, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row, float *S,
-    ptrdiff_t e)
+    int mr, int nv, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
+    ptrdiff_t keys, float *S, ptrdiff_t e)
 {
     __m512 acc[6][4];
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + i * e + h * 16);
-    mk_rank_w16(acc, mr, nv, psi, 1, r, v, v_row, 16);
+    mk_rank_w16(acc, mr, nv, psi, 1, r, v, v_row, keys);
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
@@ -520,6 +520,25 @@ static inline __attribute__((always_inline)) void mk_chunk_state_w16(
         default: CALL(1); break;                              \
         }                                                     \
     }
+
+/* S (r, e) += psi^T V over `keys` keys (psi rows r apart), in key order,
+ * 6 features at a time: r % 2 == 0 (r % 6 is then 0, 2 or 4), e % 16 == 0 */
+static inline void mk_add_keys_w16(const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
+                                   ptrdiff_t keys, float *S, ptrdiff_t e)
+{
+#define MK_STATE(nv)                                                                            \
+    do {                                                                                        \
+        ptrdiff_t f0 = 0;                                                                       \
+        for (; f0 + 6 <= r; f0 += 6)                                                            \
+            mk_chunk_state_w16(6, nv, psi + f0, r, v + c0, v_row, keys, S + f0 * e + c0, e);    \
+        if (r - f0 == 4)                                                                        \
+            mk_chunk_state_w16(4, nv, psi + f0, r, v + c0, v_row, keys, S + f0 * e + c0, e);    \
+        if (r - f0 == 2)                                                                        \
+            mk_chunk_state_w16(2, nv, psi + f0, r, v + c0, v_row, keys, S + f0 * e + c0, e);    \
+    } while (0)
+    MK_CHUNK_COLUMNS(e, MK_STATE)
+#undef MK_STATE
+}
 
 /* The chunk: out = phi S + P V and den[t] += sum_j P[t][j], with P =
  * phi psi^T where row t sees the keys j < visible[t] (others 0; negative
@@ -562,20 +581,8 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
     } while (0)
     MK_CHUNK_COLUMNS(e, MK_OUT)
 #undef MK_OUT
-    /* pass 3: the chunk's keys into the state, 6 features at a time (r %
-     * 6 is 0, 2 or 4 since r % 8 == 0) */
-#define MK_STATE(nv)                                                                            \
-    do {                                                                                        \
-        ptrdiff_t f0 = 0;                                                                       \
-        for (; f0 + 6 <= r; f0 += 6)                                                            \
-            mk_chunk_state_w16(6, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
-        if (r - f0 == 4)                                                                        \
-            mk_chunk_state_w16(4, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
-        if (r - f0 == 2)                                                                        \
-            mk_chunk_state_w16(2, nv, psi + f0, r, v + c0, v_row, S + f0 * e + c0, e);          \
-    } while (0)
-    MK_CHUNK_COLUMNS(e, MK_STATE)
-#undef MK_STATE
+    /* pass 3: the chunk's keys into the state */
+    mk_add_keys_w16(psi, r, v, v_row, 16, S, e);
     for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
         __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
         __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);

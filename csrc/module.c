@@ -48,6 +48,7 @@ static PyMethodDef methods[] = {
     KW_METHOD("gaussian_attention", attnx_py_gaussian_attention, attnx_gaussian_attention_doc),
     {"linear_attention", attnx_py_linear_attention, METH_VARARGS, attnx_linear_attention_doc},
     {"linear_step", attnx_py_linear_step, METH_VARARGS, attnx_linear_step_doc},
+    {"linear_flush", attnx_py_linear_flush, METH_O, attnx_linear_flush_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, "Threads attnx kernels use."},
     {"set_num_threads", set_num_threads, METH_O, "Set the threads attnx kernels use."},
     {"build_info", build_info, METH_NOARGS, "BLAS, SIMD level, threads, compiler."},
