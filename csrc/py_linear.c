@@ -318,7 +318,8 @@ static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pendi
     }
     Py_DECREF(tick_obj);
     Py_DECREF(pair);
-    if (pending->tick == 0 || (fits && pending->tick > 0)) return 0;
+    /* a step stores ticks below 2 HELD_KEYS (run_linear) */
+    if (pending->tick == 0 || (fits && pending->tick > 0 && pending->tick < 2 * HELD_KEYS)) return 0;
     PyErr_Clear();
     PyErr_SetString(PyExc_ValueError,
                     "this state's held decoding keys (_pending, _tick) do not fit its S: they "

@@ -144,6 +144,11 @@ def test_step_refuses_held_keys_changed_by_hand():
         state.S
     state = _state()
     state.step(*_token())
+    state._tick = 2 ** 62  # would index far outside the held keys
+    with pytest.raises(ValueError, match="by hand"):
+        state.step(*_token())
+    state = _state()
+    state.step(*_token())
     state._S = state._S[..., ::2]
     with pytest.raises(ValueError, match="by hand"):
         state.S
