@@ -172,6 +172,13 @@ static inline ptrdiff_t attnx_pending_rows(ptrdiff_t tick, ptrdiff_t h, ptrdiff_
     return tick <= first_turn ? tick : (tick + h) % capacity;
 }
 
+/* the tick after a step, kept below 2 capacity (what a state may hold):
+ * from capacity on, turns and held rows depend only on tick % capacity */
+static inline ptrdiff_t attnx_pending_next(ptrdiff_t tick, ptrdiff_t capacity)
+{
+    return tick + 1 < 2 * capacity ? tick + 1 : tick + 1 - capacity;
+}
+
 typedef struct {
     ptrdiff_t n, m, d, e;
     ptrdiff_t heads;

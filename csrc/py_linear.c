@@ -318,13 +318,22 @@ static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pendi
     }
     Py_DECREF(tick_obj);
     Py_DECREF(pair);
-    /* a step stores ticks below 2 HELD_KEYS (run_linear) */
+    /* steps store ticks below 2 HELD_KEYS (attnx_pending_next) */
     if (pending->tick == 0 || (fits && pending->tick > 0 && pending->tick < 2 * HELD_KEYS)) return 0;
     PyErr_Clear();
     PyErr_SetString(PyExc_ValueError,
                     "this state's held decoding keys (_pending, _tick) do not fit its S: they "
                     "were changed by hand; assign state.S to start again from a given S");
     return -1;
+}
+
+/* obj.name = value */
+static int set_int_attr(PyObject *obj, PyObject *name, Py_ssize_t value)
+{
+    PyObject *number = PyLong_FromSsize_t(value);
+    int status = number ? PyObject_SetAttr(obj, name, number) : -1;
+    Py_XDECREF(number);
+    return status;
 }
 
 /* the held keys into S, with the GIL released; the state then holds none */
@@ -338,10 +347,7 @@ static int held_keys_flush(PyObject *state, PyArrayObject *S, const attnx_pendin
     if (PyArray_TYPE(S) == NPY_FLOAT) attnx_linear_flush_f32(PyArray_DATA(S), pending, heads, r, e, threads);
     else attnx_linear_flush_f64(PyArray_DATA(S), pending, heads, r, e, threads);
     Py_END_ALLOW_THREADS
-    PyObject *zero = PyLong_FromLong(0);
-    int status = zero ? PyObject_SetAttr(state, name_tick, zero) : -1;
-    Py_XDECREF(zero);
-    return status;
+    return set_int_attr(state, name_tick, 0);
 }
 
 /* A single-token step's keys go into state._pending, made when there are
@@ -672,16 +678,9 @@ static PyObject *run_linear(const linear_call *c)
     if (attnx_check_status(status) < 0) goto done;
     if (attnx_output_finish(result, compute_out) < 0) goto done;
     if (c->in_place) {
-        /* the next tick, kept below 2 capacity: the turns and held rows
-         * depend only on tick % capacity once tick >= capacity */
-        npy_intp tick = pending.tick + 1 < 2 * HELD_KEYS ? pending.tick + 1 : pending.tick + 1 - HELD_KEYS;
-        PyObject *advanced = PyLong_FromSsize_t((Py_ssize_t)(offset + m));
-        PyObject *ticked = deferred ? PyLong_FromSsize_t((Py_ssize_t)tick) : NULL;
-        int status = advanced && (!deferred || ticked) ? PyObject_SetAttr(initial_state, name_offset, advanced) : -1;
-        if (status == 0 && deferred) status = PyObject_SetAttr(initial_state, name_tick, ticked);
-        Py_XDECREF(advanced);
-        Py_XDECREF(ticked);
-        if (status == 0) {
+        if (set_int_attr(initial_state, name_offset, (Py_ssize_t)(offset + m)) == 0 &&
+            (!deferred || set_int_attr(initial_state, name_tick,
+                                       attnx_pending_next(pending.tick, HELD_KEYS)) == 0)) {
             ret = (PyObject *)result;
             Py_INCREF(ret);
         }
