@@ -57,6 +57,8 @@
 #define MIN_PARALLEL_FLOPS 1e6
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
 #define CACHE_LINE 64
+/* Scratch up to this many numbers (all threads) lives on the caller's stack. */
+#define SMALL_SCRATCH 2048
 
 /* What every work item of one call shares. */
 typedef struct {
@@ -167,6 +169,13 @@ static SFX(view) SFX(initial_view)(const SFX(head) *hd, ptrdiff_t S0_row, const 
     return from;
 }
 
+/* w.state holds a head's running state when the call returns none (with
+ * one, the head runs in its returned state: segment_rows) */
+static ptrdiff_t SFX(running_state_size)(const linear_plan *p)
+{
+    return p->a->S_out ? 0 : p->state_size;
+}
+
 static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
 {
     const ptrdiff_t C = p->C, r = p->r, e = p->a->e;
@@ -181,7 +190,7 @@ static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
     w.col_shift = w.log_scale + C;
     w.zeros = w.col_shift + p->a->d;
     w.state = w.zeros + ATTNX_MAX(r, e);
-    w.prefix = w.state + p->state_size;
+    w.prefix = w.state + SFX(running_state_size)(p);
     memset(w.zeros, 0, (size_t)ATTNX_MAX(r, e) * sizeof(REAL));
     return w;
 }
@@ -191,7 +200,7 @@ static size_t SFX(scratch_size)(const linear_plan *p)
 {
     const attnx_linear_args *a = p->a;
     size_t size = (size_t)(3 * p->C * p->r + p->C * p->C + p->C * a->e + 2 * p->C + a->d +
-                           ATTNX_MAX(p->r, a->e) + p->state_size);
+                           ATTNX_MAX(p->r, a->e) + SFX(running_state_size)(p));
     if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)p->state_size;
     size_t line = CACHE_LINE / sizeof(REAL);
     return (size + line - 1) / line * line;
@@ -819,6 +828,24 @@ static void SFX(segment_rows)(const linear_plan *p, SFX(rows_fn) rows_fn, ptrdif
     if (last && p->segs > 1) SFX(state_load)(p, own, SFX(view_of)(p, st));
 }
 
+/* Thread `me` of `team` takes one fixed run of items (their work is
+ * even): from one decoding step to the next, a head's state then stays in
+ * the cache of the same core. The calling thread has just written the
+ * offsets table, so the others' first reads of it would miss one after
+ * another: their part is requested up front. */
+static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *starts,
+                            REAL *scratch, size_t per_thread, ptrdiff_t me, ptrdiff_t team)
+{
+    const attnx_linear_args *a = p->a;
+    ptrdiff_t items = a->heads * p->segs, first = items * me / team;
+    ptrdiff_t end = items * (me + 1) / team;
+    const char *table = (const char *)(a->offsets + first / p->segs * ATTNX_LIN_NOPS);
+    size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
+    for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
+    SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
+    for (ptrdiff_t item = first; item < end; item++) SFX(segment_rows)(p, rows_fn, item, starts, &w);
+}
+
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
 {
     const attnx_linear_args *a = p->a;
@@ -844,22 +871,14 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
             SFX(segment_starts)(p, h, deltas, starts, &w);
         }
     }
-    /* Each thread takes one fixed run of items (their work is even): from
-     * one decoding step to the next, a head's state then stays in the cache
-     * of the same core. The calling thread has just written the offsets
-     * table, so the others' first reads of it would miss one after another:
-     * their part is requested up front. */
+    /* one thread runs on the caller: a parallel region of one costs about
+     * 0.2 us, a tenth of a one-head decoding step */
+    if (p->threads == 1) {
+        SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 1);
+    } else {
 #pragma omp parallel num_threads(p->threads)
-    {
-        ptrdiff_t items = a->heads * p->segs, team = omp_get_num_threads();
-        ptrdiff_t me = omp_get_thread_num(), first = items * me / team;
-        ptrdiff_t end = items * (me + 1) / team;
-        const char *table = (const char *)(a->offsets + first / p->segs * ATTNX_LIN_NOPS);
-        size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
-        for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
-        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
-        for (ptrdiff_t item = first; item < end; item++)
-            SFX(segment_rows)(p, rows_fn, item, starts, &w);
+        SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, omp_get_thread_num(),
+                        omp_get_num_threads());
     }
     free(deltas);
     return ATTNX_OK;
@@ -958,12 +977,16 @@ int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
 {
     if (a->heads == 0 || (a->n == 0 && !a->S_out)) return ATTNX_OK;
     linear_plan p = SFX(make_plan)(a);
-    size_t per_thread = SFX(scratch_size)(&p);
-    REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)p.threads * sizeof(REAL));
+    size_t per_thread = SFX(scratch_size)(&p), total = per_thread * (size_t)p.threads;
+    /* a decoding step's scratch (a few rows per thread) lives on the stack:
+     * from the heap it cost a tenth of a one-head step in malloc_consolidate */
+    _Alignas(CACHE_LINE) REAL small_scratch[SMALL_SCRATCH];
+    REAL *scratch = total <= SMALL_SCRATCH ? small_scratch
+                                           : aligned_alloc(CACHE_LINE, total * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     int status = a->method == ATTNX_METHOD_QUADRATIC ? SFX(run_quadratic)(&p, scratch, per_thread)
                                                      : SFX(run_scan)(&p, scratch, per_thread);
-    free(scratch);
+    if (scratch != small_scratch) free(scratch);
     return status;
 }
 
