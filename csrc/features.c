@@ -45,11 +45,13 @@ static ATTNX_HOT REAL SFX(sum_squares)(const REAL *x, ptrdiff_t d, REAL scale)
     return sum;
 }
 
-/* elu(x) + 1: x + 1 above 0, exp(x) below (Katharopoulos et al. 2020) */
+/* elu(x) + 1: x + 1 above 0, exp(x) below (Katharopoulos et al. 2020).
+ * The exponential is only kept where x <= 0, so it needs no guard against
+ * overflow (elu took a fifth of a causal chunk call with vexp's). */
 static ATTNX_HOT void SFX(elu_row)(const REAL *x, ptrdiff_t d, REAL *f)
 {
 #pragma omp simd
-    for (ptrdiff_t c = 0; c < d; c++) f[c] = x[c] > 0 ? x[c] + 1 : SFX(vexp)(x[c]);
+    for (ptrdiff_t c = 0; c < d; c++) f[c] = x[c] > 0 ? x[c] + 1 : SFX(vexp_nonpositive)(x[c]);
 }
 
 static ATTNX_HOT void SFX(relu_row)(const REAL *x, ptrdiff_t d, REAL *f)

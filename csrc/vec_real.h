@@ -133,16 +133,30 @@ static inline __attribute__((always_inline)) REAL SFX(pow2_shifted)(REAL shifted
     return pow2;
 }
 
+/* e^x for EXP_LO <= x <= EXP_HI (and NaN) */
+static inline __attribute__((always_inline)) REAL SFX(vexp_in_range)(REAL x)
+{
+    REAL shifted = x * (REAL)1.44269504088896340736 + EXP_MAGIC;
+    REAL nf = shifted - EXP_MAGIC;
+    REAL r = x - nf * EXP_LN2_HI;
+    r = r - nf * EXP_LN2_LO;
+    return SFX(exp_reduced)(r) * SFX(pow2_shifted)(shifted);
+}
+
+/* e^x for x <= 0 (and NaN); larger x give garbage, for lanes a select
+ * throws away: no guard against overflow */
+static inline __attribute__((always_inline)) REAL SFX(vexp_nonpositive)(REAL x)
+{
+    REAL y = SFX(vexp_in_range)(x < EXP_LO ? EXP_LO : x);
+    return x < EXP_LO ? 0 : y;
+}
+
 /* e^x, as the comment above the constants says */
 static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
 {
     REAL xc = x < EXP_LO ? EXP_LO : x;
     xc = xc > EXP_HI ? EXP_HI : xc;
-    REAL shifted = xc * (REAL)1.44269504088896340736 + EXP_MAGIC;
-    REAL nf = shifted - EXP_MAGIC;
-    REAL r = xc - nf * EXP_LN2_HI;
-    r = r - nf * EXP_LN2_LO;
-    REAL y = SFX(exp_reduced)(r) * SFX(pow2_shifted)(shifted);
+    REAL y = SFX(vexp_in_range)(xc);
     y = x < EXP_LO ? 0 : y;
     y = x > EXP_HI ? (REAL)INFINITY : y;
     return y;
