@@ -10,14 +10,15 @@ int attnx_resolve_dtypes(PyObject *const *objs, const char *const *names, int co
                          attnx_dtypes *dtypes)
 {
     /* arrays all float32 or all float64 (the common call) need no promotion */
-    int same = -1;
-    for (int i = 0; i < count && same != 0; i++) {
+    int common = 0, all_same = 1;
+    for (int i = 0; i < count && all_same; i++) {
         if (!objs[i] || objs[i] == Py_None) continue;
-        int type = PyArray_Check(objs[i]) ? PyArray_TYPE((PyArrayObject *)objs[i]) : 0;
-        same = (type == NPY_FLOAT || type == NPY_DOUBLE) && (same < 0 || same == type) ? type : 0;
+        int type = PyArray_Check(objs[i]) ? PyArray_TYPE((PyArrayObject *)objs[i]) : -1;
+        all_same = (type == NPY_FLOAT || type == NPY_DOUBLE) && (!common || type == common);
+        common = type;
     }
-    if (same > 0) {
-        dtypes->compute = dtypes->result = same;
+    if (all_same && common) {
+        dtypes->compute = dtypes->result = common;
         return 0;
     }
     PyArray_Descr *descrs[ATTNX_MAX_OPS];

@@ -46,8 +46,9 @@ static ATTNX_HOT REAL SFX(sum_squares)(const REAL *x, ptrdiff_t d, REAL scale)
 }
 
 /* elu(x) + 1: x + 1 above 0, exp(x) below (Katharopoulos et al. 2020).
- * The exponential is only kept where x <= 0, so it needs no guard against
- * overflow (elu took a fifth of a causal chunk call with vexp's). */
+ * The exponential is only kept where x <= 0, so it skips vexp's guard
+ * against overflow: 27 AVX-512 instructions a vector against 37 (elu took
+ * a fifth of a causal float32 chunk call). */
 static ATTNX_HOT void SFX(elu_row)(const REAL *x, ptrdiff_t d, REAL *f)
 {
 #pragma omp simd

@@ -143,8 +143,8 @@ static inline __attribute__((always_inline)) REAL SFX(vexp_in_range)(REAL x)
     return SFX(exp_reduced)(r) * SFX(pow2_shifted)(shifted);
 }
 
-/* e^x for x <= 0 (and NaN); larger x give garbage, for lanes a select
- * throws away: no guard against overflow */
+/* e^x without vexp's guard against overflow: x > EXP_HI gives garbage,
+ * for lanes that a select throws away (elu keeps it only where x <= 0) */
 static inline __attribute__((always_inline)) REAL SFX(vexp_nonpositive)(REAL x)
 {
     REAL y = SFX(vexp_in_range)(x < EXP_LO ? EXP_LO : x);

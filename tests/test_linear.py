@@ -441,6 +441,12 @@ def test_strided_views_equal_contiguous(dtype, name):
     got2 = call(name, q, wide[..., :d], vt, causal=causal)
     np.testing.assert_allclose(got2, want, rtol=t["rtol"] / 10,
                                atol=t["atol"] / 10)
+    # the other byte order: converted once, the same numbers
+    swapped = [x.astype(x.dtype.newbyteorder()) for x in (q, k, v)]
+    got3 = call(name, *swapped, causal=causal)
+    assert got3.dtype == dtype
+    np.testing.assert_array_equal(got3, call(name, *map(np.ascontiguousarray, (q, k, v)),
+                                             causal=causal))
 
 
 # --------------------------------------------------------------------------

@@ -1016,6 +1016,10 @@ def _layouts(rng, dtype):
         return y
     out.append(("unaligned", unaligned(base_q), unaligned(base_k),
                 unaligned(base_v)))
+    # the other byte order (converted once: the kernels read native numbers)
+    def swapped(x):
+        return x.astype(x.dtype.newbyteorder())
+    out.append(("byteswapped", swapped(base_q), swapped(base_k), swapped(base_v)))
     return out
 
 
