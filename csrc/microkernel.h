@@ -1,6 +1,7 @@
-/* microkernel.h - register-blocked float32 kernels for the softmax tiles,
- * for AVX-512 and AVX2+FMA, picked at run time (attnx_mk_width), and for
- * one chunk of kernelised attention on AVX-512 (at the end of the file).
+/* microkernel.h - register-blocked kernels for the softmax tiles, float32
+ * and float64, for AVX-512 and AVX2+FMA, picked at run time
+ * (attnx_mk_width), and for one chunk of kernelised attention on AVX-512,
+ * float32 (at the end of the file).
  * Header functions are static inline, so that a file that uses some of
  * them compiles without the others.
  *
@@ -17,7 +18,7 @@
  * and value tile for every query tile. Here the keys are packed once per
  * head and the queries once per query tile; the values are read in place.
  *
- * Legend (as in softmax.c): W floats per vector; a strip is MK_RV vectors,
+ * Legend (as in softmax.c): W numbers per vector; a strip is MK_RV vectors,
  *   3 W query rows; a panel is MK_KB keys.
  *   qt  (strips, d, 3 W)   packed Q^T of the query tile, zero past its rows
  *   kt  (slots, d, KB)     packed keys of the head, zero past the last key;
@@ -25,8 +26,11 @@
  *   st  (cols, st_ld)      scores (log2 units), then probabilities
  *   out (rows, e)          += P V, e a multiple of W
  *
- * The file includes itself once per width with MK_W defined; each body is
- * compiled for its instruction set under #pragma GCC target. */
+ * The file includes itself once per number type and instruction set, with
+ * MK_W and the other MK_ parameters defined; each body is compiled for its
+ * instruction set under #pragma GCC target. Its kernels are named with the
+ * suffix MK_SFX: _w16 and _w8 for float32 on AVX-512 and AVX2, _d8 and _d4
+ * for float64. */
 #ifndef MK_W
 #ifndef ATTNX_MICROKERNEL_H
 #define ATTNX_MICROKERNEL_H
@@ -42,8 +46,12 @@
 /* vectors of query rows per strip: a strip is 3 W rows for every width, so
  * a query tile that holds whole AVX-512 strips holds whole AVX2 strips */
 #define MK_RV 3
-#define MK_STRIP(w) (MK_RV * (w))
-/* keys per packed panel: MK_KB(w) x MK_RV accumulators fill the registers */
+#define MK_STRIP(lanes) (MK_RV * (lanes))
+/* An instruction set is named by its float32 lanes w (attnx_mk_width: 16
+ * for AVX-512, 8 for AVX2); it holds MK_LANES(w, size) numbers of `size`
+ * bytes per vector, and its panels MK_KB(w) keys, so that MK_KB(w) x MK_RV
+ * accumulators fill its registers for either type. */
+#define MK_LANES(w, size) ((w) * 4 / (ptrdiff_t)(size))
 #define MK_KB(w) ((w) == 16 ? 8 : 4)
 /* every strip size divides this */
 #define MK_ROW_ALIGN 48
@@ -95,25 +103,6 @@ static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptr
     if (*hi < *lo) *hi = *lo;
 }
 
-/* The band hides some scores of the block of keys [c0, c0 + kb) and strip
- * rows [r0, r0 + strip): set those to -inf, then fold the block into the
- * strip's row max. Runs on the few blocks that straddle the band's edges;
- * padding lanes past the tile's rows are left as they are. */
-static inline void mk_hide_and_max(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
-                                   ptrdiff_t strip, ptrdiff_t c0, ptrdiff_t kb, float *tile_max)
-{
-    ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
-    for (ptrdiff_t j = c0; j < c0 + kb; j++) {
-        ptrdiff_t lo = r1, hi = r1;
-        if (j < t->cols) mk_key_rows(t, j, &lo, &hi);
-        float *s_j = st + j * st_ld;
-        for (ptrdiff_t r = r0; r < r1; r++) {
-            if (r < lo || r >= hi) s_j[r] = -INFINITY;
-            if (s_j[r] > tile_max[r]) tile_max[r] = s_j[r];
-        }
-    }
-}
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
 #define MK_HAVE_X86 1
 
@@ -140,21 +129,43 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
     }
 }
 
+/* AVX-512: P V accumulates in 24 of the 32 zmm registers (MK_MR 12) */
+#define MK_REAL float
 #define MK_W 16
-#define MK_MR 12 /* P V: 24 of the 32 zmm registers accumulate */
+#define MK_SFX w16
+#define MK_KB_W 8
+#define MK_MR 12
+#define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx512f\")")
 #include "microkernel.h"
-#undef MK_W
-#undef MK_MR
-#undef MK_TARGET
 
+#define MK_REAL double
 #define MK_W 8
-#define MK_MR 6 /* P V: 12 of the 16 ymm registers accumulate */
+#define MK_SFX d8
+#define MK_KB_W 8
+#define MK_MR 12
+#define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
+#define MK_TARGET _Pragma("GCC target(\"avx512f\")")
+#include "microkernel.h"
+
+/* AVX2: P V accumulates in 12 of the 16 ymm registers (MK_MR 6) */
+#define MK_REAL float
+#define MK_W 8
+#define MK_SFX w8
+#define MK_KB_W 4
+#define MK_MR 6
+#define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
 #include "microkernel.h"
-#undef MK_W
-#undef MK_MR
-#undef MK_TARGET
+
+#define MK_REAL double
+#define MK_W 4
+#define MK_SFX d4
+#define MK_KB_W 4
+#define MK_MR 6
+#define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
+#define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
+#include "microkernel.h"
 #endif
 
 /* floats per vector of the best kernels this CPU runs, 0 for none */
@@ -168,70 +179,6 @@ static inline int attnx_mk_width(void)
     return 0;
 }
 
-/* block (d, lanes) <- rows [0, count) of x (row stride x_row) transposed,
- * lanes past `count` 0: a panel of keys or a strip of queries. Only called
- * where the micro-kernels run, so AVX2 is there for the 8 x 8 transposes. */
-static inline void mk_pack(float *block, const float *x, ptrdiff_t x_row, ptrdiff_t count,
-                           ptrdiff_t d, ptrdiff_t lanes)
-{
-    if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
-    ptrdiff_t r0 = 0, c0 = 0;
-#ifdef MK_HAVE_X86
-    if (lanes % 8 == 0) {
-        for (; r0 + 8 <= count; r0 += 8)
-            for (c0 = 0; c0 + 8 <= d; c0 += 8)
-                mk_transpose8(block + c0 * lanes + r0, lanes, x + r0 * x_row + c0, x_row);
-    }
-#endif
-    for (ptrdiff_t r = 0; r < count; r++)
-        for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) block[c * lanes + r] = x[r * x_row + c];
-}
-
-/* kt (panels, d, kb) <- keys [0, count) of k, panel by panel */
-static inline void attnx_mk_pack_keys(float *kt, const float *k, ptrdiff_t k_row,
-                                      ptrdiff_t count, ptrdiff_t d, ptrdiff_t kb)
-{
-    for (ptrdiff_t j0 = 0; j0 < count; j0 += kb)
-        mk_pack(kt + j0 * d, k + j0 * k_row, k_row, count - j0 < kb ? count - j0 : kb, d, kb);
-}
-
-/* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
-static inline void attnx_mk_pack_queries(float *qt, const float *q, ptrdiff_t q_row,
-                                         ptrdiff_t rows, ptrdiff_t d, ptrdiff_t strip)
-{
-    for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip)
-        mk_pack(qt + r0 * d, q + r0 * q_row, q_row, rows - r0 < strip ? rows - r0 : strip, d, strip);
-}
-
-#ifdef MK_HAVE_X86
-#define MK_DISPATCH(w, name, ...) \
-    ((w) == 16 ? name##_w16(__VA_ARGS__) : name##_w8(__VA_ARGS__))
-#else
-#define MK_DISPATCH(w, name, ...) ((void)0)
-#endif
-
-/* st = scale Q K^T + key_term for the keys each strip computes
- * (mk_strip_keys), with the keys the band hides at -inf, and tile_max[r]
- * raised to the max of row r's scores. kt holds the tile's panels in
- * their slots; key_term (cols rounded up to a panel) is added per key,
- * and a key whose term is -inf scores -inf whatever q . k is. */
-static inline void attnx_mk_scores(int w, const mk_tile *t, float *st, ptrdiff_t st_ld,
-                                   const float *qt, const float *kt, ptrdiff_t slots, ptrdiff_t d,
-                                   float scale, const float *key_term, float *tile_max)
-{
-    MK_DISPATCH(w, mk_scores, t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max);
-}
-
-/* out (rows, e) += P V over the tile's keys, P^T in pt (row stride pt_ld);
- * e % w == 0 */
-static inline void attnx_mk_add_pv(int w, const mk_tile *t, float *out, ptrdiff_t out_row,
-                                   const float *pt, ptrdiff_t pt_ld, const float *v,
-                                   ptrdiff_t v_row, ptrdiff_t e)
-{
-    MK_DISPATCH(w, mk_add_pv, t, out, out_row, pt, pt_ld, v, v_row, e);
-}
-#undef MK_DISPATCH
-
 #endif /* ATTNX_MICROKERNEL_H */
 
 #else /* MK_W: the kernels for one vector width */
@@ -241,23 +188,37 @@ MK_TARGET
 
 #define MK_CAT2(a, b) a##b
 #define MK_CAT(a, b) MK_CAT2(a, b)
-#define MK_NAME(name) MK_CAT(name, MK_CAT(_w, MK_W))
+#define MK_NAME(name) MK_CAT(name, MK_CAT(_, MK_SFX))
 #define MK_VEC MK_NAME(mk_vec)
-#define MK_KB_W MK_KB(MK_W)
 
-/* unaligned, may alias the float arrays it is loaded from */
-typedef float MK_VEC __attribute__((vector_size(MK_W * 4), aligned(4), may_alias));
+/* unaligned, may alias the arrays it is loaded from */
+typedef MK_REAL MK_VEC __attribute__((vector_size(MK_W * sizeof(MK_REAL)),
+                                      aligned(sizeof(MK_REAL)), may_alias));
 
-#if MK_W == 16
-#define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
-#else
-#define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
-#endif
+/* The band hides some scores of the block of keys [c0, c0 + kb) and strip
+ * rows [r0, r0 + strip): set those to -inf, then fold the block into the
+ * strip's row max. Runs on the few blocks that straddle the band's edges;
+ * padding lanes past the tile's rows are left as they are. */
+static inline void MK_NAME(mk_hide_and_max)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
+                                            ptrdiff_t r0, ptrdiff_t strip, ptrdiff_t c0,
+                                            ptrdiff_t kb, MK_REAL *tile_max)
+{
+    ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
+    for (ptrdiff_t j = c0; j < c0 + kb; j++) {
+        ptrdiff_t lo = r1, hi = r1;
+        if (j < t->cols) mk_key_rows(t, j, &lo, &hi);
+        MK_REAL *s_j = st + j * st_ld;
+        for (ptrdiff_t r = r0; r < r1; r++) {
+            if (r < lo || r >= hi) s_j[r] = -INFINITY;
+            if (s_j[r] > tile_max[r]) tile_max[r] = s_j[r];
+        }
+    }
+}
 
 /* One block: KB keys of a panel against the 3 W rows of a strip. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
-    float *st, ptrdiff_t st_ld, const float *q_strip, const float *panel, ptrdiff_t d,
-    float scale, const float *key_term, float *strip_max, int fold_max)
+    MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *q_strip, const MK_REAL *panel, ptrdiff_t d,
+    MK_REAL scale, const MK_REAL *key_term, MK_REAL *strip_max, int fold_max)
 {
     MK_VEC acc[MK_KB_W][MK_RV];
 #pragma GCC unroll 8
@@ -268,7 +229,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
         for (int h = 0; h < MK_RV; h++) q_c[h] = *(const MK_VEC *)(q_strip + (c * MK_RV + h) * MK_W);
 #pragma GCC unroll 8
         for (int jj = 0; jj < MK_KB_W; jj++) {
-            float k_jc = panel[c * MK_KB_W + jj];
+            MK_REAL k_jc = panel[c * MK_KB_W + jj];
             for (int h = 0; h < MK_RV; h++) acc[jj][h] += q_c[h] * k_jc;
         }
     }
@@ -288,13 +249,13 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
         for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
 }
 
-static inline void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_ld,
-                                      const float *qt, const float *kt, ptrdiff_t slots,
-                                      ptrdiff_t d, float scale, const float *key_term,
-                                      float *tile_max)
+static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
+                                      const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
+                                      ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term,
+                                      MK_REAL *tile_max)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
-    /* a strip of queries (3 W d floats) stays in L1 while the key panels
+    /* a strip of queries (3 W d numbers) stays in L1 while the key panels
      * stream past it from L2 */
     for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += strip) {
         ptrdiff_t lo, hi, all_lo, all_hi;
@@ -306,10 +267,10 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_
         all_hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
         for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
             int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
-            const float *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
+            const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
             MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
                                      key_term + c0, tile_max + r0, whole);
-            if (!whole) mk_hide_and_max(t, st, st_ld, r0, strip, c0, kb, tile_max);
+            if (!whole) MK_NAME(mk_hide_and_max)(t, st, st_ld, r0, strip, c0, kb, tile_max);
         }
     }
 }
@@ -318,8 +279,8 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, float *st, ptrdiff_t st_
  * mr and nv (mr nv <= 2 MK_MR accumulators) are constants after inlining.
  * Rows past `rows` compute on P's padding lanes and are not stored. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
-    float *out, ptrdiff_t out_row, const float *pt, ptrdiff_t pt_ld, ptrdiff_t rows,
-    const float *v, ptrdiff_t v_row, ptrdiff_t cols, int mr, int nv)
+    MK_REAL *out, ptrdiff_t out_row, const MK_REAL *pt, ptrdiff_t pt_ld, ptrdiff_t rows,
+    const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t cols, int mr, int nv)
 {
     MK_VEC acc[MK_MR][4];
 #pragma GCC unroll 16
@@ -334,7 +295,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
         for (int h = 0; h < nv; h++) v_j[h] = *(const MK_VEC *)(v + j * v_row + h * MK_W);
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
-            float p_rj = pt[j * pt_ld + r];
+            MK_REAL p_rj = pt[j * pt_ld + r];
 #pragma GCC unroll 4
             for (int h = 0; h < nv; h++) acc[r][h] += v_j[h] * p_rj;
         }
@@ -353,8 +314,8 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
 /* columns [c0, c0 + nv W) of out, keys [j0, j1) of the tile, by blocks of
  * mr rows (mr divides the strip), each over the keys its rows see */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
-    const mk_tile *t, float *out, ptrdiff_t out_row, const float *pt, ptrdiff_t pt_ld,
-    const float *v, ptrdiff_t v_row, ptrdiff_t c0, ptrdiff_t j0, ptrdiff_t j1, int mr, int nv)
+    const mk_tile *t, MK_REAL *out, ptrdiff_t out_row, const MK_REAL *pt, ptrdiff_t pt_ld,
+    const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t c0, ptrdiff_t j0, ptrdiff_t j1, int mr, int nv)
 {
     for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += mr) {
         ptrdiff_t lo, hi;
@@ -367,8 +328,8 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
     }
 }
 
-static inline void MK_NAME(mk_add_pv)(const mk_tile *t, float *out, ptrdiff_t out_row,
-                                      const float *pt, ptrdiff_t pt_ld, const float *v,
+static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *out, ptrdiff_t out_row,
+                                      const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *v,
                                       ptrdiff_t v_row, ptrdiff_t e)
 {
     for (ptrdiff_t j0 = 0; j0 < t->cols; j0 += MK_KC) {
@@ -594,12 +555,18 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
 #undef MK_CHUNK_COLUMNS
 #endif
 
-#undef MK_VMAX
-#undef MK_KB_W
 #undef MK_CAT2
 #undef MK_CAT
 #undef MK_NAME
 #undef MK_VEC
 #pragma GCC pop_options
+/* the parameters of this instantiation */
+#undef MK_REAL
+#undef MK_W
+#undef MK_SFX
+#undef MK_KB_W
+#undef MK_MR
+#undef MK_VMAX
+#undef MK_TARGET
 
 #endif /* MK_W */

@@ -43,15 +43,15 @@
  * this many keys, once per head and thread. */
 #define V_BLOCK 64
 
-/* One thread's keys of one head, packed for the float32 micro-kernels; a
+/* One thread's keys of one head, packed for the micro-kernels; a
  * panel is packed the first time a query tile needs it, and reused by every
  * later tile of the head (and of heads that share the keys). Panel p lives
  * in slot p % slots: every panel of the head when the query tiles may see
  * any key, or, under a window, a ring over the keys two neighbouring query
  * tiles see, so that memory (and its page faults) does not grow with m. */
 typedef struct {
-    int width;            /* floats per vector of the micro-kernels */
-    float *kt;            /* (slots, d, MK_KB(width)) */
+    int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
+    void *kt;             /* (slots, d, MK_KB(width)) numbers of the call's type */
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
     ptrdiff_t slots;
     const void *k;        /* the keys whose panels are in kt */
@@ -142,6 +142,51 @@ static ATTNX_HOT void SFX(finish_scores)(const mk_tile *t, REAL *st, ptrdiff_t s
     }
 }
 
+#ifdef MK_HAVE_X86
+/* the micro-kernel `name` of this type for instruction set w (microkernel.h) */
+#if REAL_IS_DOUBLE
+#define MK_KERNEL(w, name) ((w) == 16 ? name##_d8 : name##_d4)
+#else
+#define MK_KERNEL(w, name) ((w) == 16 ? name##_w16 : name##_w8)
+#endif
+
+/* block (d, lanes) <- rows [0, count) of x (row stride x_row) transposed,
+ * lanes past `count` 0: a panel of keys or a strip of queries. float32 goes
+ * by 8 x 8 transposes (only called where the micro-kernels run, so AVX2 is
+ * there). */
+static void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
+                         ptrdiff_t d, ptrdiff_t lanes)
+{
+    if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
+    ptrdiff_t r0 = 0, c0 = 0;
+#if !REAL_IS_DOUBLE
+    if (lanes % 8 == 0) {
+        for (; r0 + 8 <= count; r0 += 8)
+            for (c0 = 0; c0 + 8 <= d; c0 += 8)
+                mk_transpose8(block + c0 * lanes + r0, lanes, x + r0 * x_row + c0, x_row);
+    }
+#endif
+    for (ptrdiff_t r = 0; r < count; r++)
+        for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) block[c * lanes + r] = x[r * x_row + c];
+}
+
+/* kt (panels, d, kb) <- keys [0, count) of k, panel by panel */
+static void SFX(mk_pack_keys)(REAL *kt, const REAL *k, ptrdiff_t k_row, ptrdiff_t count,
+                              ptrdiff_t d, ptrdiff_t kb)
+{
+    for (ptrdiff_t j0 = 0; j0 < count; j0 += kb)
+        SFX(mk_pack)(kt + j0 * d, k + j0 * k_row, k_row, ATTNX_MIN(kb, count - j0), d, kb);
+}
+
+/* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
+static void SFX(mk_pack_queries)(REAL *qt, const REAL *q, ptrdiff_t q_row, ptrdiff_t rows,
+                                 ptrdiff_t d, ptrdiff_t strip)
+{
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip)
+        SFX(mk_pack)(qt + r0 * d, q + r0 * q_row, q_row, ATTNX_MIN(strip, rows - r0), d, strip);
+}
+#endif
+
 /* st = scores of the tile, with hidden keys at -inf, and tile_max; the
  * keys each strip of rows computes are mk_strip_keys(.., kb) (BLAS: all of
  * the tile's keys for all its rows, kb = 1). */
@@ -149,19 +194,20 @@ static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, SFX(
                              const REAL *q, const REAL *k, REAL scale2)
 {
     for (ptrdiff_t r = 0; r < w->st_ld; r++) w->tile_max[r] = -(REAL)INFINITY;
-#if !REAL_IS_DOUBLE
+#ifdef MK_HAVE_X86
     packed_keys *pk = w->pk;
     if (pk) {
+        REAL *kt = pk->kt;
         ptrdiff_t kb = MK_KB(pk->width), p0 = t->j0 / kb, p1 = (t->j0 + t->cols + kb - 1) / kb;
         for (ptrdiff_t p = p0; p < p1; p++) {
             ptrdiff_t slot = p % pk->slots;
             if (pk->owner[slot] == p + 1) continue;
-            attnx_mk_pack_keys(pk->kt + slot * kb * a->d, k + p * kb * a->k_row, a->k_row,
-                               ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
+            SFX(mk_pack_keys)(kt + slot * kb * a->d, k + p * kb * a->k_row, a->k_row,
+                              ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
             pk->owner[slot] = p + 1;
         }
-        attnx_mk_scores(pk->width, t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2,
-                        w->key_term, w->tile_max);
+        MK_KERNEL(pk->width, mk_scores)(t, w->st, w->st_ld, w->qt, kt, pk->slots, a->d, scale2,
+                                        w->key_term, w->tile_max);
         return;
     }
 #endif
@@ -295,9 +341,10 @@ static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, SFX(
         SFX(add_visible_values)(t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row, a->e);
         return;
     }
-#if !REAL_IS_DOUBLE
+#ifdef MK_HAVE_X86
     if (w->pk) {
-        attnx_mk_add_pv(w->pk->width, t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row, a->e);
+        MK_KERNEL(w->pk->width, mk_add_pv)(t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row,
+                                           a->e);
         return;
     }
 #endif
@@ -338,16 +385,16 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         while (key_first < key_end && !mask[key_first * a->mask_col]) key_first++;
     }
     ptrdiff_t strip = rows, kb = 1;
-#if !REAL_IS_DOUBLE
+#ifdef MK_HAVE_X86
     if (w->pk) {
-        strip = MK_STRIP(w->pk->width);
+        strip = MK_STRIP(MK_LANES(w->pk->width, sizeof(REAL)));
         kb = MK_KB(w->pk->width);
         key_first -= key_first % kb;
         if (w->pk->k != k) {
             memset(w->pk->owner, 0, (size_t)w->pk->slots * sizeof *w->pk->owner);
             w->pk->k = k;
         }
-        attnx_mk_pack_queries(w->qt, q, a->q_row, rows, a->d, strip);
+        SFX(mk_pack_queries)(w->qt, q, a->q_row, rows, a->d, strip);
     }
 #endif
     for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
@@ -409,10 +456,11 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     if ((double)a->heads * a->n * a->m * (a->d + a->e) < 1e6) threads = 1;
     if (threads < 1) threads = 1;
 
-    /* float32 takes the micro-kernels where the CPU has them and the tiles
-     * have rows enough to pay for packing the keys */
-    int cpu_width = REAL_IS_DOUBLE ? 0 : attnx_mk_width();
-    int width = a->e % ATTNX_MAX(cpu_width, 1) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
+    /* the micro-kernels where the CPU has them, e is whole vectors and the
+     * tiles have rows enough to pay for packing the keys */
+    int cpu_width = attnx_mk_width();
+    ptrdiff_t cpu_lanes = ATTNX_MAX(MK_LANES(cpu_width, sizeof(REAL)), 1);
+    int width = cpu_width && a->e % cpu_lanes == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
     ptrdiff_t kb = width ? MK_KB(width) : 1;
     /* slots of packed keys: every panel, or under a window the keys of two
      * neighbouring query tiles, and at least one key tile's panels (the
@@ -461,12 +509,10 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
             .tile_sum = lane + 5 * lanes,
             .v_state = v_states + v_blocks * t,
         };
-#if !REAL_IS_DOUBLE
         if (width) {
             pks[t] = (packed_keys){width, base, owners + slots * t, slots, NULL};
             w->pk = &pks[t];
         }
-#endif
     }
 
     /* whole heads per thread when they split evenly: each head's keys are
@@ -495,4 +541,7 @@ done:
 }
 
 #undef LOG2E
+#ifdef MK_HAVE_X86
+#undef MK_KERNEL
+#endif
 #endif /* REAL */
