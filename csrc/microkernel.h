@@ -249,6 +249,11 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
         for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
 }
 
+/* st = scale Q K^T + key_term for the keys each strip computes
+ * (mk_strip_keys), with the keys the band hides at -inf, and tile_max[r]
+ * raised to the max of row r's scores. kt holds the tile's panels in
+ * their slots; key_term (cols rounded up to a panel) is added per key,
+ * and a key whose term is -inf scores -inf whatever q . k is. */
 static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
                                       const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
                                       ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term,
@@ -328,6 +333,8 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
     }
 }
 
+/* out (rows, e) += P V over the tile's keys, P^T in pt (row stride pt_ld);
+ * e % W == 0 */
 static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *out, ptrdiff_t out_row,
                                       const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *v,
                                       ptrdiff_t v_row, ptrdiff_t e)
