@@ -210,11 +210,11 @@ typedef struct {
 int attnx_linear_fwd_f32(const attnx_linear_args *args);
 int attnx_linear_fwd_f64(const attnx_linear_args *args);
 
-/* S (heads, r, e) C order += every key `pending` holds (the caller then
- * records tick = 0) */
-void attnx_linear_flush_f32(float *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
+/* S (heads, r, e) C order, of the kernel's type, += every key `pending`
+ * holds (the caller then records tick = 0) */
+void attnx_linear_flush_f32(void *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
                             ptrdiff_t e, int num_threads);
-void attnx_linear_flush_f64(double *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
+void attnx_linear_flush_f64(void *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
                             ptrdiff_t e, int num_threads);
 
 /* Threads: one pool size for every kernel (set from Python). */

@@ -15,6 +15,8 @@
 
 typedef int (*linear_kernel)(const attnx_linear_args *);
 static const linear_kernel linear_kernels[2] = {attnx_linear_fwd_f32, attnx_linear_fwd_f64};
+typedef void (*flush_kernel)(void *, const attnx_pending *, ptrdiff_t, ptrdiff_t, ptrdiff_t, int);
+static const flush_kernel flush_kernels[2] = {attnx_linear_flush_f32, attnx_linear_flush_f64};
 
 /* Chunk length of the chunk method (and tile of the quadratic one). The
  * masked C x C block costs 2 C (r + e) flops per token beside the state's
@@ -344,8 +346,7 @@ static int held_keys_flush(PyObject *state, PyArrayObject *S, const attnx_pendin
     int threads = attnx_get_num_threads();
     if (pending->tick == 0) return 0;
     Py_BEGIN_ALLOW_THREADS
-    if (PyArray_TYPE(S) == NPY_FLOAT) attnx_linear_flush_f32(PyArray_DATA(S), pending, heads, r, e, threads);
-    else attnx_linear_flush_f64(PyArray_DATA(S), pending, heads, r, e, threads);
+    flush_kernels[PyArray_TYPE(S) == NPY_DOUBLE](PyArray_DATA(S), pending, heads, r, e, threads);
     Py_END_ALLOW_THREADS
     return set_int_attr(state, name_tick, 0);
 }
