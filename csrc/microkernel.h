@@ -6,25 +6,28 @@
  * them compiles without the others.
  *
  * softmax.c holds a tile of scores transposed, st[j][r] for key j and query
- * row r, so that the query rows lie across the vector lanes. Then:
+ * row r, and the tile's output transposed, ot[c][r], so that the query rows
+ * lie across the vector lanes. Then:
  *   - the online softmax is vertical: the max and the sum over keys of W
  *     rows are elementwise vector operations, with no horizontal reductions;
  *   - the scores kernel folds the tile's row max into its epilogue, where
- *     the scores are still in registers;
- *   - both products broadcast their scalar operand from one pointer with
- *     constant offsets (a packed key panel; a column of P), so the inner
- *     loops hold no per-row pointers.
+ *     the scores are still in registers, and the P V kernel the rescaling
+ *     of the output into its prologue;
+ *   - the two products are one loop: KB broadcasts from a packed panel (of
+ *     keys; of values) times 3 vectors of query rows (of Q^T; of P^T).
  * BLAS is slow on these tiles: K = d is short, and sgemm re-packs each key
- * and value tile for every query tile. Here the keys are packed once per
- * head and the queries once per query tile; the values are read in place.
+ * and value tile for every query tile. Here the keys and values are packed
+ * once per head and the queries once per query tile.
  *
  * Legend (as in softmax.c): W numbers per vector; a strip is MK_RV vectors,
- *   3 W query rows; a panel is MK_KB keys.
- *   qt  (strips, d, 3 W)   packed Q^T of the query tile, zero past its rows
- *   kt  (slots, d, KB)     packed keys of the head, zero past the last key;
- *                          panel p (keys from p KB) in slot p % slots
- *   st  (cols, st_ld)      scores (log2 units), then probabilities
- *   out (rows, e)          += P V, e a multiple of W
+ *   3 W query rows; a panel is KB = MK_KB keys.
+ *   qt  (strips, d, 3 W)     packed Q^T of the query tile, zero past its rows
+ *   kt  (slots, d, KB)       packed keys of the head, zero past the last key;
+ *                            panel p (keys from p KB) in slot p % slots
+ *   vt  (slots, e/KB, KB, KB) packed values, the same panels and slots: per
+ *                            group of KB columns, per key, the group's values
+ *   st  (cols, st_ld)        scores (log2 units), then probabilities
+ *   ot  (e, st_ld)           += (P V)^T, e a multiple of W
  *
  * The file includes itself once per number type and instruction set, with
  * MK_W and the other MK_ parameters defined; each body is compiled for its
@@ -129,12 +132,11 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
     }
 }
 
-/* AVX-512: P V accumulates in 24 of the 32 zmm registers (MK_MR 12) */
+/* AVX-512: both products accumulate in 24 of the 32 zmm registers */
 #define MK_REAL float
 #define MK_W 16
 #define MK_SFX w16
 #define MK_KB_W 8
-#define MK_MR 12
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx512f\")")
 #include "microkernel.h"
@@ -143,17 +145,15 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
 #define MK_W 8
 #define MK_SFX d8
 #define MK_KB_W 8
-#define MK_MR 12
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx512f\")")
 #include "microkernel.h"
 
-/* AVX2: P V accumulates in 12 of the 16 ymm registers (MK_MR 6) */
+/* AVX2: in 12 of the 16 ymm registers */
 #define MK_REAL float
 #define MK_W 8
 #define MK_SFX w8
 #define MK_KB_W 4
-#define MK_MR 6
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
 #include "microkernel.h"
@@ -162,7 +162,6 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
 #define MK_W 4
 #define MK_SFX d4
 #define MK_KB_W 4
-#define MK_MR 6
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
 #include "microkernel.h"
@@ -280,77 +279,74 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t s
     }
 }
 
-/* out[r][0, nv W) += sum_j p[j][r] v[j][0, nv W) for one block of mr rows;
- * mr and nv (mr nv <= 2 MK_MR accumulators) are constants after inlining.
- * Rows past `rows` compute on P's padding lanes and are not stored. */
+/* One block: the KB columns of one group of the value panels, for the 3 W
+ * rows of a strip, over `panels` panels of keys from panel p0 on:
+ *   ot[cc][r] = ot[cc][r] (times correction[r], if given) + sum_j p[j][r] v[j][cc]
+ * the transpose of the scores block, with P^T's columns for the queries
+ * and the values for the keys: both products are the same loop. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
-    MK_REAL *out, ptrdiff_t out_row, const MK_REAL *pt, ptrdiff_t pt_ld, ptrdiff_t rows,
-    const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t cols, int mr, int nv)
+    MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *v_group,
+    ptrdiff_t slots, ptrdiff_t slot_size, ptrdiff_t p0, ptrdiff_t panels,
+    const MK_REAL *correction)
 {
-    MK_VEC acc[MK_MR][4];
-#pragma GCC unroll 16
-    for (int r = 0; r < mr; r++) {
-        ptrdiff_t row = r < rows ? r : rows - 1;
-#pragma GCC unroll 4
-        for (int h = 0; h < nv; h++) acc[r][h] = *(const MK_VEC *)(out + row * out_row + h * MK_W);
-    }
-    for (ptrdiff_t j = 0; j < cols; j++) {
-        MK_VEC v_j[4];
-#pragma GCC unroll 4
-        for (int h = 0; h < nv; h++) v_j[h] = *(const MK_VEC *)(v + j * v_row + h * MK_W);
-#pragma GCC unroll 16
-        for (int r = 0; r < mr; r++) {
-            MK_REAL p_rj = pt[j * pt_ld + r];
-#pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) acc[r][h] += v_j[h] * p_rj;
+    MK_VEC acc[MK_KB_W][MK_RV];
+#pragma GCC unroll 8
+    for (int cc = 0; cc < MK_KB_W; cc++)
+        for (int h = 0; h < MK_RV; h++) acc[cc][h] = *(const MK_VEC *)(ot + cc * ot_ld + h * MK_W);
+    if (correction)
+        for (int h = 0; h < MK_RV; h++) {
+            MK_VEC factor = *(const MK_VEC *)(correction + h * MK_W);
+#pragma GCC unroll 8
+            for (int cc = 0; cc < MK_KB_W; cc++) acc[cc][h] *= factor;
         }
+    ptrdiff_t slot = p0 % slots;
+    for (ptrdiff_t i = 0; i < panels; i++) {
+        const MK_REAL *v_panel = v_group + slot * slot_size;
+        const MK_REAL *p_panel = pt + i * MK_KB_W * pt_ld;
+        for (int jj = 0; jj < MK_KB_W; jj++) {
+            MK_VEC p_j[MK_RV];
+            for (int h = 0; h < MK_RV; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
+#pragma GCC unroll 8
+            for (int cc = 0; cc < MK_KB_W; cc++) {
+                MK_REAL v_jc = v_panel[jj * MK_KB_W + cc];
+                for (int h = 0; h < MK_RV; h++) acc[cc][h] += p_j[h] * v_jc;
+            }
+        }
+        if (++slot == slots) slot = 0;
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < mr; r++)
-        if (r < rows)
-#pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) *(MK_VEC *)(out + r * out_row + h * MK_W) = acc[r][h];
+#pragma GCC unroll 8
+    for (int cc = 0; cc < MK_KB_W; cc++)
+        for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(ot + cc * ot_ld + h * MK_W) = acc[cc][h];
 }
 
-/* Keys per slice of the value tile: a slice of MK_KC rows of 4 vectors
- * (16 KB with AVX-512) stays in L1 while the columns of P stream past it. */
-#define MK_KC 64
+/* Keys per slice of the tile: the slice of a strip's P^T (3 W rows, 24 KB
+ * in float32 with AVX-512) stays in L1 while the value panels stream past. */
+#define MK_KC 128
 
-/* columns [c0, c0 + nv W) of out, keys [j0, j1) of the tile, by blocks of
- * mr rows (mr divides the strip), each over the keys its rows see */
-static inline __attribute__((always_inline)) void MK_NAME(mk_pv_columns)(
-    const mk_tile *t, MK_REAL *out, ptrdiff_t out_row, const MK_REAL *pt, ptrdiff_t pt_ld,
-    const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t c0, ptrdiff_t j0, ptrdiff_t j1, int mr, int nv)
+/* ot (e, ot_ld) += V^T P^T over the keys each strip computes
+ * (mk_strip_keys), the tile's P^T in pt (row stride pt_ld). Each strip's
+ * columns of ot are first multiplied by its rows' correction, the online
+ * softmax's rescaling. vt holds the tile's value panels in their slots, each
+ * (e / KB, KB, KB): column group, key, column. */
+static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
+                                      const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *vt,
+                                      ptrdiff_t slots, ptrdiff_t e, const MK_REAL *correction)
 {
-    for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += mr) {
-        ptrdiff_t lo, hi;
-        mk_block_keys(t, r0, mr, &lo, &hi);
-        lo = lo > j0 ? lo : j0;
-        hi = hi < j1 ? hi : j1;
-        if (hi > lo)
-            MK_NAME(mk_pv_block)(out + r0 * out_row + c0, out_row, pt + lo * pt_ld + r0, pt_ld,
-                                 t->rows - r0, v + lo * v_row + c0, v_row, hi - lo, mr, nv);
-    }
-}
-
-/* out (rows, e) += P V over the tile's keys, P^T in pt (row stride pt_ld);
- * e % W == 0 */
-static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *out, ptrdiff_t out_row,
-                                      const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *v,
-                                      ptrdiff_t v_row, ptrdiff_t e)
-{
-    for (ptrdiff_t j0 = 0; j0 < t->cols; j0 += MK_KC) {
-        ptrdiff_t j1 = t->cols - j0 < MK_KC ? t->cols : j0 + MK_KC;
-        /* whole rows of 4 vectors where e allows: one load of V feeds MR/2
-         * rows of P, fewer loads per multiply-add than 2 vectors x MR rows */
-        ptrdiff_t c0 = 0;
-        for (; c0 + 4 * MK_W <= e; c0 += 4 * MK_W)
-            MK_NAME(mk_pv_columns)(t, out, out_row, pt, pt_ld, v, v_row, c0, j0, j1, MK_MR / 2, 4);
-        for (; c0 + 2 * MK_W <= e; c0 += 2 * MK_W)
-            MK_NAME(mk_pv_columns)(t, out, out_row, pt, pt_ld, v, v_row, c0, j0, j1, MK_MR, 2);
-        if (c0 < e)
-            MK_NAME(mk_pv_columns)(t, out, out_row, pt, pt_ld, v, v_row, c0, j0, j1, MK_MR, 1);
-    }
+    const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
+    for (ptrdiff_t k0 = 0; k0 < t->cols; k0 += MK_KC)
+        for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += strip) {
+            ptrdiff_t lo, hi;
+            mk_strip_keys(t, r0, strip, kb, &lo, &hi);
+            /* rescale in the first slice the strip has keys in */
+            const MK_REAL *strip_correction = lo >= k0 ? correction + r0 : NULL;
+            lo = lo > k0 ? lo : k0;
+            hi = hi < k0 + MK_KC ? hi : k0 + MK_KC;
+            if (hi <= lo) continue;
+            for (ptrdiff_t g = 0; g < e; g += kb)
+                MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, pt + lo * pt_ld + r0, pt_ld,
+                                     vt + g * kb, slots, kb * e, (t->j0 + lo) / kb, (hi - lo) / kb,
+                                     strip_correction);
+        }
 }
 #undef MK_KC
 
@@ -572,7 +568,6 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
 #undef MK_W
 #undef MK_SFX
 #undef MK_KB_W
-#undef MK_MR
 #undef MK_VMAX
 #undef MK_TARGET
 

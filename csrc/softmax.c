@@ -43,19 +43,20 @@
  * this many keys, once per head and thread. */
 #define V_BLOCK 64
 
-/* One thread's keys of one head, packed for the micro-kernels; a
+/* One thread's keys and values of one head, packed for the micro-kernels; a
  * panel is packed the first time a query tile needs it, and reused by every
- * later tile of the head (and of heads that share the keys). Panel p lives
+ * later tile of the head (and of heads that share them). Panel p lives
  * in slot p % slots: every panel of the head when the query tiles may see
  * any key, or, under a window, a ring over the keys two neighbouring query
  * tiles see, so that memory (and its page faults) does not grow with m. */
 typedef struct {
     int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
-    void *kt;             /* (slots, d, MK_KB(width)) numbers of the call's type */
+    void *kt;             /* (slots, d, KB) numbers of the call's type, KB = MK_KB(width) */
+    void *vt;             /* (slots, e / KB, KB, KB) */
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
     ptrdiff_t slots;
-    const void *k;        /* the keys whose panels are in kt */
-} packed_keys;
+    const void *k, *v;    /* the keys and values whose panels are in kt and vt */
+} packed_panels;
 
 #define ATTNX_FAMILY_FILE "softmax.c"
 #include "real.h"
@@ -73,9 +74,10 @@ typedef struct {
     REAL *key_term;     /* (KEY_TILE) per-key addend of the scores, log2 units */
     REAL *tile_max;     /* max of the row's scores in the current key tile */
     REAL *row_max, *row_sum;  /* the online softmax, log2 units */
-    REAL *correction;   /* 2^(old max - new max), to rescale out */
+    REAL *correction;   /* 2^(old max - new max), to rescale the output */
     REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum */
-    packed_keys *pk;    /* NULL: BLAS and plain loops */
+    packed_panels *pk;  /* NULL: BLAS and plain loops, which add P V to out in place */
+    REAL *ot;           /* (e, st_ld) the micro-kernels' output, transposed */
     unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
     const void *v_seen;       /* the values v_state describes */
 } SFX(tile_work);
@@ -150,32 +152,57 @@ static ATTNX_HOT void SFX(finish_scores)(const mk_tile *t, REAL *st, ptrdiff_t s
 #define MK_KERNEL(w, name) ((w) == 16 ? name##_w16 : name##_w8)
 #endif
 
-/* block (d, lanes) <- rows [0, count) of x (row stride x_row) transposed,
- * lanes past `count` 0: a panel of keys or a strip of queries. float32 goes
- * by 8 x 8 transposes (only called where the micro-kernels run, so AVX2 is
- * there). */
+/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row).
+ * float32 goes by 8 x 8 transposes (only called where the micro-kernels
+ * run, so AVX2 is there). */
+static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+                              ptrdiff_t count, ptrdiff_t d)
+{
+    ptrdiff_t r0 = 0, c0 = 0;
+#if !REAL_IS_DOUBLE
+    for (; r0 + 8 <= count; r0 += 8)
+        for (c0 = 0; c0 + 8 <= d; c0 += 8)
+            mk_transpose8(dst + c0 * dst_row + r0, dst_row, x + r0 * x_row + c0, x_row);
+#endif
+    for (ptrdiff_t r = 0; r < count; r++)
+        for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
+}
+
+/* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
+ * 0: a panel of keys or a strip of queries */
 static void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
                          ptrdiff_t d, ptrdiff_t lanes)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
-    ptrdiff_t r0 = 0, c0 = 0;
-#if !REAL_IS_DOUBLE
-    if (lanes % 8 == 0) {
-        for (; r0 + 8 <= count; r0 += 8)
-            for (c0 = 0; c0 + 8 <= d; c0 += 8)
-                mk_transpose8(block + c0 * lanes + r0, lanes, x + r0 * x_row + c0, x_row);
-    }
-#endif
-    for (ptrdiff_t r = 0; r < count; r++)
-        for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) block[c * lanes + r] = x[r * x_row + c];
+    SFX(mk_transpose)(block, lanes, x, x_row, count, d);
 }
 
-/* kt (panels, d, kb) <- keys [0, count) of k, panel by panel */
-static void SFX(mk_pack_keys)(REAL *kt, const REAL *k, ptrdiff_t k_row, ptrdiff_t count,
-                              ptrdiff_t d, ptrdiff_t kb)
+/* block (e / kb, kb, kb) <- rows [0, count) of v, by groups of kb columns,
+ * keys past `count` 0: a panel of values */
+static void SFX(mk_pack_values)(REAL *block, const REAL *v, ptrdiff_t v_row, ptrdiff_t count,
+                                ptrdiff_t e, ptrdiff_t kb)
 {
-    for (ptrdiff_t j0 = 0; j0 < count; j0 += kb)
-        SFX(mk_pack)(kt + j0 * d, k + j0 * k_row, k_row, ATTNX_MIN(kb, count - j0), d, kb);
+    for (ptrdiff_t g = 0; g < e; g += kb)
+        for (ptrdiff_t j = 0; j < kb; j++) {
+            REAL *dst = block + (g + j) * kb;
+            for (ptrdiff_t c = 0; c < kb; c++) dst[c] = j < count ? v[j * v_row + g + c] : 0;
+        }
+}
+
+/* The panels of the keys [j0, j0 + cols) and of their values into their
+ * slots, those not there already. */
+static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, const REAL *k,
+                                const REAL *v, ptrdiff_t j0, ptrdiff_t cols)
+{
+    ptrdiff_t kb = MK_KB(pk->width), d = a->d, e = a->e;
+    for (ptrdiff_t p = j0 / kb; p * kb < j0 + cols; p++) {
+        ptrdiff_t slot = p % pk->slots, count = ATTNX_MIN(kb, a->m - p * kb);
+        if (pk->owner[slot] == p + 1) continue;
+        SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb);
+        SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row, count,
+                            e, kb);
+        pk->owner[slot] = p + 1;
+    }
 }
 
 /* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
@@ -195,18 +222,9 @@ static void SFX(tile_scores)(const attnx_softmax_args *a, const mk_tile *t, SFX(
 {
     for (ptrdiff_t r = 0; r < w->st_ld; r++) w->tile_max[r] = -(REAL)INFINITY;
 #ifdef MK_HAVE_X86
-    packed_keys *pk = w->pk;
+    packed_panels *pk = w->pk;
     if (pk) {
-        REAL *kt = pk->kt;
-        ptrdiff_t kb = MK_KB(pk->width), p0 = t->j0 / kb, p1 = (t->j0 + t->cols + kb - 1) / kb;
-        for (ptrdiff_t p = p0; p < p1; p++) {
-            ptrdiff_t slot = p % pk->slots;
-            if (pk->owner[slot] == p + 1) continue;
-            SFX(mk_pack_keys)(kt + slot * kb * a->d, k + p * kb * a->k_row, a->k_row,
-                              ATTNX_MIN(kb, a->m - p * kb), a->d, kb);
-            pk->owner[slot] = p + 1;
-        }
-        MK_KERNEL(pk->width, mk_scores)(t, w->st, w->st_ld, w->qt, kt, pk->slots, a->d, scale2,
+        MK_KERNEL(pk->width, mk_scores)(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2,
                                         w->key_term, w->tile_max);
         return;
     }
@@ -309,12 +327,13 @@ static int SFX(values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, co
     return 1;
 }
 
-/* out_r += sum_j p_rj v_j over the keys with p_rj != 0 only: the path for
+/* acc_r += sum_j p_rj v_j over the keys with p_rj != 0 only: the path for
  * value tiles holding inf or NaN, where the product's 0 * NaN would leak a
- * hidden key's NaN into rows that cannot see it. */
-static void SFX(add_visible_values)(const mk_tile *t, REAL *out, ptrdiff_t out_row,
-                                    const REAL *pt, ptrdiff_t pt_ld, const REAL *v_tile,
-                                    ptrdiff_t v_row, ptrdiff_t e)
+ * hidden key's NaN into rows that cannot see it. acc's element (r, c) is
+ * at acc[r acc_row + c acc_col]. */
+static void SFX(add_visible_values)(const mk_tile *t, REAL *acc, ptrdiff_t acc_row,
+                                    ptrdiff_t acc_col, const REAL *pt, ptrdiff_t pt_ld,
+                                    const REAL *v_tile, ptrdiff_t v_row, ptrdiff_t e)
 {
     for (ptrdiff_t r = 0; r < t->rows; r++) {
         ptrdiff_t lo, hi;
@@ -322,7 +341,8 @@ static void SFX(add_visible_values)(const mk_tile *t, REAL *out, ptrdiff_t out_r
         for (ptrdiff_t j = lo; j < hi; j++) {
             REAL p_rj = pt[j * pt_ld + r];
             if (p_rj == 0) continue;
-            for (ptrdiff_t c = 0; c < e; c++) out[r * out_row + c] += p_rj * v_tile[j * v_row + c];
+            for (ptrdiff_t c = 0; c < e; c++)
+                acc[r * acc_row + c * acc_col] += p_rj * v_tile[j * v_row + c];
         }
     }
 }
@@ -332,24 +352,43 @@ static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
     for (ptrdiff_t j = 0; j < count; j++) row[j] *= factor;
 }
 
-/* out (rows, e) += P V_tile, P^T the probabilities in st */
+/* The tile's output times its rows' correction, out (rows, e) or ot */
+static void SFX(rescale_output)(SFX(tile_work) *w, REAL *out, ptrdiff_t out_row, ptrdiff_t rows,
+                                ptrdiff_t e)
+{
+    if (w->pk) {
+        for (ptrdiff_t c = 0; c < e; c++)
+            for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= w->correction[r];
+        return;
+    }
+    for (ptrdiff_t r = 0; r < rows; r++)
+        if (w->correction[r] != 1) SFX(scale_row)(out + r * out_row, e, w->correction[r]);
+}
+
+/* The tile's output += P V_tile, P^T the probabilities in st, after the
+ * output is rescaled by the rows' correction: out (rows, e) in place for
+ * BLAS and plain loops, ot (e, st_ld) for the micro-kernels, which fold the
+ * rescaling into the product. */
 static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w,
                              REAL *out, const REAL *v)
 {
     const REAL *v_tile = v + t->j0 * a->v_row;
-    if (!SFX(values_finite)(a, w, v, t->j0, t->cols)) {
-        SFX(add_visible_values)(t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row, a->e);
-        return;
-    }
+    REAL *acc = w->pk ? w->ot : out;
+    ptrdiff_t acc_row = w->pk ? 1 : a->out_row, acc_col = w->pk ? w->st_ld : 1;
+    int finite = SFX(values_finite)(a, w, v, t->j0, t->cols);
 #ifdef MK_HAVE_X86
-    if (w->pk) {
-        MK_KERNEL(w->pk->width, mk_add_pv)(t, out, a->out_row, w->st, w->st_ld, v_tile, a->v_row,
-                                           a->e);
+    if (w->pk && finite) {
+        MK_KERNEL(w->pk->width, mk_add_pv)(t, w->ot, w->st_ld, w->st, w->st_ld, w->pk->vt,
+                                           w->pk->slots, a->e, w->correction);
         return;
     }
 #endif
-    SFX(gemm)(1, 0, t->rows, a->e, t->cols, 1, w->st, w->st_ld, v_tile, a->v_row, 1, out,
-              a->out_row);
+    SFX(rescale_output)(w, out, a->out_row, t->rows, a->e);
+    if (!finite)
+        SFX(add_visible_values)(t, acc, acc_row, acc_col, w->st, w->st_ld, v_tile, a->v_row, a->e);
+    else
+        SFX(gemm)(1, 0, t->rows, a->e, t->cols, 1, w->st, w->st_ld, v_tile, a->v_row, 1, out,
+                  a->out_row);
 }
 
 /* One query tile [i0, i0 + rows) of one head. */
@@ -371,8 +410,11 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         w->row_max[r] = -(REAL)INFINITY;
         w->row_sum[r] = 0;
     }
-    for (ptrdiff_t r = 0; r < rows; r++)
-        for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
+    if (w->pk)
+        memset(w->ot, 0, (size_t)(e * w->st_ld) * sizeof(REAL));
+    else
+        for (ptrdiff_t r = 0; r < rows; r++)
+            for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
 
     /* the keys any row of the tile can see; with the micro-kernels, from a
      * panel's start (the keys before the band are hidden like any other) */
@@ -390,9 +432,10 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         strip = MK_STRIP(MK_LANES(w->pk->width, sizeof(REAL)));
         kb = MK_KB(w->pk->width);
         key_first -= key_first % kb;
-        if (w->pk->k != k) {
+        if (w->pk->k != k || w->pk->v != v) {
             memset(w->pk->owner, 0, (size_t)w->pk->slots * sizeof *w->pk->owner);
             w->pk->k = k;
+            w->pk->v = v;
         }
         SFX(mk_pack_queries)(w->qt, q, a->q_row, rows, a->d, strip);
     }
@@ -401,6 +444,9 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0);
         const mk_tile tile = {&a->band, i0, rows, j0, cols};
         SFX(fill_key_term)(a, w->key_term, k, bias, mask, j0, cols, (cols + kb - 1) / kb * kb);
+#ifdef MK_HAVE_X86
+        if (w->pk) SFX(mk_pack_panels)(a, w->pk, k, v, j0, cols);
+#endif
         SFX(tile_scores)(a, &tile, w, q, k, scale2);
         for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip) {
             ptrdiff_t lo = 0, hi = cols, r1 = ATTNX_MIN(r0 + strip, rows);
@@ -415,11 +461,12 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
 #endif
             SFX(softmax_strip)(w, r0, kb > 1 ? r0 + strip : r1, lo, hi);
         }
-        for (ptrdiff_t r = 0; r < rows; r++)
-            if (w->correction[r] != 1) SFX(scale_row)(out + r * a->out_row, e, w->correction[r]);
         SFX(tile_add_pv)(a, &tile, w, out, v);
     }
 
+#ifdef MK_HAVE_X86
+    if (w->pk) SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows);
+#endif
     /* normalise; a row that saw nothing has row_sum 0 and gives 0 */
     REAL *lse = a->lse ? (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0 : NULL;
     if (lse && a->key_sqnorm_coef != 0)
@@ -476,18 +523,20 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
                             : ATTNX_MIN(Q_TILE, a->n);
 
     /* per-thread scratch, each part a whole number of cache lines: packed
-     * keys, packed queries, scores tile, key term, the lane arrays */
+     * keys and values, packed queries, the transposed output, scores tile,
+     * key term, the lane arrays */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
-    ptrdiff_t packed = LINES(slots * kb * a->d), queries = width ? LINES(st_ld * a->d) : 0;
+    ptrdiff_t packed = LINES(slots * kb * a->d), packed_v = LINES(slots * kb * a->e);
+    ptrdiff_t queries = width ? LINES(st_ld * a->d) : 0, outputs = width ? LINES(st_ld * a->e) : 0;
     ptrdiff_t tile = LINES(KEY_TILE * st_ld), key_terms = LINES(KEY_TILE), lanes = LINES(st_ld);
-    ptrdiff_t per_thread = packed + queries + tile + key_terms + 6 * lanes;
+    ptrdiff_t per_thread = packed + packed_v + queries + outputs + tile + key_terms + 6 * lanes;
 #undef LINES
     REAL *scratch = NULL;
     ptrdiff_t v_blocks = (a->m + V_BLOCK - 1) / V_BLOCK;
     unsigned char *v_states = malloc((size_t)(v_blocks * threads) + 1);
     ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
-    packed_keys *pks = calloc((size_t)threads, sizeof *pks);
+    packed_panels *pks = calloc((size_t)threads, sizeof *pks);
     SFX(tile_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
     if (!v_states || !owners || !pks || !works ||
@@ -495,12 +544,13 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
         goto done;
     for (int t = 0; t < threads; t++) {
         SFX(tile_work) *w = &works[t];
-        REAL *base = scratch + per_thread * t, *lane = base + packed + queries + tile + key_terms;
+        REAL *base = scratch + per_thread * t, *qt = base + packed + packed_v;
+        REAL *st = qt + queries + outputs, *lane = st + tile + key_terms;
         *w = (SFX(tile_work)){
-            .st = base + packed + queries,
+            .st = st,
             .st_ld = st_ld,
-            .qt = base + packed,
-            .key_term = base + packed + queries + tile,
+            .qt = qt,
+            .key_term = st + tile,
             .tile_max = lane,
             .row_max = lane + lanes,
             .row_sum = lane + 2 * lanes,
@@ -510,8 +560,9 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
             .v_state = v_states + v_blocks * t,
         };
         if (width) {
-            pks[t] = (packed_keys){width, base, owners + slots * t, slots, NULL};
+            pks[t] = (packed_panels){width, base, base + packed, owners + slots * t, slots, NULL, NULL};
             w->pk = &pks[t];
+            w->ot = qt + queries;
         }
     }
 

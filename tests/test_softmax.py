@@ -971,9 +971,9 @@ def test_inputs_never_written(dtype):
 # layouts
 # --------------------------------------------------------------------------
 
-def _layouts(rng, dtype):
+def _layouts(rng, dtype, n, m):
     """(name, q, k, v) with the same values in different memory layouts."""
-    B, H, n, m, d = 2, 3, 37, 53, 16
+    B, H, d = 2, 3, 16
     base_q = make(rng, (B, H, n, d), dtype)
     base_k = make(rng, (B, H, m, d), dtype)
     base_v = make(rng, (B, H, m, d), dtype)
@@ -1025,9 +1025,10 @@ def _layouts(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("variant", ["softmax", "gaussian"])
-def test_layouts(dtype, variant):
+@pytest.mark.parametrize("n,m", [(37, 53), (100, 130)])  # plain loops; micro-kernels
+def test_layouts(dtype, variant, n, m):
     rng = np.random.default_rng(38)
-    layouts = _layouts(rng, dtype)
+    layouts = _layouts(rng, dtype, n, m)
     _, q0, k0, v0 = layouts[0]
     fn, rf = FRONT[variant]
     kw = dict(sigma=4.0) if variant == "gaussian" else {}
@@ -1149,6 +1150,32 @@ def test_microkernel_window_ring_of_key_panels(heads, window):
                 got = attnx.softmax_attention(q, k, v, window=window, causal=causal)
                 want = ref_softmax(q, k, v, window=window, causal=causal)
                 assert_close(got, want, np.float32, vscale(v), err_msg=str((n, m, causal)))
+    finally:
+        attnx.set_num_threads(orig)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shared", ["k", "v"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
+    """A thread packs the keys and values of a head once and keeps them for
+    the next head when that head reads the same arrays: heads that share
+    their keys but not their values (or the other way round) must each get
+    their own values (keys)."""
+    rng = np.random.default_rng(43)
+    heads, n, m, d, e = 4, 100, 300, 32, 32
+    q, k, v = qkv(rng, (heads,), n, m, d, e, dtype)
+    if shared == "k":
+        k = np.broadcast_to(k[:1], k.shape)
+    else:
+        v = np.broadcast_to(v[:1], v.shape)
+    orig = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(threads)
+        for causal in (False, True):
+            got = attnx.softmax_attention(q, k, v, causal=causal)
+            want = ref_softmax(q, np.ascontiguousarray(k), np.ascontiguousarray(v), causal=causal)
+            assert_close(got, want, dtype, vscale(v), err_msg=str(causal))
     finally:
         attnx.set_num_threads(orig)
 
