@@ -132,6 +132,24 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
     }
 }
 
+/* dst[c][r] = src[r][c] for a 4 x 4 block of doubles (row strides in doubles) */
+__attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst,
+                                                                     ptrdiff_t dst_row,
+                                                                     const double *src,
+                                                                     ptrdiff_t src_row)
+{
+    __m256d row[4], pair[4];
+    for (int r = 0; r < 4; r++) row[r] = _mm256_loadu_pd(src + r * src_row);
+    pair[0] = _mm256_unpacklo_pd(row[0], row[1]);
+    pair[1] = _mm256_unpackhi_pd(row[0], row[1]);
+    pair[2] = _mm256_unpacklo_pd(row[2], row[3]);
+    pair[3] = _mm256_unpackhi_pd(row[2], row[3]);
+    for (int c = 0; c < 2; c++) {
+        _mm256_storeu_pd(dst + c * dst_row, _mm256_permute2f128_pd(pair[c], pair[c + 2], 0x20));
+        _mm256_storeu_pd(dst + (c + 2) * dst_row, _mm256_permute2f128_pd(pair[c], pair[c + 2], 0x31));
+    }
+}
+
 /* AVX-512: both products accumulate in 24 of the 32 zmm registers */
 #define MK_REAL float
 #define MK_W 16

@@ -152,18 +152,24 @@ static ATTNX_HOT void SFX(finish_scores)(const mk_tile *t, REAL *st, ptrdiff_t s
 #define MK_KERNEL(w, name) ((w) == 16 ? name##_w16 : name##_w8)
 #endif
 
-/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row).
- * float32 goes by 8 x 8 transposes (only called where the micro-kernels
- * run, so AVX2 is there). */
+/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row),
+ * by blocks of 8 x 8 floats or 4 x 4 doubles (only called where the
+ * micro-kernels run, so AVX2 is there) */
 static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
                               ptrdiff_t count, ptrdiff_t d)
 {
-    ptrdiff_t r0 = 0, c0 = 0;
-#if !REAL_IS_DOUBLE
-    for (; r0 + 8 <= count; r0 += 8)
-        for (c0 = 0; c0 + 8 <= d; c0 += 8)
-            mk_transpose8(dst + c0 * dst_row + r0, dst_row, x + r0 * x_row + c0, x_row);
+#if REAL_IS_DOUBLE
+#define MK_BLOCK(dst, dst_row, x, x_row) mk_transpose4_f64(dst, dst_row, x, x_row)
+    const ptrdiff_t side = 4;
+#else
+#define MK_BLOCK(dst, dst_row, x, x_row) mk_transpose8(dst, dst_row, x, x_row)
+    const ptrdiff_t side = 8;
 #endif
+    ptrdiff_t r0 = 0, c0 = 0;
+    for (; r0 + side <= count; r0 += side)
+        for (c0 = 0; c0 + side <= d; c0 += side)
+            MK_BLOCK(dst + c0 * dst_row + r0, dst_row, x + r0 * x_row + c0, x_row);
+#undef MK_BLOCK
     for (ptrdiff_t r = 0; r < count; r++)
         for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
 }
@@ -178,15 +184,21 @@ static void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t 
 }
 
 /* block (e / kb, kb, kb) <- rows [0, count) of v, by groups of kb columns,
- * keys past `count` 0: a panel of values */
+ * keys past `count` 0: a panel of values. The copies are of kb numbers, a
+ * constant in each branch. */
 static void SFX(mk_pack_values)(REAL *block, const REAL *v, ptrdiff_t v_row, ptrdiff_t count,
                                 ptrdiff_t e, ptrdiff_t kb)
 {
-    for (ptrdiff_t g = 0; g < e; g += kb)
-        for (ptrdiff_t j = 0; j < kb; j++) {
-            REAL *dst = block + (g + j) * kb;
-            for (ptrdiff_t c = 0; c < kb; c++) dst[c] = j < count ? v[j * v_row + g + c] : 0;
-        }
+#define MK_PACK(kb)                                                                 \
+    for (ptrdiff_t j = 0; j < count; j++)                                           \
+        for (ptrdiff_t g = 0; g < e; g += (kb))                                     \
+            memcpy(block + (g + j) * (kb), v + j * v_row + g, (kb) * sizeof(REAL))
+    if (count < kb) memset(block, 0, (size_t)(e * kb) * sizeof(REAL));
+    if (kb == 8)
+        MK_PACK(8);
+    else
+        MK_PACK(kb);
+#undef MK_PACK
 }
 
 /* The panels of the keys [j0, j0 + cols) and of their values into their
