@@ -16,8 +16,9 @@
  *   - the two products are one loop: KB broadcasts from a packed panel (of
  *     keys; of values) times 3 vectors of query rows (of Q^T; of P^T).
  * BLAS is slow on these tiles: K = d is short, and sgemm re-packs each key
- * and value tile for every query tile. Here the keys and values are packed
- * once per head and the queries once per query tile.
+ * and value tile for every query tile. Here the keys are packed once per
+ * head, the values too when more than one query tile reads them (else they
+ * are read in place), and the queries once per query tile.
  *
  * Legend (as in softmax.c): W numbers per vector; a strip is MK_RV vectors,
  *   3 W query rows; a panel is KB = MK_KB keys.
@@ -26,6 +27,7 @@
  *                            panel p (keys from p KB) in slot p % slots
  *   vt  (slots, e/KB, KB, KB) packed values, the same panels and slots: per
  *                            group of KB columns, per key, the group's values
+ *                            (mk_values: where the P V kernel finds them)
  *   st  (cols, st_ld)        scores (log2 units), then probabilities
  *   ot  (e, st_ld)           += (P V)^T, e a multiple of W
  *
@@ -92,6 +94,17 @@ static inline void mk_strip_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count
     *lo -= *lo % kb;
     *hi = (*hi + kb - 1) / kb * kb;
 }
+
+/* Where the P V kernels find the values of key panel p (keys from p KB):
+ * packed, in slot p % slots of vt, the keys KB numbers apart; or in place,
+ * in the rows of v, the keys v_row apart (slots larger than any panel). */
+typedef struct {
+    const void *base;      /* panel 0, key 0, column 0 */
+    ptrdiff_t slots;
+    ptrdiff_t panel_step;  /* numbers from one slot to the next */
+    ptrdiff_t key_step;    /* from one key to the next */
+    ptrdiff_t group_step;  /* from one group of KB columns to the next */
+} mk_values;
 
 /* Rows [*lo, *hi) of the tile (0-based in it) that see its key j (0-based
  * in the tile): the band's bounds solved for i. */
@@ -297,16 +310,17 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t s
     }
 }
 
-/* One block: the KB columns of one group of the value panels, for the 3 W
- * rows of a strip, over `panels` panels of keys from panel p0 on:
+/* One block: one group of KB columns of the values, for the 3 W rows of
+ * a strip, over `keys` keys from the start of panel p0:
  *   ot[cc][r] = ot[cc][r] (times correction[r], if given) + sum_j p[j][r] v[j][cc]
  * the transpose of the scores block, with P^T's columns for the queries
  * and the values for the keys: both products are the same loop. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
-    MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *v_group,
-    ptrdiff_t slots, ptrdiff_t slot_size, ptrdiff_t p0, ptrdiff_t panels,
-    const MK_REAL *correction)
+    MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
+    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction)
 {
+    const MK_REAL *v_group = (const MK_REAL *)values->base + group * values->group_step;
+    const ptrdiff_t slots = values->slots, key_step = values->key_step;
     MK_VEC acc[MK_KB_W][MK_RV];
 #pragma GCC unroll 8
     for (int cc = 0; cc < MK_KB_W; cc++)
@@ -318,15 +332,16 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
             for (int cc = 0; cc < MK_KB_W; cc++) acc[cc][h] *= factor;
         }
     ptrdiff_t slot = p0 % slots;
-    for (ptrdiff_t i = 0; i < panels; i++) {
-        const MK_REAL *v_panel = v_group + slot * slot_size;
-        const MK_REAL *p_panel = pt + i * MK_KB_W * pt_ld;
-        for (int jj = 0; jj < MK_KB_W; jj++) {
+    for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
+        const MK_REAL *v_panel = v_group + slot * values->panel_step;
+        const MK_REAL *p_panel = pt + k0 * pt_ld;
+        ptrdiff_t panel_keys = keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W;
+        for (ptrdiff_t jj = 0; jj < panel_keys; jj++) {
             MK_VEC p_j[MK_RV];
             for (int h = 0; h < MK_RV; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
 #pragma GCC unroll 8
             for (int cc = 0; cc < MK_KB_W; cc++) {
-                MK_REAL v_jc = v_panel[jj * MK_KB_W + cc];
+                MK_REAL v_jc = v_panel[jj * key_step + cc];
                 for (int h = 0; h < MK_RV; h++) acc[cc][h] += p_j[h] * v_jc;
             }
         }
@@ -342,13 +357,12 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
 #define MK_KC 128
 
 /* ot (e, ot_ld) += V^T P^T over the keys each strip computes
- * (mk_strip_keys), the tile's P^T in pt (row stride pt_ld). Each strip's
- * columns of ot are first multiplied by its rows' correction, the online
- * softmax's rescaling. vt holds the tile's value panels in their slots, each
- * (e / KB, KB, KB): column group, key, column. */
+ * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
+ * pt_ld). Each strip's columns of ot are first multiplied by its rows'
+ * correction, the online softmax's rescaling. */
 static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
-                                      const MK_REAL *pt, ptrdiff_t pt_ld, const MK_REAL *vt,
-                                      ptrdiff_t slots, ptrdiff_t e, const MK_REAL *correction)
+                                      const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
+                                      ptrdiff_t e, const MK_REAL *correction)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
     for (ptrdiff_t k0 = 0; k0 < t->cols; k0 += MK_KC)
@@ -359,10 +373,12 @@ static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t o
             const MK_REAL *strip_correction = lo >= k0 ? correction + r0 : NULL;
             lo = lo > k0 ? lo : k0;
             hi = hi < k0 + MK_KC ? hi : k0 + MK_KC;
+            /* the panel padding past the tile's keys has P = 0: skipped */
+            hi = hi < t->cols ? hi : t->cols;
             if (hi <= lo) continue;
             for (ptrdiff_t g = 0; g < e; g += kb)
                 MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, pt + lo * pt_ld + r0, pt_ld,
-                                     vt + g * kb, slots, kb * e, (t->j0 + lo) / kb, (hi - lo) / kb,
+                                     values, g / kb, (t->j0 + lo) / kb, hi - lo,
                                      strip_correction);
         }
 }

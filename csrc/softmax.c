@@ -52,7 +52,7 @@
 typedef struct {
     int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
     void *kt;             /* (slots, d, KB) numbers of the call's type, KB = MK_KB(width) */
-    void *vt;             /* (slots, e / KB, KB, KB) */
+    void *vt;             /* (slots, e / KB, KB, KB); NULL: the values are read in place */
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
     ptrdiff_t slots;
     const void *k, *v;    /* the keys and values whose panels are in kt and vt */
@@ -211,8 +211,9 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
         ptrdiff_t slot = p % pk->slots, count = ATTNX_MIN(kb, a->m - p * kb);
         if (pk->owner[slot] == p + 1) continue;
         SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb);
-        SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row, count,
-                            e, kb);
+        if (pk->vt)
+            SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row,
+                                count, e, kb);
         pk->owner[slot] = p + 1;
     }
 }
@@ -390,8 +391,13 @@ static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, SFX(
     int finite = SFX(values_finite)(a, w, v, t->j0, t->cols);
 #ifdef MK_HAVE_X86
     if (w->pk && finite) {
-        MK_KERNEL(w->pk->width, mk_add_pv)(t, w->ot, w->st_ld, w->st, w->st_ld, w->pk->vt,
-                                           w->pk->slots, a->e, w->correction);
+        const packed_panels *pk = w->pk;
+        ptrdiff_t kb = MK_KB(pk->width);
+        mk_values values = {pk->vt, pk->slots, kb * a->e, kb, kb * kb};
+        if (!pk->vt)
+            values = (mk_values){v, PTRDIFF_MAX, kb * a->v_row, a->v_row, kb};
+        MK_KERNEL(pk->width, mk_add_pv)(t, w->ot, w->st_ld, w->st, w->st_ld, &values, a->e,
+                                        w->correction);
         return;
     }
 #endif
@@ -539,7 +545,9 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
      * key term, the lane arrays */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
-    ptrdiff_t packed = LINES(slots * kb * a->d), packed_v = LINES(slots * kb * a->e);
+    /* values are packed when more than one query tile reads them */
+    int pack_values = width && q_tiles > 1;
+    ptrdiff_t packed = LINES(slots * kb * a->d), packed_v = pack_values ? LINES(slots * kb * a->e) : 0;
     ptrdiff_t queries = width ? LINES(st_ld * a->d) : 0, outputs = width ? LINES(st_ld * a->e) : 0;
     ptrdiff_t tile = LINES(KEY_TILE * st_ld), key_terms = LINES(KEY_TILE), lanes = LINES(st_ld);
     ptrdiff_t per_thread = packed + packed_v + queries + outputs + tile + key_terms + 6 * lanes;
@@ -572,7 +580,8 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
             .v_state = v_states + v_blocks * t,
         };
         if (width) {
-            pks[t] = (packed_panels){width, base, base + packed, owners + slots * t, slots, NULL, NULL};
+            pks[t] = (packed_panels){width, base, pack_values ? base + packed : NULL,
+                                     owners + slots * t, slots, NULL, NULL};
             w->pk = &pks[t];
             w->ot = qt + queries;
         }

@@ -1025,7 +1025,9 @@ def _layouts(rng, dtype, n, m):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("variant", ["softmax", "gaussian"])
-@pytest.mark.parametrize("n,m", [(37, 53), (100, 130)])  # plain loops; micro-kernels
+# plain loops; micro-kernels with the values read in place (one query tile
+# per head) and packed (several)
+@pytest.mark.parametrize("n,m", [(37, 53), (100, 130), (300, 130)])
 def test_layouts(dtype, variant, n, m):
     rng = np.random.default_rng(38)
     layouts = _layouts(rng, dtype, n, m)
@@ -1163,7 +1165,7 @@ def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
     their keys but not their values (or the other way round) must each get
     their own values (keys)."""
     rng = np.random.default_rng(43)
-    heads, n, m, d, e = 4, 100, 300, 32, 32
+    heads, n, m, d, e = 4, 300, 300, 32, 32
     q, k, v = qkv(rng, (heads,), n, m, d, e, dtype)
     if shared == "k":
         k = np.broadcast_to(k[:1], k.shape)
