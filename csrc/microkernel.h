@@ -29,7 +29,7 @@
  *                            group of KB columns, per key, the group's values
  *                            (mk_values: where the P V kernel finds them)
  *   st  (cols, st_ld)        scores (log2 units), then probabilities
- *   ot  (e, st_ld)           += (P V)^T, e a multiple of W
+ *   ot  (e, st_ld)           += (P V)^T, e a multiple of KB
  *
  * The file includes itself once per number type and instruction set, with
  * MK_W and the other MK_ parameters defined; each body is compiled for its

@@ -3,7 +3,8 @@
  * For each head and each tile of Q_TILE query rows, walk the key tiles that
  * the rows can see (the causal/window band skips the rest), and keep per
  * row an online softmax: the running max, the running sum of 2^(s - max),
- * and the unnormalised output in the output rows themselves. Memory is one
+ * and the unnormalised output (in the output rows themselves, or with the
+ * micro-kernels in a transposed tile, copied out at the end). Memory is one
  * scores tile per thread: nothing grows with n * m.
  *
  * The scores tile is held transposed, one query row per column, so that
@@ -16,6 +17,7 @@
  * Legend: n queries, m keys, d features, e value features.
  *   st    (cols, st_ld)  log2(e) (scale Q_tile K_tile^T + bias), then p = 2^(st - max)
  *   out   (rows, e)      sum_j p_rj v_j, rescaled when the max grows
+ *   ot    (e, st_ld)     the same, transposed (micro-kernels)
  */
 #ifndef REAL
 #include <math.h>
@@ -450,7 +452,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         strip = MK_STRIP(MK_LANES(w->pk->width, sizeof(REAL)));
         kb = MK_KB(w->pk->width);
         key_first -= key_first % kb;
-        if (w->pk->k != k || w->pk->v != v) {
+        if (w->pk->k != k || (w->pk->vt && w->pk->v != v)) {
             memset(w->pk->owner, 0, (size_t)w->pk->slots * sizeof *w->pk->owner);
             w->pk->k = k;
             w->pk->v = v;
@@ -521,11 +523,11 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     if ((double)a->heads * a->n * a->m * (a->d + a->e) < 1e6) threads = 1;
     if (threads < 1) threads = 1;
 
-    /* the micro-kernels where the CPU has them, e is whole vectors and the
-     * tiles have rows enough to pay for packing the keys */
+    /* the micro-kernels where the CPU has them, e is whole groups of a
+     * panel's width (the P V kernel's columns) and the tiles have rows
+     * enough to pay for packing the keys */
     int cpu_width = attnx_mk_width();
-    ptrdiff_t cpu_lanes = ATTNX_MAX(MK_LANES(cpu_width, sizeof(REAL)), 1);
-    int width = cpu_width && a->e % cpu_lanes == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
+    int width = cpu_width && a->e % MK_KB(cpu_width) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
     ptrdiff_t kb = width ? MK_KB(width) : 1;
     /* slots of packed keys: every panel, or under a window the keys of two
      * neighbouring query tiles, and at least one key tile's panels (the

@@ -1094,11 +1094,13 @@ def test_mask_and_bias_layouts(dtype):
 
 
 # The float32 micro-kernels (at least 48 query rows, e a multiple of the
-# vector width) hold the scores transposed, fold key-only masks and biases
-# into a per-key term and apply the others to the tile: every kind must match
-# the reference there too, on tiles that straddle the band, partial strips
-# and panels, and more than one key tile.
-MK_SHAPES = [(48, 48, 64, 16), (100, 300, 64, 64), (257, 263, 32, 32), (250, 517, 128, 128)]
+# panel width, 8 with AVX-512) hold the scores transposed, fold key-only
+# masks and biases into a per-key term and apply the others to the tile:
+# every kind must match the reference there too, on tiles that straddle the
+# band, partial strips and panels, and more than one key tile; values read
+# in place (one query tile) and packed (several).
+MK_SHAPES = [(48, 48, 64, 16), (100, 300, 64, 64), (257, 263, 32, 32), (250, 517, 128, 128),
+             (300, 130, 32, 24)]
 
 
 @pytest.mark.parametrize("n,m,d,e", MK_SHAPES)
