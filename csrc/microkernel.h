@@ -145,6 +145,40 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
     }
 }
 
+/* dst[c][r] = src[r][c] for a 16 x 16 block of floats: each row of dst is
+ * written whole, one cache line where dst is aligned (so the line need not
+ * be read first) */
+__attribute__((target("avx512f"))) static inline void mk_transpose16(float *dst, ptrdiff_t dst_row,
+                                                                    const float *src,
+                                                                    ptrdiff_t src_row)
+{
+    __m512 row[16], pair[16], quad[16], col[16];
+    for (int r = 0; r < 16; r++) row[r] = _mm512_loadu_ps(src + r * src_row);
+    for (int r = 0; r < 16; r += 2) {
+        pair[r] = _mm512_unpacklo_ps(row[r], row[r + 1]);
+        pair[r + 1] = _mm512_unpackhi_ps(row[r], row[r + 1]);
+    }
+    /* quad[4 g + m]: in each 128-bit lane k, column 4 k + m of rows 4 g .. 4 g + 3 */
+    for (int r = 0; r < 16; r += 4) {
+        quad[r] = _mm512_shuffle_ps(pair[r], pair[r + 2], 0x44);
+        quad[r + 1] = _mm512_shuffle_ps(pair[r], pair[r + 2], 0xee);
+        quad[r + 2] = _mm512_shuffle_ps(pair[r + 1], pair[r + 3], 0x44);
+        quad[r + 3] = _mm512_shuffle_ps(pair[r + 1], pair[r + 3], 0xee);
+    }
+    /* gather lane k of the four row groups: lanes 0, 2 then 1, 3 */
+    for (int m = 0; m < 4; m++) {
+        __m512 even_lo = _mm512_shuffle_f32x4(quad[m], quad[4 + m], 0x88);
+        __m512 odd_lo = _mm512_shuffle_f32x4(quad[m], quad[4 + m], 0xdd);
+        __m512 even_hi = _mm512_shuffle_f32x4(quad[8 + m], quad[12 + m], 0x88);
+        __m512 odd_hi = _mm512_shuffle_f32x4(quad[8 + m], quad[12 + m], 0xdd);
+        col[m] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+        col[8 + m] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xdd);
+        col[4 + m] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+        col[12 + m] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xdd);
+    }
+    for (int c = 0; c < 16; c++) _mm512_storeu_ps(dst + c * dst_row, col[c]);
+}
+
 /* dst[c][r] = src[r][c] for a 4 x 4 block of doubles (row strides in doubles) */
 __attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst,
                                                                      ptrdiff_t dst_row,

@@ -154,35 +154,57 @@ static ATTNX_HOT void SFX(finish_scores)(const mk_tile *t, REAL *st, ptrdiff_t s
 #define MK_KERNEL(w, name) ((w) == 16 ? name##_w16 : name##_w8)
 #endif
 
-/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row),
- * by blocks of 8 x 8 floats or 4 x 4 doubles (only called where the
- * micro-kernels run, so AVX2 is there) */
-static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
-                              ptrdiff_t count, ptrdiff_t d)
+/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
+ * by square blocks of `side` numbers, what they leave by blocks half as
+ * big, the rest one by one. The blocks: 16 x 16 floats on AVX-512, 8 x 8
+ * floats, 4 x 4 doubles (only called where the micro-kernels run, so AVX2
+ * is there). */
+static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+                                 ptrdiff_t count, ptrdiff_t d, ptrdiff_t side)
 {
 #if REAL_IS_DOUBLE
-#define MK_BLOCK(dst, dst_row, x, x_row) mk_transpose4_f64(dst, dst_row, x, x_row)
-    const ptrdiff_t side = 4;
+    if (side > 4) side = 4;
+    if (side < 4) {
 #else
-#define MK_BLOCK(dst, dst_row, x, x_row) mk_transpose8(dst, dst_row, x, x_row)
-    const ptrdiff_t side = 8;
+    if (side < 8) {
 #endif
-    ptrdiff_t r0 = 0, c0 = 0;
-    for (; r0 + side <= count; r0 += side)
-        for (c0 = 0; c0 + side <= d; c0 += side)
-            MK_BLOCK(dst + c0 * dst_row + r0, dst_row, x + r0 * x_row + c0, x_row);
-#undef MK_BLOCK
-    for (ptrdiff_t r = 0; r < count; r++)
-        for (ptrdiff_t c = r < r0 ? c0 : 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
+        for (ptrdiff_t r = 0; r < count; r++)
+            for (ptrdiff_t c = 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
+        return;
+    }
+    ptrdiff_t rows = count / side * side, cols = d / side * side;
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += side)
+        for (ptrdiff_t c0 = 0; c0 < cols; c0 += side) {
+            REAL *block = dst + c0 * dst_row + r0;
+            const REAL *from = x + r0 * x_row + c0;
+#if REAL_IS_DOUBLE
+            mk_transpose4_f64(block, dst_row, from, x_row);
+#else
+            if (side == 16)
+                mk_transpose16(block, dst_row, from, x_row);
+            else
+                mk_transpose8(block, dst_row, from, x_row);
+#endif
+        }
+    /* the columns right of the blocks, then the rows below them */
+    SFX(mk_transpose_by)(dst + cols * dst_row, dst_row, x + cols, x_row, rows, d - cols, side / 2);
+    SFX(mk_transpose_by)(dst + rows, dst_row, x + rows * x_row, x_row, count - rows, d, side / 2);
+}
+
+/* the transpose by the largest blocks instruction set `width` has */
+static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+                              ptrdiff_t count, ptrdiff_t d, int width)
+{
+    SFX(mk_transpose_by)(dst, dst_row, x, x_row, count, d, width == 16 ? 16 : 8);
 }
 
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
  * 0: a panel of keys or a strip of queries */
 static void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
-                         ptrdiff_t d, ptrdiff_t lanes)
+                         ptrdiff_t d, ptrdiff_t lanes, int width)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
-    SFX(mk_transpose)(block, lanes, x, x_row, count, d);
+    SFX(mk_transpose)(block, lanes, x, x_row, count, d, width);
 }
 
 /* block (e / kb, kb, kb) <- rows [0, count) of v, by groups of kb columns,
@@ -212,7 +234,8 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
     for (ptrdiff_t p = j0 / kb; p * kb < j0 + cols; p++) {
         ptrdiff_t slot = p % pk->slots, count = ATTNX_MIN(kb, a->m - p * kb);
         if (pk->owner[slot] == p + 1) continue;
-        SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb);
+        SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb,
+                     pk->width);
         if (pk->vt)
             SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row,
                                 count, e, kb);
@@ -222,10 +245,11 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
 
 /* qt (strips, d, strip) <- rows [0, rows) of q, strip by strip */
 static void SFX(mk_pack_queries)(REAL *qt, const REAL *q, ptrdiff_t q_row, ptrdiff_t rows,
-                                 ptrdiff_t d, ptrdiff_t strip)
+                                 ptrdiff_t d, ptrdiff_t strip, int width)
 {
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += strip)
-        SFX(mk_pack)(qt + r0 * d, q + r0 * q_row, q_row, ATTNX_MIN(strip, rows - r0), d, strip);
+        SFX(mk_pack)(qt + r0 * d, q + r0 * q_row, q_row, ATTNX_MIN(strip, rows - r0), d, strip,
+                     width);
 }
 #endif
 
@@ -457,7 +481,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
             w->pk->k = k;
             w->pk->v = v;
         }
-        SFX(mk_pack_queries)(w->qt, q, a->q_row, rows, a->d, strip);
+        SFX(mk_pack_queries)(w->qt, q, a->q_row, rows, a->d, strip, w->pk->width);
     }
 #endif
     for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
@@ -485,7 +509,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
     }
 
 #ifdef MK_HAVE_X86
-    if (w->pk) SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows);
+    if (w->pk) SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows, w->pk->width);
 #endif
     /* normalise; a row that saw nothing has row_sum 0 and gives 0 */
     REAL *lse = a->lse ? (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0 : NULL;
