@@ -508,23 +508,31 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         SFX(tile_add_pv)(a, &tile, w, out, v);
     }
 
+    /* normalise; a row that saw nothing has row_sum 0 and gives 0. The
+     * micro-kernels' tile is normalised down its columns, then copied out
+     * transposed: the output rows are written once. */
+    REAL *inverse_sum = w->shift;
+    for (ptrdiff_t r = 0; r < rows; r++) inverse_sum[r] = w->row_sum[r] == 0 ? 0 : 1 / w->row_sum[r];
 #ifdef MK_HAVE_X86
-    if (w->pk) SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows, w->pk->width);
+    if (w->pk) {
+        for (ptrdiff_t c = 0; c < e; c++)
+            for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= inverse_sum[r];
+        SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows, w->pk->width);
+    }
 #endif
-    /* normalise; a row that saw nothing has row_sum 0 and gives 0 */
-    REAL *lse = a->lse ? (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0 : NULL;
-    if (lse && a->key_sqnorm_coef != 0)
+    if (!w->pk)
+        for (ptrdiff_t r = 0; r < rows; r++) SFX(scale_row)(out + r * a->out_row, e, inverse_sum[r]);
+
+    if (!a->lse) return;
+    REAL *lse = (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0;
+    if (a->key_sqnorm_coef != 0)
         /* gaussian: lse of the true scores, -|q_i - k_j|^2 / (2 sigma^2) */
         SFX(sqnorm_terms)(lse, q, a->q_row, rows, a->d, (REAL)a->key_sqnorm_coef);
     for (ptrdiff_t r = 0; r < rows; r++) {
-        REAL row_sum = w->row_sum[r];
-        SFX(scale_row)(out + r * a->out_row, e, row_sum == 0 ? 0 : 1 / row_sum);
-        if (lse) {
-            REAL query_term = a->key_sqnorm_coef != 0 ? lse[r] : 0;
-            lse[r] = row_sum == 0 ? -(REAL)INFINITY
-                                  : (REAL)(((double)w->row_max[r] + log2((double)row_sum)) *
-                                           0.69314718055994530942) + query_term;
-        }
+        REAL row_sum = w->row_sum[r], query_term = a->key_sqnorm_coef != 0 ? lse[r] : 0;
+        lse[r] = row_sum == 0 ? -(REAL)INFINITY
+                              : (REAL)(((double)w->row_max[r] + log2((double)row_sum)) *
+                                       0.69314718055994530942) + query_term;
     }
 }
 
