@@ -77,7 +77,8 @@ typedef struct {
     REAL *tile_max;     /* max of the row's scores in the current key tile */
     REAL *row_max, *row_sum;  /* the online softmax, log2 units */
     REAL *correction;   /* 2^(old max - new max), to rescale the output */
-    REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum */
+    REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum;
+                               * at the tile's end, shift holds the rows' 1 / sum */
     packed_panels *pk;  /* NULL: BLAS and plain loops, which add P V to out in place */
     REAL *ot;           /* (e, st_ld) the micro-kernels' output, transposed */
     unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
@@ -163,7 +164,6 @@ static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, pt
                                  ptrdiff_t count, ptrdiff_t d, ptrdiff_t side)
 {
 #if REAL_IS_DOUBLE
-    if (side > 4) side = 4;
     if (side < 4) {
 #else
     if (side < 8) {
@@ -191,11 +191,12 @@ static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, pt
     SFX(mk_transpose_by)(dst + rows, dst_row, x + rows * x_row, x_row, count - rows, d, side / 2);
 }
 
-/* the transpose by the largest blocks instruction set `width` has */
+/* the transpose by the largest blocks this type has on instruction set `width` */
 static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
                               ptrdiff_t count, ptrdiff_t d, int width)
 {
-    SFX(mk_transpose_by)(dst, dst_row, x, x_row, count, d, width == 16 ? 16 : 8);
+    SFX(mk_transpose_by)(dst, dst_row, x, x_row, count, d,
+                         REAL_IS_DOUBLE ? 4 : width == 16 ? 16 : 8);
 }
 
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
