@@ -203,7 +203,7 @@ __attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst
 #define MK_SFX w16
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx512f\")")
+#define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
 #include "microkernel.h"
 
 #define MK_REAL double
@@ -211,7 +211,7 @@ __attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst
 #define MK_SFX d8
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx512f\")")
+#define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
 #include "microkernel.h"
 
 /* AVX2: in 12 of the 16 ymm registers */
@@ -237,7 +237,7 @@ static inline int attnx_mk_width(void)
 {
 #ifdef MK_HAVE_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return 16;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 16;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 8;
 #endif
     return 0;
@@ -419,38 +419,38 @@ static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t o
 #undef MK_KC
 
 #if MK_W == 16
-/* 2^t for t <= 0 (and -inf, NaN) on AVX-512: t = n + f with n an integer
- * and |f| <= 1/2, 2^f by a degree-6 polynomial (relative error 1.9e-9, a
- * fit on Chebyshev nodes; the one vexp2_f32 uses), and scalef builds p 2^n.
- * Below -125 the result is 0 by a mask, with the arithmetic done on -125:
- * results under the smallest normal would cost a microcode assist each, and
- * the hidden scores (-inf) are many. NaN stays NaN (max returns its second
- * operand when one is NaN; the compare keeps unordered lanes). */
+/* 2^t for t <= 0 (and -inf, NaN) on AVX-512: t = n + f with n = floor(t)
+ * and 0 <= f < 1 (vreduceps gives f in one instruction), 2^f by a degree-6
+ * polynomial (relative error 1.9e-9, a fit on Chebyshev nodes of [0, 1)),
+ * and scalef builds p 2^floor(t) from t itself. -inf gives f = 0, p = 1 and
+ * 2^-inf = 0; NaN stays NaN. Results under the smallest normal (t < -126)
+ * would cost a microcode assist each: the caller runs this with
+ * flush-to-zero on (mk_softmax_strip_w16), and they are 0. */
 static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
 {
-    const __m512 lowest = _mm512_set1_ps(-125.0f);
-    __mmask16 keep = _mm512_cmp_ps_mask(t, lowest, _CMP_NLT_UQ);
-    t = _mm512_max_ps(lowest, t);
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5337576837119846e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399860363333747e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618519534386695e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550328997517368e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402264660871246f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472056005106f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(2.1690609157073274e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2443081511840524e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6784725541209631e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483524724105671e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022979581422316f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314698705747602f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000001815494f));
+    return _mm512_scalef_ps(p, t);
 }
 
 /* The online softmax of one strip over the keys [lo, hi) of the tile, on
  * AVX-512: see softmax_strip in softmax.c, which this computes in
- * registers, 3 vectors of rows at a time. */
+ * registers, 3 vectors of rows at a time. Flush-to-zero is on while it
+ * runs (the thread's own setting is put back): a weight under 2^-126 is 0,
+ * as in softmax_strip, at no cost. */
 static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
                                         const float *tile_max, float *row_max, float *row_sum,
                                         float *correction)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | _MM_FLUSH_ZERO_ON);
     __m512 sub[MK_RV], sum[MK_RV];
     for (int h = 0; h < MK_RV; h++) {
         __m512 old_max = _mm512_loadu_ps(row_max + h * 16);
@@ -475,6 +475,7 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
             sum[h] = _mm512_add_ps(sum[h], p);
         }
     for (int h = 0; h < MK_RV; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
+    _mm_setcsr(csr);
 }
 
 /* ------------------------------------------------------------------------

@@ -165,8 +165,8 @@ static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
 /* 2^x for x <= 0, written to vectorise, for the softmax tiles (whose
  * scores are kept in log2 units): x = n + f with n = round(x), |f| <= 1/2,
  * 2^f by a polynomial and 2^n in the exponent bits. float: a degree-6 fit
- * on Chebyshev nodes (relative error 1.9e-9), the one the AVX-512 kernel
- * uses; double: e^(f ln2) by Taylor. 2^x = 0 below EXP2_LO (-inf
+ * on Chebyshev nodes (relative error 1.9e-9; the AVX-512 kernel's is the
+ * same fit on [0, 1)); double: e^(f ln2) by Taylor. 2^x = 0 below EXP2_LO (-inf
  * included); NaN stays NaN. */
 static inline __attribute__((always_inline)) REAL SFX(vexp2)(REAL x)
 {

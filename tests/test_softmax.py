@@ -1184,6 +1184,29 @@ def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
         attnx.set_num_threads(orig)
 
 
+def test_microkernel_weights_under_the_smallest_normal():
+    """A per-key bias spreads each row's scores over hundreds of log2
+    units, so that many weights fall under 2^-126: they are 0 (the kernels
+    flush them to zero while they run), the rest as the reference has them,
+    and the calling thread gets its own floating-point mode back: float32
+    subnormals still work after the call."""
+    rng = np.random.default_rng(47)
+    n, m = 96, 300
+    q, k, v = qkv(rng, (2,), n, m, 16, 16, np.float32)
+    bias = (-0.7 * np.arange(m)).astype(np.float32)     # e^-210 at the last key
+    orig = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(1)                        # all of it on this thread
+        for causal in (False, True):
+            got = attnx.softmax_attention(q, k, v, bias=bias, causal=causal)
+            want = ref_softmax(q, k, v, bias=f64(bias), causal=causal)
+            assert_close(got, want, np.float32, vscale(v), err_msg=str(causal))
+    finally:
+        attnx.set_num_threads(orig)
+    smallest_normal = np.finfo(np.float32).tiny
+    assert np.float32(smallest_normal) / np.float32(4) > 0
+
+
 def test_microkernel_path_nan_in_masked_keys_has_no_effect():
     """On the micro-kernels too: NaN or inf in a masked key (its k or its v),
     whether masked per key or per query, reaches no row."""
