@@ -60,6 +60,30 @@ typedef struct {
     const void *k, *v;    /* the keys and values whose panels are in kt and vt */
 } packed_panels;
 
+/* The items [next, end) of one thread's share of the work. */
+typedef struct {
+    ptrdiff_t next, end;
+} item_range;
+
+/* The next work item for thread `self`: its own share's first one left, or,
+ * when its share is done, another share's last one; -1 when none is left.
+ * A thread slowed by other work on its core then does not hold up the
+ * call, and a head's query tiles still mostly go to one thread, which packs
+ * the head's keys and values once. */
+static ptrdiff_t claim_item(item_range *shares, int threads, int self)
+{
+    ptrdiff_t item = -1;
+#pragma omp critical(attnx_softmax_claim)
+    {
+        if (shares[self].next < shares[self].end) item = shares[self].next++;
+        for (int i = 1; i < threads && item < 0; i++) {
+            item_range *other = &shares[(self + i) % threads];
+            if (other->next < other->end) item = --other->end;
+        }
+    }
+    return item;
+}
+
 #define ATTNX_FAMILY_FILE "softmax.c"
 #include "real.h"
 
@@ -593,8 +617,9 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
     packed_panels *pks = calloc((size_t)threads, sizeof *pks);
     SFX(tile_work) *works = calloc((size_t)threads, sizeof *works);
+    item_range *shares = malloc((size_t)threads * sizeof *shares);
     int status = ATTNX_ENOMEM;
-    if (!v_states || !owners || !pks || !works ||
+    if (!v_states || !owners || !pks || !works || !shares ||
         posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
         goto done;
     for (int t = 0; t < threads; t++) {
@@ -622,20 +647,21 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
         }
     }
 
-    /* whole heads per thread when they split evenly: each head's keys are
-     * then packed by one thread only; else tile by tile, first come. One
-     * thread runs on the caller: a parallel region of one costs about
-     * 0.2 us, a tenth of a tiny call. */
+    /* each thread a share of consecutive items, whole heads when they split
+     * evenly, then what is left of the others' (claim_item). One thread
+     * runs on the caller: a parallel region of one costs about 0.2 us, a
+     * tenth of a tiny call. */
     if (threads == 1) {
         for (ptrdiff_t item = 0; item < work; item++) SFX(item_tile)(a, item, q_tiles, works);
-    } else if (a->heads % threads == 0) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (ptrdiff_t item = 0; item < work; item++)
-            SFX(item_tile)(a, item, q_tiles, &works[omp_get_thread_num()]);
     } else {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (ptrdiff_t item = 0; item < work; item++)
-            SFX(item_tile)(a, item, q_tiles, &works[omp_get_thread_num()]);
+        for (int t = 0; t < threads; t++)
+            shares[t] = (item_range){work * t / threads, work * (t + 1) / threads};
+#pragma omp parallel num_threads(threads)
+        {
+            int self = omp_get_thread_num();
+            for (ptrdiff_t item; (item = claim_item(shares, threads, self)) >= 0;)
+                SFX(item_tile)(a, item, q_tiles, &works[self]);
+        }
     }
     status = ATTNX_OK;
 done:
@@ -644,6 +670,7 @@ done:
     free(owners);
     free(pks);
     free(works);
+    free(shares);
     return status;
 }
 

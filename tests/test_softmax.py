@@ -1184,6 +1184,27 @@ def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
         attnx.set_num_threads(orig)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_uneven_shares_taken_over(dtype, threads):
+    """Each thread starts on its own share of the query tiles and then takes
+    the others' last tiles. Causal, with one head (or two), the last shares
+    are the heaviest, so the first thread to finish takes tiles of a head
+    another thread has packed keys and values for: its own packing of them
+    must give the same result."""
+    rng = np.random.default_rng(53)
+    orig = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(threads)
+        for heads, n in ((1, 1500), (2, 1000)):
+            q, k, v = qkv(rng, (heads,), n, n, 32, 32, dtype)
+            for kw in (dict(causal=True), dict(window=(700, 0))):
+                got = attnx.softmax_attention(q, k, v, **kw)
+                assert_close(got, ref_softmax(q, k, v, **kw), dtype, vscale(v), err_msg=str(kw))
+    finally:
+        attnx.set_num_threads(orig)
+
+
 def test_microkernel_weights_under_the_smallest_normal():
     """A per-key bias spreads each row's scores over hundreds of log2
     units, so that many weights fall under 2^-126: they are 0 (the kernels
