@@ -279,29 +279,32 @@ static inline void MK_NAME(mk_hide_and_max)(const mk_tile *t, MK_REAL *st, ptrdi
     }
 }
 
-/* One block: KB keys of a panel against the 3 W rows of a strip. */
+/* One block: KB keys of a panel against the rows of a strip, its first
+ * `vectors` vectors (a constant where this is inlined). The strip's other
+ * lanes score -inf, rows that see nothing, so that the softmax pass, which
+ * runs over whole strips, finds defined numbers there. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
     MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *q_strip, const MK_REAL *panel, ptrdiff_t d,
-    MK_REAL scale, const MK_REAL *key_term, MK_REAL *strip_max, int fold_max)
+    MK_REAL scale, const MK_REAL *key_term, MK_REAL *strip_max, int fold_max, const int vectors)
 {
     MK_VEC acc[MK_KB_W][MK_RV];
 #pragma GCC unroll 8
     for (int jj = 0; jj < MK_KB_W; jj++)
-        for (int h = 0; h < MK_RV; h++) acc[jj][h] = (MK_VEC){0};
+        for (int h = 0; h < vectors; h++) acc[jj][h] = (MK_VEC){0};
     for (ptrdiff_t c = 0; c < d; c++) {
         MK_VEC q_c[MK_RV];
-        for (int h = 0; h < MK_RV; h++) q_c[h] = *(const MK_VEC *)(q_strip + (c * MK_RV + h) * MK_W);
+        for (int h = 0; h < vectors; h++) q_c[h] = *(const MK_VEC *)(q_strip + (c * MK_RV + h) * MK_W);
 #pragma GCC unroll 8
         for (int jj = 0; jj < MK_KB_W; jj++) {
             MK_REAL k_jc = panel[c * MK_KB_W + jj];
-            for (int h = 0; h < MK_RV; h++) acc[jj][h] += q_c[h] * k_jc;
+            for (int h = 0; h < vectors; h++) acc[jj][h] += q_c[h] * k_jc;
         }
     }
     MK_VEC row_max[MK_RV];
-    for (int h = 0; h < MK_RV; h++) row_max[h] = *(const MK_VEC *)(strip_max + h * MK_W);
+    for (int h = 0; h < vectors; h++) row_max[h] = *(const MK_VEC *)(strip_max + h * MK_W);
 #pragma GCC unroll 8
-    for (int jj = 0; jj < MK_KB_W; jj++)
-        for (int h = 0; h < MK_RV; h++) {
+    for (int jj = 0; jj < MK_KB_W; jj++) {
+        for (int h = 0; h < vectors; h++) {
             /* a masked key (term -inf) must not turn a NaN score into a
              * NaN weight: it is -inf outright */
             MK_VEC s = key_term[jj] == -INFINITY ? (MK_VEC){0} - INFINITY
@@ -309,8 +312,63 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
             *(MK_VEC *)(st + jj * st_ld + h * MK_W) = s;
             row_max[h] = MK_VMAX(row_max[h], s);
         }
+        for (int h = vectors; h < MK_RV; h++)
+            *(MK_VEC *)(st + jj * st_ld + h * MK_W) = (MK_VEC){0} - INFINITY;
+    }
     if (fold_max)
-        for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
+        for (int h = 0; h < vectors; h++) *(MK_VEC *)(strip_max + h * MK_W) = row_max[h];
+}
+
+/* The tile's rows that strips of all MK_RV vectors cover: all of them, or
+ * all but a last strip whose rows fit in 1 or 2 vectors (n = 2048 leaves
+ * 32 rows: 2 AVX-512 vectors of float32). */
+static inline ptrdiff_t MK_NAME(mk_full_strip_rows)(ptrdiff_t rows)
+{
+    ptrdiff_t tail = rows % MK_STRIP(MK_W);
+    return tail <= (MK_RV - 1) * MK_W ? rows - tail : rows;
+}
+
+/* mk_scores for the strips from row r_begin to r_end, each computing its
+ * first `vectors` vectors of rows (a constant where this is inlined) */
+static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max,
+    ptrdiff_t r_begin, ptrdiff_t r_end, const int vectors)
+{
+    const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
+    /* a strip of queries (3 W d numbers) stays in L1 while the key panels
+     * stream past it from L2 */
+    for (ptrdiff_t r0 = r_begin; r0 < r_end; r0 += strip) {
+        ptrdiff_t lo, hi, all_lo, all_hi;
+        mk_strip_keys(t, r0, strip, kb, &lo, &hi);
+        /* keys [all_lo, all_hi) are visible to every row of the strip (the
+         * padding lanes past the last row are never read: no matter) */
+        ptrdiff_t r_last = (r0 + strip < t->rows ? r0 + strip : t->rows) - 1;
+        all_lo = attnx_band_first(t->band, t->i0 + r_last) - t->j0;
+        all_hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
+        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
+            int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
+            const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
+            MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
+                                     key_term + c0, tile_max + r0, whole, vectors);
+            if (!whole) MK_NAME(mk_hide_and_max)(t, st, st_ld, r0, strip, c0, kb, tile_max);
+        }
+    }
+}
+
+/* The last strip of a tile in 1 or 2 vectors, out of line: inlined beside
+ * the full strips, it made the compiler spill their registers. */
+static __attribute__((noinline)) void MK_NAME(mk_scores_last_strip)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max,
+    ptrdiff_t r0)
+{
+    if (t->rows - r0 > MK_W)
+        MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, r0,
+                                  t->rows, 2);
+    else
+        MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, r0,
+                                  t->rows, 1);
 }
 
 /* st = scale Q K^T + key_term for the keys each strip computes
@@ -323,44 +381,32 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t s
                                       ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term,
                                       MK_REAL *tile_max)
 {
-    const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
-    /* a strip of queries (3 W d numbers) stays in L1 while the key panels
-     * stream past it from L2 */
-    for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += strip) {
-        ptrdiff_t lo, hi, all_lo, all_hi;
-        mk_strip_keys(t, r0, strip, kb, &lo, &hi);
-        /* keys [all_lo, all_hi) are visible to every row of the strip (the
-         * padding lanes past the last row are never read: no matter) */
-        ptrdiff_t r_last = (r0 + strip < t->rows ? r0 + strip : t->rows) - 1;
-        all_lo = attnx_band_first(t->band, t->i0 + r_last) - t->j0;
-        all_hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
-        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
-            int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
-            const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
-            MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
-                                     key_term + c0, tile_max + r0, whole);
-            if (!whole) MK_NAME(mk_hide_and_max)(t, st, st_ld, r0, strip, c0, kb, tile_max);
-        }
-    }
+    ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
+    MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, 0, full,
+                              MK_RV);
+    if (full < t->rows)
+        MK_NAME(mk_scores_last_strip)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max,
+                                      full);
 }
 
-/* One block: one group of KB columns of the values, for the 3 W rows of
- * a strip, over `keys` keys from the start of panel p0:
+/* One block: one group of KB columns of the values, for the rows of a
+ * strip in its first `vectors` vectors (a constant where this is inlined),
+ * over `keys` keys from the start of panel p0:
  *   ot[cc][r] = ot[cc][r] (times correction[r], if given) + sum_j p[j][r] v[j][cc]
  * the transpose of the scores block, with P^T's columns for the queries
  * and the values for the keys: both products are the same loop. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
     MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction)
+    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction, const int vectors)
 {
     const MK_REAL *v_group = (const MK_REAL *)values->base + group * values->group_step;
     const ptrdiff_t slots = values->slots, key_step = values->key_step;
     MK_VEC acc[MK_KB_W][MK_RV];
 #pragma GCC unroll 8
     for (int cc = 0; cc < MK_KB_W; cc++)
-        for (int h = 0; h < MK_RV; h++) acc[cc][h] = *(const MK_VEC *)(ot + cc * ot_ld + h * MK_W);
+        for (int h = 0; h < vectors; h++) acc[cc][h] = *(const MK_VEC *)(ot + cc * ot_ld + h * MK_W);
     if (correction)
-        for (int h = 0; h < MK_RV; h++) {
+        for (int h = 0; h < vectors; h++) {
             MK_VEC factor = *(const MK_VEC *)(correction + h * MK_W);
 #pragma GCC unroll 8
             for (int cc = 0; cc < MK_KB_W; cc++) acc[cc][h] *= factor;
@@ -372,35 +418,34 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
         ptrdiff_t panel_keys = keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W;
         for (ptrdiff_t jj = 0; jj < panel_keys; jj++) {
             MK_VEC p_j[MK_RV];
-            for (int h = 0; h < MK_RV; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
+            for (int h = 0; h < vectors; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
 #pragma GCC unroll 8
             for (int cc = 0; cc < MK_KB_W; cc++) {
                 MK_REAL v_jc = v_panel[jj * key_step + cc];
-                for (int h = 0; h < MK_RV; h++) acc[cc][h] += p_j[h] * v_jc;
+                for (int h = 0; h < vectors; h++) acc[cc][h] += p_j[h] * v_jc;
             }
         }
         if (++slot == slots) slot = 0;
     }
 #pragma GCC unroll 8
     for (int cc = 0; cc < MK_KB_W; cc++)
-        for (int h = 0; h < MK_RV; h++) *(MK_VEC *)(ot + cc * ot_ld + h * MK_W) = acc[cc][h];
+        for (int h = 0; h < vectors; h++) *(MK_VEC *)(ot + cc * ot_ld + h * MK_W) = acc[cc][h];
 }
 
 /* Keys per slice of the tile: the slice of a strip's P^T (3 W rows, 24 KB
  * in float32 with AVX-512) stays in L1 while the value panels stream past. */
 #define MK_KC 128
 
-/* ot (e, ot_ld) += V^T P^T over the keys each strip computes
- * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
- * pt_ld). Each strip's columns of ot are first multiplied by its rows'
- * correction, the online softmax's rescaling. */
-static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
-                                      const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-                                      ptrdiff_t e, const MK_REAL *correction)
+/* mk_add_pv for the strips from row r_begin to r_end, each in its first
+ * `vectors` vectors of rows (a constant where this is inlined) */
+static inline __attribute__((always_inline)) void MK_NAME(mk_add_pv_strips)(
+    const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, ptrdiff_t r_begin,
+    ptrdiff_t r_end, const int vectors)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
     for (ptrdiff_t k0 = 0; k0 < t->cols; k0 += MK_KC)
-        for (ptrdiff_t r0 = 0; r0 < t->rows; r0 += strip) {
+        for (ptrdiff_t r0 = r_begin; r0 < r_end; r0 += strip) {
             ptrdiff_t lo, hi;
             mk_strip_keys(t, r0, strip, kb, &lo, &hi);
             /* rescale in the first slice the strip has keys in */
@@ -413,8 +458,33 @@ static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t o
             for (ptrdiff_t g = 0; g < e; g += kb)
                 MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, pt + lo * pt_ld + r0, pt_ld,
                                      values, g / kb, (t->j0 + lo) / kb, hi - lo,
-                                     strip_correction);
+                                     strip_correction, vectors);
         }
+}
+
+/* The last strip in 1 or 2 vectors, out of line (see mk_scores_last_strip) */
+static __attribute__((noinline)) void MK_NAME(mk_add_pv_last_strip)(
+    const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, ptrdiff_t r0)
+{
+    if (t->rows - r0 > MK_W)
+        MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, r0, t->rows, 2);
+    else
+        MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, r0, t->rows, 1);
+}
+
+/* ot (e, ot_ld) += V^T P^T over the keys each strip computes
+ * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
+ * pt_ld). Each strip's columns of ot are first multiplied by its rows'
+ * correction, the online softmax's rescaling. */
+static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
+                                      const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
+                                      ptrdiff_t e, const MK_REAL *correction)
+{
+    ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
+    MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, 0, full, MK_RV);
+    if (full < t->rows)
+        MK_NAME(mk_add_pv_last_strip)(t, ot, ot_ld, pt, pt_ld, values, e, correction, full);
 }
 #undef MK_KC
 
@@ -442,8 +512,8 @@ static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
 /* The online softmax of one strip over the keys [lo, hi) of the tile, on
  * AVX-512: see softmax_strip in softmax.c, which this computes in
  * registers, 3 vectors of rows at a time. Flush-to-zero is on while it
- * runs (the thread's own setting is put back): a weight under 2^-126 is 0,
- * as in softmax_strip, at no cost. */
+ * runs (the thread's own setting is put back): a weight under 2^-126 is 0
+ * at no cost (softmax_strip's are 0 under 2^-125). */
 static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
                                         const float *tile_max, float *row_max, float *row_sum,
                                         float *correction)

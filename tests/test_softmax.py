@@ -1185,6 +1185,26 @@ def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("tail", [1, 8, 9, 16, 17, 31, 32, 33, 47])
+def test_microkernel_last_strip_sizes(dtype, tail):
+    """A tile's last strip computes only the vectors its rows reach (1 or 2
+    of 3: 16 float32 or 8 float64 rows each with AVX-512, half that with
+    AVX2): every number of rows left across those edges, with a band, whose
+    edges fall inside the short strip too, and a key padding mask."""
+    rng = np.random.default_rng(59 + tail)
+    n, m = 240 + tail, 150
+    q, k, v = qkv(rng, (2,), n, m, 32, 16, dtype)
+    mask = rng.random((2, 1, m)) < 0.7
+    for kw in (dict(), dict(causal=True), dict(window=(60, 10)), dict(mask=mask)):
+        got, lse = attnx.softmax_attention(q, k, v, return_lse=True, **kw)
+        want, wlse = ref_softmax(q, k, v, return_lse=True, **kw)
+        assert_close(got, want, dtype, vscale(v), err_msg=str(kw))
+        seen = np.isfinite(wlse)
+        assert np.array_equal(np.isfinite(lse), seen)
+        assert_close(lse[seen], wlse[seen], dtype, np.max(np.abs(wlse[seen])))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_uneven_shares_taken_over(dtype, threads):
     """Each thread starts on its own share of the query tiles and then takes
