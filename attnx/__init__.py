@@ -69,6 +69,8 @@ def show_config():
     print(f"attnx {__version__}")
     print(f"  BLAS:     {info['blas']} (single-threaded inside attnx's OpenMP pool)")
     print(f"  SIMD:     {info['simd']}")
+    amx = "float32 softmax products (bfloat16 x 3 split)" if info["amx"] else "not in use"
+    print(f"  AMX:      {amx}")
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
     print(f"  numpy:    {numpy.__version__}")
     print(f"  compiler: {info['compiler']}")

@@ -115,7 +115,7 @@ def machine_info(attnx):
         "cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
         "attnx": getattr(attnx, "__version__", None), "attnx_blas": build.get("blas"),
-        "attnx_simd": build.get("simd"),
+        "attnx_simd": build.get("simd"), "attnx_amx": build.get("amx"),
         "threads": {"attnx": attnx.get_num_threads() if attnx is not None else None,
                     "torch": torch.get_num_threads(),
                     "numpy_blas": numpy_blas.num_threads if numpy_blas is not None else None},
@@ -128,7 +128,8 @@ def machine_info(attnx):
 def machine_line(info):
     attnx = "attnx %s" % info["attnx"] if info["attnx"] else "attnx not loaded"
     if info["attnx_blas"]:
-        attnx += " (%s, %s)" % (info["attnx_blas"], info["attnx_simd"])
+        attnx += " (%s, %s%s)" % (info["attnx_blas"], info["attnx_simd"],
+                                  ", AMX for float32 softmax" if info.get("attnx_amx") else "")
     threads = ", ".join("%s %s" % (name, "?" if count is None else count)
                         for name, count in info["threads"].items())
     busy = info["busy_cores_at_start"]

@@ -219,6 +219,10 @@ void attnx_linear_flush_f64(void *S, const attnx_pending *pending, ptrdiff_t hea
 
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
+/* whether float32 softmax attention may use AMX where the CPU has it
+ * (amx.h); attnx_set_amx returns the setting it replaces */
+int attnx_amx_enabled(void);
+int attnx_set_amx(int enabled);
 void attnx_set_num_threads(int num_threads);
 void attnx_blas_init(void);
 const char *attnx_blas_name(void);

@@ -511,18 +511,19 @@ static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
 
 /* The online softmax of one strip over the keys [lo, hi) of the tile, on
  * AVX-512: see softmax_strip in softmax.c, which this computes in
- * registers, 3 vectors of rows at a time. Flush-to-zero is on while it
+ * registers, `vectors` (at most 3) vectors of rows at a time. Flush-to-zero
+ * is on while it
  * runs (the thread's own setting is put back): a weight under 2^-126 is 0
  * at no cost (softmax_strip's are 0 under 2^-125). */
 static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
                                         const float *tile_max, float *row_max, float *row_sum,
-                                        float *correction)
+                                        float *correction, const int vectors)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | _MM_FLUSH_ZERO_ON);
     __m512 sub[MK_RV], sum[MK_RV];
-    for (int h = 0; h < MK_RV; h++) {
+    for (int h = 0; h < vectors; h++) {
         __m512 old_max = _mm512_loadu_ps(row_max + h * 16);
         __m512 new_max = _mm512_max_ps(old_max, _mm512_loadu_ps(tile_max + h * 16));
         __mmask16 unseen = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ);
@@ -538,13 +539,13 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
         sum[h] = _mm512_mul_ps(_mm512_loadu_ps(row_sum + h * 16), corr);
     }
     for (ptrdiff_t j = lo; j < hi; j++)
-        for (int h = 0; h < MK_RV; h++) {
+        for (int h = 0; h < vectors; h++) {
             float *s = st + j * st_ld + h * 16;
             __m512 p = mk_exp2_w16(_mm512_sub_ps(_mm512_loadu_ps(s), sub[h]));
             _mm512_storeu_ps(s, p);
             sum[h] = _mm512_add_ps(sum[h], p);
         }
-    for (int h = 0; h < MK_RV; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
+    for (int h = 0; h < vectors; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
     _mm_setcsr(csr);
 }
 

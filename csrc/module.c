@@ -5,6 +5,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL attnx_ARRAY_API
 #include <numpy/arrayobject.h>
 
+#include "amx.h"
 #include "attnx.h"
 #include "bindings.h"
 
@@ -29,10 +30,22 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *set_amx(PyObject *self, PyObject *arg)
+{
+    int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0) return NULL;
+    return PyBool_FromLong(attnx_set_amx(enabled));
+}
+
 static PyObject *build_info(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:s,s:s,s:i,s:s}", "blas", attnx_blas_name(), "simd",
-                         attnx_simd_level(), "num_threads", attnx_get_num_threads(), "compiler",
+    int amx = 0;
+#ifdef ATTNX_HAVE_AMX
+    amx = attnx_amx_enabled() && attnx_amx_usable();
+#endif
+    return Py_BuildValue("{s:s,s:s,s:N,s:i,s:s}", "blas", attnx_blas_name(), "simd",
+                         attnx_simd_level(), "amx", PyBool_FromLong(amx), "num_threads",
+                         attnx_get_num_threads(), "compiler",
 #ifdef __VERSION__
                          "gcc " __VERSION__
 #else
@@ -51,7 +64,9 @@ static PyMethodDef methods[] = {
     {"linear_flush", attnx_py_linear_flush, METH_O, attnx_linear_flush_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, "Threads attnx kernels use."},
     {"set_num_threads", set_num_threads, METH_O, "Set the threads attnx kernels use."},
-    {"build_info", build_info, METH_NOARGS, "BLAS, SIMD level, threads, compiler."},
+    {"_set_amx", set_amx, METH_O,
+     "Allow (True) or forbid AMX for float32 softmax attention; returns the previous setting."},
+    {"build_info", build_info, METH_NOARGS, "BLAS, SIMD level, AMX in use, threads, compiler."},
     {NULL, NULL, 0, NULL},
 };
 

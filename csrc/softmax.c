@@ -4,8 +4,15 @@
  * the rows can see (the causal/window band skips the rest), and keep per
  * row an online softmax: the running max, the running sum of 2^(s - max),
  * and the unnormalised output (in the output rows themselves, or with the
- * micro-kernels in a transposed tile, copied out at the end). Memory is one
- * scores tile per thread: nothing grows with n * m.
+ * micro-kernels and AMX in a transposed tile, copied out at the end).
+ * Memory is one scores tile per thread, and the packed keys and values of
+ * a head: nothing grows with n * m.
+ *
+ * Products, by what the CPU has: float32 on AMX (amx.h) where it can, else
+ * the AVX-512 or AVX2 micro-kernels (microkernel.h) for float32 and
+ * float64, else BLAS and plain loops. AMX walks a query tile block of 32
+ * rows by block, each through its scores, softmax and P V in turn; the
+ * micro-kernels and BLAS do each step for the whole tile.
  *
  * The scores tile is held transposed, one query row per column, so that
  * the softmax over keys runs down the columns in vector lanes (see
@@ -17,13 +24,14 @@
  * Legend: n queries, m keys, d features, e value features.
  *   st    (cols, st_ld)  log2(e) (scale Q_tile K_tile^T + bias), then p = 2^(st - max)
  *   out   (rows, e)      sum_j p_rj v_j, rescaled when the max grows
- *   ot    (e, st_ld)     the same, transposed (micro-kernels)
+ *   ot    (e, st_ld)     the same, transposed (micro-kernels, AMX)
  */
 #ifndef REAL
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "attnx.h"
 #include "blas.h"
 #include "microkernel.h"
@@ -59,6 +67,27 @@ typedef struct {
     ptrdiff_t slots;
     const void *k, *v;    /* the keys and values whose panels are in kt and vt */
 } packed_panels;
+
+/* Query tiles on AMX (float32, amx.h) hold this many rows, 8 blocks of
+ * 32: a block is the rows of one product block. */
+#define AMX_Q_TILE 256
+
+/* One thread's operands for the AMX products: the keys and V^T of one
+ * head, split once, block by block of 32 keys as query tiles first need
+ * them; the tile's scaled Q^T; one row block's P^T. Planes are AMX_PLANES
+ * apart by the sizes given. A product's tiles each read 16 rows of 64
+ * bytes: rows 64 bytes apart (not a row of the whole tile or head apart)
+ * keep them out of each other's cache sets. */
+typedef struct {
+    uint16_t *k_op;          /* rows (m_pad, d_pad) */
+    uint16_t *v_op;          /* rows (m_pad / 32, e_pad, 32): V^T by blocks of keys */
+    uint16_t *q_op;          /* pairs (st_ld / 32, d_pad / 2, 64) by blocks of rows */
+    uint16_t *p_op;          /* pairs (KEY_TILE / 2, 64) */
+    float *v_t;              /* (e, 32) V^T of one block of keys, to split */
+    unsigned char *packed;   /* per block of 32 keys: 1 when k_op, v_op hold it */
+    const void *k, *v;       /* the keys and values they hold */
+    ptrdiff_t d_pad, e_pad, m_pad;
+} amx_operands;
 
 /* The items [next, end) of one thread's share of the work. */
 typedef struct {
@@ -103,8 +132,10 @@ typedef struct {
     REAL *correction;   /* 2^(old max - new max), to rescale the output */
     REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum;
                                * at the tile's end, shift holds the rows' 1 / sum */
-    packed_panels *pk;  /* NULL: BLAS and plain loops, which add P V to out in place */
-    REAL *ot;           /* (e, st_ld) the micro-kernels' output, transposed */
+    packed_panels *pk;  /* the micro-kernels' panels; NULL: AMX, or BLAS and plain loops */
+    amx_operands *amx;  /* NULL: no AMX */
+    REAL *ot;           /* (e, st_ld) the output, transposed (micro-kernels, AMX);
+                         * NULL: BLAS and plain loops, which add P V to out in place */
     unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
     const void *v_seen;       /* the values v_state describes */
 } SFX(tile_work);
@@ -420,7 +451,7 @@ static ATTNX_HOT void SFX(scale_row)(REAL *row, ptrdiff_t count, REAL factor)
 static void SFX(rescale_output)(SFX(tile_work) *w, REAL *out, ptrdiff_t out_row, ptrdiff_t rows,
                                 ptrdiff_t e)
 {
-    if (w->pk) {
+    if (w->ot) {
         for (ptrdiff_t c = 0; c < e; c++)
             for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= w->correction[r];
         return;
@@ -437,8 +468,8 @@ static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, SFX(
                              REAL *out, const REAL *v)
 {
     const REAL *v_tile = v + t->j0 * a->v_row;
-    REAL *acc = w->pk ? w->ot : out;
-    ptrdiff_t acc_row = w->pk ? 1 : a->out_row, acc_col = w->pk ? w->st_ld : 1;
+    REAL *acc = w->ot ? w->ot : out;
+    ptrdiff_t acc_row = w->ot ? 1 : a->out_row, acc_col = w->ot ? w->st_ld : 1;
     int finite = SFX(values_finite)(a, w, v, t->j0, t->cols);
 #ifdef MK_HAVE_X86
     if (w->pk && finite) {
@@ -460,41 +491,104 @@ static void SFX(tile_add_pv)(const attnx_softmax_args *a, const mk_tile *t, SFX(
                   a->out_row);
 }
 
-/* One query tile [i0, i0 + rows) of one head. */
-static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdiff_t i0,
-                              ptrdiff_t rows, SFX(tile_work) *w)
+#if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
+/* The blocks of 32 keys in [j0, j1) (multiples of 32) that x does not hold
+ * yet into its keys' and V^T's operands; keys past m are 0. */
+static void amx_pack_keys(const attnx_softmax_args *a, amx_operands *x, const float *k,
+                          const float *v, ptrdiff_t j0, ptrdiff_t j1)
 {
-    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
-    const REAL *q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]) + i0 * a->q_row;
-    const REAL *k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]);
-    const REAL *v = (const REAL *)((const char *)a->v + off[ATTNX_SM_V]);
-    REAL *out = (REAL *)((char *)a->out + off[ATTNX_SM_OUT]) + i0 * a->out_row;
-    const REAL *bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL;
-    const unsigned char *mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL;
-    const ptrdiff_t e = a->e;
-    const REAL scale2 = (REAL)(a->scale * 1.44269504088896340736);
-    int per_query = (bias && !SFX(bias_per_key)(a)) || (mask && !SFX(mask_per_key)(a));
-
-    for (ptrdiff_t r = 0; r < w->st_ld; r++) {
-        w->row_max[r] = -(REAL)INFINITY;
-        w->row_sum[r] = 0;
+    const ptrdiff_t d_pad = x->d_pad, m_pad = x->m_pad;
+    for (ptrdiff_t b = j0 / 32; b < j1 / 32; b++) {
+        if (x->packed[b]) continue;
+        ptrdiff_t first = b * 32, count = ATTNX_MIN(32, a->m - first);
+        uint16_t *k_block = x->k_op + first * d_pad;
+        amx_split_rows(k_block, d_pad, m_pad * d_pad, k + first * a->k_row, a->k_row, count, a->d,
+                       d_pad);
+        for (int s = 0; s < AMX_PLANES; s++)
+            memset(k_block + s * m_pad * d_pad + count * d_pad, 0,
+                   (size_t)((32 - count) * d_pad) * sizeof *k_block);
+        mk_pack_f32(x->v_t, v + first * a->v_row, a->v_row, count, a->e, 32, 16);
+        uint16_t *v_block = x->v_op + first * x->e_pad;
+        amx_split_rows(v_block, 32, x->e_pad * m_pad, x->v_t, 32, a->e, 32, 32);
+        for (int s = 0; s < AMX_PLANES; s++)
+            memset(v_block + s * x->e_pad * m_pad + a->e * 32, 0,
+                   (size_t)((x->e_pad - a->e) * 32) * sizeof *v_block);
+        x->packed[b] = 1;
     }
-    if (w->pk)
-        memset(w->ot, 0, (size_t)(e * w->st_ld) * sizeof(REAL));
-    else
-        for (ptrdiff_t r = 0; r < rows; r++)
-            for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
+}
 
-    /* the keys any row of the tile can see; with the micro-kernels, from a
-     * panel's start (the keys before the band are hidden like any other) */
-    ptrdiff_t key_first = attnx_band_first(&a->band, i0);
-    ptrdiff_t key_end = attnx_band_end(&a->band, i0 + rows - 1);
-    if (mask && SFX(mask_per_key)(a)) {
-        /* key padding: the keys past the last kept one (and before the
-         * first) are not computed at all */
-        while (key_end > key_first && !mask[(key_end - 1) * a->mask_col]) key_end--;
-        while (key_first < key_end && !mask[key_first * a->mask_col]) key_first++;
+/* The key tiles [key_first, key_end) of query tile [i0, i0 + rows) on AMX
+ * (key_first a multiple of 32), block of 32 rows by block: its scores,
+ * their online softmax, then its output += P V into ot. */
+static void amx_key_tiles(const attnx_softmax_args *a, tile_work_f32 *w, const float *q,
+                          const float *k, const float *v, const float *bias,
+                          const unsigned char *mask, ptrdiff_t i0, ptrdiff_t rows,
+                          ptrdiff_t key_first, ptrdiff_t key_end, float scale2, int per_query)
+{
+    amx_operands *x = w->amx;
+    const ptrdiff_t st_ld = w->st_ld, d_pad = x->d_pad, e_pad = x->e_pad, m_pad = x->m_pad;
+    const ptrdiff_t k_plane = m_pad * d_pad, v_plane = e_pad * m_pad, q_plane = d_pad * st_ld;
+    const ptrdiff_t p_plane = KEY_TILE * 32;
+    float *st = w->st, *ot = w->ot;
+    if (x->k != k || x->v != v) {
+        memset(x->packed, 0, (size_t)(m_pad / 32));
+        x->k = k;
+        x->v = v;
     }
+    amx_configure();
+    /* Q^T (rows d to d_pad stay 0), then its pairs, in log2 units: the
+     * product gives the scores but for the key term */
+    mk_pack_f32(w->qt, q, a->q_row, rows, a->d, st_ld, 16);
+    for (ptrdiff_t g = 0; g + 32 <= st_ld; g += 16)
+        amx_split_pairs(x->q_op + g / 32 * d_pad * 32 + g % 32 * 2, 64, q_plane, w->qt + g, st_ld,
+                        d_pad / 2, scale2);
+    for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
+        ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0), padded = (cols + 31) / 32 * 32;
+        const mk_tile tile = {&a->band, i0, rows, j0, cols};
+        fill_key_term_f32(a, w->key_term, k, bias, mask, j0, cols, padded);
+        amx_pack_keys(a, x, k, v, j0, j0 + padded);
+        /* every value the products read, the padding up to 32 keys too:
+         * their weights are 0, but 0 times inf is NaN */
+        int finite = values_finite_f32(a, w, v, j0, ATTNX_MIN(padded, a->m - j0));
+        for (ptrdiff_t r0 = 0; r0 < rows; r0 += 32) {
+            ptrdiff_t lo, hi, r1 = ATTNX_MIN(r0 + 32, rows);
+            mk_strip_keys(&tile, r0, 32, 32, &lo, &hi);
+            if (hi <= lo) continue; /* nothing to see: the rows' state stays */
+            for (ptrdiff_t r = r0; r < r0 + 32; r++) w->tile_max[r] = -INFINITY;
+            for (ptrdiff_t c0 = lo; c0 < hi; c0 += 32) {
+                amx_product(st + c0 * st_ld + r0, st_ld, x->k_op + (j0 + c0) * d_pad, d_pad, 32,
+                            k_plane, x->q_op + r0 * d_pad, 64, q_plane, d_pad / 32, 0);
+                amx_finish_scores(&tile, st, st_ld, r0, c0, w->key_term, w->tile_max);
+            }
+            if (per_query) apply_bias_mask_f32(a, &tile, w, bias, mask, r0, r1, lo, hi);
+            mk_softmax_strip_w16(st + r0, st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
+                                 w->row_sum + r0, w->correction + r0, 2);
+            amx_rescale(ot + r0, st_ld, a->e, w->correction + r0);
+            if (!finite) {
+                const mk_tile block = {&a->band, i0 + r0, r1 - r0, j0, cols};
+                add_visible_values_f32(&block, ot + r0, 1, st_ld, st + r0, st_ld, v + j0 * a->v_row,
+                                       a->v_row, a->e);
+                continue;
+            }
+            for (ptrdiff_t g = 0; g < 32; g += 16)
+                amx_split_pairs(x->p_op + 2 * g, 64, p_plane, st + lo * st_ld + r0 + g, st_ld,
+                                (hi - lo) / 2, 1.0f);
+            for (ptrdiff_t c0 = 0; c0 < e_pad; c0 += 32)
+                amx_product(ot + c0 * st_ld + r0, st_ld, x->v_op + (j0 + lo) * e_pad + c0 * 32, 32,
+                            e_pad * 32, v_plane, x->p_op, 64, p_plane, (hi - lo) / 32, 1);
+        }
+    }
+    amx_release();
+}
+#endif
+
+/* The key tiles [key_first, key_end) of query tile [i0, i0 + rows): BLAS
+ * and plain loops, or the micro-kernels (w->pk) */
+static void SFX(mk_key_tiles)(const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *q,
+                              const REAL *k, const REAL *v, REAL *out, const REAL *bias,
+                              const unsigned char *mask, ptrdiff_t i0, ptrdiff_t rows,
+                              ptrdiff_t key_first, ptrdiff_t key_end, REAL scale2, int per_query)
+{
     ptrdiff_t strip = rows, kb = 1;
 #ifdef MK_HAVE_X86
     if (w->pk) {
@@ -524,7 +618,7 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
             if (w->pk && w->pk->width == 16) {
                 mk_softmax_strip_w16(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
-                                     w->row_sum + r0, w->correction + r0);
+                                     w->row_sum + r0, w->correction + r0, MK_RV);
                 continue;
             }
 #endif
@@ -532,20 +626,65 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
         }
         SFX(tile_add_pv)(a, &tile, w, out, v);
     }
+}
+
+/* One query tile [i0, i0 + rows) of one head. */
+static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdiff_t i0,
+                              ptrdiff_t rows, SFX(tile_work) *w)
+{
+    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
+    const REAL *q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]) + i0 * a->q_row;
+    const REAL *k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]);
+    const REAL *v = (const REAL *)((const char *)a->v + off[ATTNX_SM_V]);
+    REAL *out = (REAL *)((char *)a->out + off[ATTNX_SM_OUT]) + i0 * a->out_row;
+    const REAL *bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL;
+    const unsigned char *mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL;
+    const ptrdiff_t e = a->e;
+    const REAL scale2 = (REAL)(a->scale * 1.44269504088896340736);
+    int per_query = (bias && !SFX(bias_per_key)(a)) || (mask && !SFX(mask_per_key)(a));
+
+    for (ptrdiff_t r = 0; r < w->st_ld; r++) {
+        w->row_max[r] = -(REAL)INFINITY;
+        w->row_sum[r] = 0;
+    }
+    if (w->ot)
+        memset(w->ot, 0, (size_t)((w->amx ? w->amx->e_pad : e) * w->st_ld) * sizeof(REAL));
+    else
+        for (ptrdiff_t r = 0; r < rows; r++)
+            for (ptrdiff_t c = 0; c < e; c++) out[r * a->out_row + c] = 0;
+
+    /* the keys any row of the tile can see; with the micro-kernels, from a
+     * panel's start (the keys before the band are hidden like any other) */
+    ptrdiff_t key_first = attnx_band_first(&a->band, i0);
+    ptrdiff_t key_end = attnx_band_end(&a->band, i0 + rows - 1);
+    if (mask && SFX(mask_per_key)(a)) {
+        /* key padding: the keys past the last kept one (and before the
+         * first) are not computed at all */
+        while (key_end > key_first && !mask[(key_end - 1) * a->mask_col]) key_end--;
+        while (key_first < key_end && !mask[key_first * a->mask_col]) key_first++;
+    }
+#if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
+    if (w->amx)
+        amx_key_tiles(a, w, q, k, v, bias, mask, i0, rows, key_first - key_first % 32, key_end,
+                      scale2, per_query);
+    else
+#endif
+        SFX(mk_key_tiles)(a, w, q, k, v, out, bias, mask, i0, rows, key_first, key_end, scale2,
+                          per_query);
 
     /* normalise; a row that saw nothing has row_sum 0 and gives 0. The
-     * micro-kernels' tile is normalised down its columns, then copied out
-     * transposed: the output rows are written once. */
+     * transposed tile (micro-kernels, AMX) is normalised down its columns,
+     * then copied out: the output rows are written once. */
     REAL *inverse_sum = w->shift;
     for (ptrdiff_t r = 0; r < rows; r++) inverse_sum[r] = w->row_sum[r] == 0 ? 0 : 1 / w->row_sum[r];
 #ifdef MK_HAVE_X86
-    if (w->pk) {
+    if (w->ot) {
         for (ptrdiff_t c = 0; c < e; c++)
             for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= inverse_sum[r];
-        SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows, w->pk->width);
+        SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, e, rows, w->pk ? w->pk->width : 16);
     }
 #endif
-    if (!w->pk)
+    if (!w->ot)
         for (ptrdiff_t r = 0; r < rows; r++) SFX(scale_row)(out + r * a->out_row, e, inverse_sum[r]);
 
     if (!a->lse) return;
@@ -561,17 +700,30 @@ static void SFX(softmax_tile)(const attnx_softmax_args *a, ptrdiff_t head, ptrdi
     }
 }
 
-/* work item `item`: query tile item % q_tiles of head item / q_tiles */
+/* work item `item`: query tile item % q_tiles, of q_tile rows, of head
+ * item / q_tiles */
 static void SFX(item_tile)(const attnx_softmax_args *a, ptrdiff_t item, ptrdiff_t q_tiles,
-                           SFX(tile_work) *w)
+                           ptrdiff_t q_tile, SFX(tile_work) *w)
 {
-    ptrdiff_t i0 = item % q_tiles * Q_TILE;
-    SFX(softmax_tile)(a, item / q_tiles, i0, ATTNX_MIN(Q_TILE, a->n - i0), w);
+    ptrdiff_t i0 = item % q_tiles * q_tile;
+    SFX(softmax_tile)(a, item / q_tiles, i0, ATTNX_MIN(q_tile, a->n - i0), w);
 }
 
 int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
 {
-    ptrdiff_t q_tiles = (a->n + Q_TILE - 1) / Q_TILE;
+    /* the micro-kernels where the CPU has them, e is whole groups of a
+     * panel's width (the P V kernel's columns) and the tiles have rows
+     * enough to pay for packing the keys; AMX on top for float32, where
+     * the keys' operands (all of the head's) need not be kept to a window */
+    int cpu_width = attnx_mk_width();
+    int width = cpu_width && a->e % MK_KB(cpu_width) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
+    int use_amx = 0;
+#if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
+    use_amx = width == 16 && attnx_amx_enabled() && attnx_amx_usable() &&
+              !(a->band.has_lo && a->band.has_hi);
+#endif
+    ptrdiff_t q_tile = use_amx ? AMX_Q_TILE : Q_TILE;
+    ptrdiff_t q_tiles = (a->n + q_tile - 1) / q_tile;
     ptrdiff_t work = a->heads * q_tiles;
     if (work == 0) return ATTNX_OK;
     int threads = a->num_threads;
@@ -580,46 +732,61 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     if ((double)a->heads * a->n * a->m * (a->d + a->e) < 1e6) threads = 1;
     if (threads < 1) threads = 1;
 
-    /* the micro-kernels where the CPU has them, e is whole groups of a
-     * panel's width (the P V kernel's columns) and the tiles have rows
-     * enough to pay for packing the keys */
-    int cpu_width = attnx_mk_width();
-    int width = cpu_width && a->e % MK_KB(cpu_width) == 0 && a->n >= MK_MIN_ROWS ? cpu_width : 0;
-    ptrdiff_t kb = width ? MK_KB(width) : 1;
+    ptrdiff_t kb = width && !use_amx ? MK_KB(width) : 1;
     /* slots of packed keys: every panel, or under a window the keys of two
      * neighbouring query tiles, and at least one key tile's panels (the
      * band may be empty: hi_shift < lo_shift) */
-    ptrdiff_t slots = width ? (a->m + kb - 1) / kb : 0;
+    ptrdiff_t slots = width && !use_amx ? (a->m + kb - 1) / kb : 0;
     if (a->band.has_lo && a->band.has_hi) {
         ptrdiff_t span = ATTNX_MAX(2 * Q_TILE + (a->band.hi_shift - a->band.lo_shift) + 1, KEY_TILE);
         slots = ATTNX_MIN(slots, (span + kb - 1) / kb + 2);
     }
-    /* the micro-kernels fill whole strips of lanes; the plain loops use
-     * just the rows (a decoding step: one) */
-    ptrdiff_t st_ld = width ? ATTNX_MIN(Q_TILE, (a->n + MK_ROW_ALIGN - 1) / MK_ROW_ALIGN * MK_ROW_ALIGN)
-                            : ATTNX_MIN(Q_TILE, a->n);
+    /* the micro-kernels fill whole strips of lanes, AMX whole blocks; the
+     * plain loops use just the rows (a decoding step: one) */
+    ptrdiff_t row_align = use_amx ? 32 : MK_ROW_ALIGN;
+    ptrdiff_t st_ld = width ? ATTNX_MIN(q_tile, (a->n + row_align - 1) / row_align * row_align)
+                            : ATTNX_MIN(q_tile, a->n);
+    /* AMX reads and writes 16 rows of st and ot at a time: rows 1 KiB apart
+     * would share 4 of L1's 64 sets */
+    if (use_amx) st_ld += 16;
+    /* AMX operands pad d, e and m to whole steps of 32 */
+    ptrdiff_t d_pad = (a->d + 31) / 32 * 32, e_pad = (a->e + 31) / 32 * 32;
+    ptrdiff_t m_pad = (a->m + 31) / 32 * 32;
+    ptrdiff_t d_rows = use_amx ? d_pad : a->d, e_rows = use_amx ? e_pad : a->e;
 
     /* per-thread scratch, each part a whole number of cache lines: packed
      * keys and values, packed queries, the transposed output, scores tile,
-     * key term, the lane arrays */
+     * key term, the lane arrays; for AMX, the operands (in numbers of
+     * REAL's size: two bfloat16 per float) */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
     /* values are packed when more than one query tile reads them */
-    int pack_values = width && q_tiles > 1;
+    int pack_values = width && !use_amx && q_tiles > 1;
     ptrdiff_t packed = LINES(slots * kb * a->d), packed_v = pack_values ? LINES(slots * kb * a->e) : 0;
-    ptrdiff_t queries = width ? LINES(st_ld * a->d) : 0, outputs = width ? LINES(st_ld * a->e) : 0;
+    ptrdiff_t queries = width ? LINES(st_ld * d_rows) : 0, outputs = width ? LINES(st_ld * e_rows) : 0;
     ptrdiff_t tile = LINES(KEY_TILE * st_ld), key_terms = LINES(KEY_TILE), lanes = LINES(st_ld);
-    ptrdiff_t per_thread = packed + packed_v + queries + outputs + tile + key_terms + 6 * lanes;
+    ptrdiff_t k_op = 0, v_op = 0, q_op = 0, p_op = 0, v_t = 0;
+    if (use_amx) {
+        k_op = LINES(AMX_PLANES * m_pad * d_pad / 2);
+        v_op = LINES(AMX_PLANES * e_pad * m_pad / 2);
+        q_op = LINES(AMX_PLANES * d_pad * st_ld / 2);
+        p_op = LINES(AMX_PLANES * KEY_TILE * 32 / 2);
+        v_t = LINES(a->e * 32);
+    }
+    ptrdiff_t per_thread = packed + packed_v + queries + outputs + tile + key_terms + 6 * lanes +
+                           k_op + v_op + q_op + p_op + v_t;
 #undef LINES
     REAL *scratch = NULL;
     ptrdiff_t v_blocks = (a->m + V_BLOCK - 1) / V_BLOCK;
     unsigned char *v_states = malloc((size_t)(v_blocks * threads) + 1);
     ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
     packed_panels *pks = calloc((size_t)threads, sizeof *pks);
+    amx_operands *amxs = calloc((size_t)threads, sizeof *amxs);
+    unsigned char *amx_packed = malloc((size_t)(threads * (m_pad / 32)) + 1);
     SFX(tile_work) *works = calloc((size_t)threads, sizeof *works);
     item_range *shares = malloc((size_t)threads * sizeof *shares);
     int status = ATTNX_ENOMEM;
-    if (!v_states || !owners || !pks || !works || !shares ||
+    if (!v_states || !owners || !pks || !amxs || !amx_packed || !works || !shares ||
         posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
         goto done;
     for (int t = 0; t < threads; t++) {
@@ -639,11 +806,28 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
             .tile_sum = lane + 5 * lanes,
             .v_state = v_states + v_blocks * t,
         };
-        if (width) {
+        if (width) w->ot = qt + queries;
+        if (width && !use_amx) {
             pks[t] = (packed_panels){width, base, pack_values ? base + packed : NULL,
                                      owners + slots * t, slots, NULL, NULL};
             w->pk = &pks[t];
-            w->ot = qt + queries;
+        }
+        if (use_amx) {
+            REAL *ops = lane + 6 * lanes;
+            amxs[t] = (amx_operands){
+                .k_op = (uint16_t *)ops,
+                .v_op = (uint16_t *)(ops + k_op),
+                .q_op = (uint16_t *)(ops + k_op + v_op),
+                .p_op = (uint16_t *)(ops + k_op + v_op + q_op),
+                .v_t = (float *)(ops + k_op + v_op + q_op + p_op),
+                .packed = amx_packed + t * (m_pad / 32),
+                .d_pad = d_pad,
+                .e_pad = e_pad,
+                .m_pad = m_pad,
+            };
+            w->amx = &amxs[t];
+            /* Q^T's padding rows past d, which no pass writes */
+            memset(qt + a->d * st_ld, 0, (size_t)((d_pad - a->d) * st_ld) * sizeof(REAL));
         }
     }
 
@@ -652,7 +836,7 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
      * runs on the caller: a parallel region of one costs about 0.2 us, a
      * tenth of a tiny call. */
     if (threads == 1) {
-        for (ptrdiff_t item = 0; item < work; item++) SFX(item_tile)(a, item, q_tiles, works);
+        for (ptrdiff_t item = 0; item < work; item++) SFX(item_tile)(a, item, q_tiles, q_tile, works);
     } else {
         for (int t = 0; t < threads; t++)
             shares[t] = (item_range){work * t / threads, work * (t + 1) / threads};
@@ -660,7 +844,7 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
         {
             int self = omp_get_thread_num();
             for (ptrdiff_t item; (item = claim_item(shares, threads, self)) >= 0;)
-                SFX(item_tile)(a, item, q_tiles, &works[self]);
+                SFX(item_tile)(a, item, q_tiles, q_tile, &works[self]);
         }
     }
     status = ATTNX_OK;
@@ -669,6 +853,8 @@ done:
     free(v_states);
     free(owners);
     free(pks);
+    free(amxs);
+    free(amx_packed);
     free(works);
     free(shares);
     return status;

@@ -1093,6 +1093,21 @@ def test_mask_and_bias_layouts(dtype):
         assert_close(got, want, dtype, vscale(v), err_msg=str(i))
 
 
+AMX_USABLE = attnx._C.build_info()["amx"]
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def kernels(request):
+    """Run a test on both float32 kernel sets where the CPU has AMX: the AMX
+    products (amx.h, the default there) and the AVX-512 micro-kernels
+    (ATTNX_AMX=0). Without AMX both runs take the same path."""
+    before = attnx._C._set_amx(request.param == "amx")
+    try:
+        yield request.param
+    finally:
+        attnx._C._set_amx(before)
+
+
 # The float32 micro-kernels (at least 48 query rows, e a multiple of the
 # panel width, 8 with AVX-512) hold the scores transposed, fold key-only
 # masks and biases into a per-key term and apply the others to the tile:
@@ -1106,7 +1121,7 @@ MK_SHAPES = [(48, 48, 64, 16), (100, 300, 64, 64), (257, 263, 32, 32), (250, 517
 @pytest.mark.parametrize("n,m,d,e", MK_SHAPES)
 @pytest.mark.parametrize("kind", ["none", "key_mask", "key_bias", "query_mask", "query_bias",
                                   "window", "gaussian"])
-def test_microkernel_path_masks_and_biases(n, m, d, e, kind):
+def test_microkernel_path_masks_and_biases(kernels, n, m, d, e, kind):
     rng = np.random.default_rng(n + m + d)
     q, k, v = qkv(rng, (2,), n, m, d, e, np.float32)
     kw = {}
@@ -1137,7 +1152,7 @@ def test_microkernel_path_masks_and_biases(n, m, d, e, kind):
 
 @pytest.mark.parametrize("heads", [2, 3])
 @pytest.mark.parametrize("window", [(40, 0), (30, 20), (0, 0), (300, 100)])
-def test_microkernel_window_ring_of_key_panels(heads, window):
+def test_microkernel_window_ring_of_key_panels(kernels, heads, window):
     """Under a window the packed keys live in a ring that holds the keys of
     two neighbouring query tiles: with many more keys than that, panels are
     evicted and packed again. The result must not depend on it, whether a
@@ -1161,7 +1176,7 @@ def test_microkernel_window_ring_of_key_panels(heads, window):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shared", ["k", "v"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
+def test_microkernel_heads_sharing_keys_or_values(kernels, dtype, shared, threads):
     """A thread packs the keys and values of a head once and keeps them for
     the next head when that head reads the same arrays: heads that share
     their keys but not their values (or the other way round) must each get
@@ -1186,7 +1201,7 @@ def test_microkernel_heads_sharing_keys_or_values(dtype, shared, threads):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("tail", [1, 8, 9, 16, 17, 31, 32, 33, 47])
-def test_microkernel_last_strip_sizes(dtype, tail):
+def test_microkernel_last_strip_sizes(kernels, dtype, tail):
     """A tile's last strip computes only the vectors its rows reach (1 or 2
     of 3: 16 float32 or 8 float64 rows each with AVX-512, half that with
     AVX2): every number of rows left across those edges, with a band, whose
@@ -1206,7 +1221,7 @@ def test_microkernel_last_strip_sizes(dtype, tail):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_uneven_shares_taken_over(dtype, threads):
+def test_uneven_shares_taken_over(kernels, dtype, threads):
     """Each thread starts on its own share of the query tiles and then takes
     the others' last tiles. Causal, with one head (or two), the last shares
     are the heaviest, so the first thread to finish takes tiles of a head
@@ -1225,7 +1240,7 @@ def test_uneven_shares_taken_over(dtype, threads):
         attnx.set_num_threads(orig)
 
 
-def test_microkernel_weights_under_the_smallest_normal():
+def test_microkernel_weights_under_the_smallest_normal(kernels):
     """A per-key bias spreads each row's scores over hundreds of log2
     units, so that many weights fall under 2^-126: they are 0 (the kernels
     flush them to zero while they run), the rest as the reference has them,
@@ -1248,7 +1263,7 @@ def test_microkernel_weights_under_the_smallest_normal():
     assert np.float32(smallest_normal) / np.float32(4) > 0
 
 
-def test_microkernel_path_nan_in_masked_keys_has_no_effect():
+def test_microkernel_path_nan_in_masked_keys_has_no_effect(kernels):
     """On the micro-kernels too: NaN or inf in a masked key (its k or its v),
     whether masked per key or per query, reaches no row."""
     rng = np.random.default_rng(41)
@@ -1265,6 +1280,70 @@ def test_microkernel_path_nan_in_masked_keys_has_no_effect():
         got = attnx.softmax_attention(q, k_bad, v_bad, mask=mask)
         assert np.all(np.isfinite(got))
         assert_close(got, want, np.float32, vscale(v))
+
+
+def test_amx_used_where_the_cpu_has_it():
+    """A CPU whose flags list AMX with bfloat16 (Linux) runs float32 softmax
+    on it unless ATTNX_AMX=0, and _set_amx turns it off and on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    has_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+    wanted = os.environ.get("ATTNX_AMX") != "0"
+    assert attnx._C.build_info()["amx"] == (has_amx and wanted)
+    before = attnx._C._set_amx(False)
+    try:
+        assert attnx._C.build_info()["amx"] is False
+        attnx._C._set_amx(True)
+        assert attnx._C.build_info()["amx"] == has_amx
+    finally:
+        attnx._C._set_amx(before)
+
+
+@pytest.mark.parametrize("n,m,d,e", [(100, 100, 40, 40), (130, 77, 130, 136), (64, 300, 8, 8),
+                                     (257, 513, 96, 32)])
+def test_amx_padding_of_d_e_and_keys(kernels, n, m, d, e):
+    """The AMX products run on steps of 32 in d, e and the keys, padded
+    with zeros: sizes off those steps, n != m, causal both ways, a key
+    mask, a per-query bias, lse, on 1 and 2 threads."""
+    rng = np.random.default_rng(n + d)
+    q, k, v = qkv(rng, (2,), n, m, d, e, np.float32)
+    mask = rng.random((2, 1, m)) < 0.8
+    bias = make(rng, (n, m), np.float32)
+    orig = attnx.get_num_threads()
+    try:
+        for threads in (1, 2):
+            attnx.set_num_threads(threads)
+            for kw in (dict(), dict(causal=True), dict(causal="upper_left", mask=mask),
+                       dict(bias=bias)):
+                got, lse = attnx.softmax_attention(q, k, v, return_lse=True, **kw)
+                want, wlse = ref_softmax(q, k, v, return_lse=True,
+                                         **{key: f64(val) if key == "bias" else val
+                                            for key, val in kw.items()})
+                assert_close(got, want, np.float32, vscale(v), err_msg=str((threads, kw)))
+                seen = np.isfinite(wlse)
+                assert np.array_equal(np.isfinite(lse), seen)
+                assert_close(lse[seen], wlse[seen], np.float32, np.max(np.abs(wlse[seen])))
+    finally:
+        attnx.set_num_threads(orig)
+
+
+def test_amx_split_keeps_float32_accuracy(kernels):
+    """Large logits (scale 1 at d = 128: scores up to ~60) make the weights
+    as sensitive to the scores as they get in practice: an error of x in a
+    score is a relative error x in its weight. The AMX products carry each
+    float32 number as three bfloat16 parts; dropping the last (three
+    products instead of six) gives score errors near 1e-3 and fails here,
+    while the six agree with the float64 reference as float32 FMAs do."""
+    rng = np.random.default_rng(61)
+    q, k, v = qkv(rng, (2,), 256, 256, 128, 128, np.float32)
+    for causal in (False, True):
+        got, lse = attnx.softmax_attention(q, k, v, scale=1.0, causal=causal, return_lse=True)
+        want, wlse = ref_softmax(q, k, v, scale=1.0, causal=causal, return_lse=True)
+        assert_close(got, want, np.float32, vscale(v), err_msg=str(causal))
+        assert_close(lse, wlse, np.float32, np.max(np.abs(wlse)))
 
 
 # --------------------------------------------------------------------------
