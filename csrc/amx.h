@@ -98,10 +98,15 @@ static inline void amx_split(__m512 x, __m512i part[AMX_PLANES])
 }
 
 /* rows operand: dst row r, numbers [0, k_pad) <- x[r][0 .. k), zero from
- * k on; rows [0, count), x's rows x_row apart */
+ * k on, for rows [0, count) (x's rows x_row apart); rows [count,
+ * rows_pad) zero */
 static inline void amx_split_rows(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
-                                  ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t k, ptrdiff_t k_pad)
+                                  ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t rows_pad,
+                                  ptrdiff_t k, ptrdiff_t k_pad)
 {
+    for (int s = 0; s < AMX_PLANES; s++)
+        for (ptrdiff_t r = count; r < rows_pad; r++)
+            memset(dst + s * plane + r * ld, 0, (size_t)k_pad * sizeof *dst);
     for (ptrdiff_t r = 0; r < count; r++)
         for (ptrdiff_t c = 0; c < k_pad; c += 16) {
             __mmask16 valid = c + 16 <= k ? (__mmask16)0xffff
@@ -182,9 +187,9 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
 static inline void amx_finish_scores(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
                                      ptrdiff_t c0, const float *key_term, float *tile_max)
 {
-    ptrdiff_t r_last = (r0 + 32 < t->rows ? r0 + 32 : t->rows) - 1;
-    int whole = attnx_band_first(t->band, t->i0 + r_last) - t->j0 <= c0 &&
-                c0 + 32 <= attnx_band_end(t->band, t->i0 + r0) - t->j0 && c0 + 32 <= t->cols;
+    ptrdiff_t all_lo, all_hi;
+    mk_block_all_keys(t, r0, 32, &all_lo, &all_hi);
+    int whole = all_lo <= c0 && c0 + 32 <= all_hi && c0 + 32 <= t->cols;
     __m512 max_lo = _mm512_loadu_ps(tile_max + r0), max_hi = _mm512_loadu_ps(tile_max + r0 + 16);
     for (ptrdiff_t j = c0; j < c0 + 32; j++) {
         float *s_j = st + j * st_ld + r0;

@@ -80,6 +80,17 @@ static inline void mk_block_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count
     if (*hi > t->cols) *hi = t->cols;
 }
 
+/* Keys [*lo, *hi) of the tile (0-based in it, maybe beyond its columns)
+ * that every row of [r0, r0 + count) sees through the band: the twin of
+ * mk_block_keys, for the blocks that need no hiding. */
+static inline void mk_block_all_keys(const mk_tile *t, ptrdiff_t r0, ptrdiff_t count,
+                                     ptrdiff_t *lo, ptrdiff_t *hi)
+{
+    ptrdiff_t r1 = (r0 + count < t->rows ? r0 + count : t->rows) - 1;
+    *lo = attnx_band_first(t->band, t->i0 + r1) - t->j0;
+    *hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
+}
+
 /* The keys [*lo, *hi) whose scores the kernels compute for the strip of
  * rows [r0, r0 + count): those its rows see, widened to whole panels of kb
  * keys (j0 is a multiple of kb); empty when the strip sees nothing. */
@@ -341,11 +352,9 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
     for (ptrdiff_t r0 = r_begin; r0 < r_end; r0 += strip) {
         ptrdiff_t lo, hi, all_lo, all_hi;
         mk_strip_keys(t, r0, strip, kb, &lo, &hi);
-        /* keys [all_lo, all_hi) are visible to every row of the strip (the
-         * padding lanes past the last row are never read: no matter) */
-        ptrdiff_t r_last = (r0 + strip < t->rows ? r0 + strip : t->rows) - 1;
-        all_lo = attnx_band_first(t->band, t->i0 + r_last) - t->j0;
-        all_hi = attnx_band_end(t->band, t->i0 + r0) - t->j0;
+        /* the padding lanes past the last row are never read: no matter
+         * whether they see the keys */
+        mk_block_all_keys(t, r0, strip, &all_lo, &all_hi);
         for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
             int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
             const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;

@@ -501,18 +501,11 @@ static void amx_pack_keys(const attnx_softmax_args *a, amx_operands *x, const fl
     for (ptrdiff_t b = j0 / 32; b < j1 / 32; b++) {
         if (x->packed[b]) continue;
         ptrdiff_t first = b * 32, count = ATTNX_MIN(32, a->m - first);
-        uint16_t *k_block = x->k_op + first * d_pad;
-        amx_split_rows(k_block, d_pad, m_pad * d_pad, k + first * a->k_row, a->k_row, count, a->d,
-                       d_pad);
-        for (int s = 0; s < AMX_PLANES; s++)
-            memset(k_block + s * m_pad * d_pad + count * d_pad, 0,
-                   (size_t)((32 - count) * d_pad) * sizeof *k_block);
+        amx_split_rows(x->k_op + first * d_pad, d_pad, m_pad * d_pad, k + first * a->k_row,
+                       a->k_row, count, 32, a->d, d_pad);
         mk_pack_f32(x->v_t, v + first * a->v_row, a->v_row, count, a->e, 32, 16);
-        uint16_t *v_block = x->v_op + first * x->e_pad;
-        amx_split_rows(v_block, 32, x->e_pad * m_pad, x->v_t, 32, a->e, 32, 32);
-        for (int s = 0; s < AMX_PLANES; s++)
-            memset(v_block + s * x->e_pad * m_pad + a->e * 32, 0,
-                   (size_t)((x->e_pad - a->e) * 32) * sizeof *v_block);
+        amx_split_rows(x->v_op + first * x->e_pad, 32, x->e_pad * m_pad, x->v_t, 32, a->e,
+                       x->e_pad, 32, 32);
         x->packed[b] = 1;
     }
 }
