@@ -28,6 +28,7 @@ def _load_extension():
 
 _C = _load_extension()
 from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
+from ._grad import Gradients, vjp
 from ._inspect import attention_weights, similarity
 from ._linear import (
     LinearAttentionState,
@@ -55,6 +56,8 @@ __all__ = [
     "LinearAttentionState",
     "attention_weights",
     "similarity",
+    "Gradients",
+    "vjp",
     "get_num_threads",
     "set_num_threads",
     "show_config",

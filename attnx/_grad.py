@@ -1,0 +1,61 @@
+"""What every gradient in attnx shares: the named tuple the backward
+functions return, the reduction of a gradient to a broadcast input's shape,
+and ``vjp``, which pairs a forward call with its backward.
+
+A backward function computes the gradients of ``sum(dout * out)`` with
+respect to the forward's inputs. Each family registers, for each of its
+public forward functions, a rule ``rule(*args, **options) -> (out,
+pullback)`` with :func:`register_vjp`; ``vjp`` looks the function up.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+Gradients = namedtuple("Gradients", "q k v bias projection state", defaults=(None,) * 6)
+Gradients.__doc__ = """Gradients of sum(dout * out) with respect to a forward call's inputs.
+
+Each field has the shape and dtype of its input (summed over the axes along
+which that input was broadcast); a field that does not apply is None:
+``bias`` unless ``bias_grad=True``, ``projection`` unless
+``projection_grad=True`` (FAVOR+) or for Linformer's ``(dE, dF)``,
+``state`` unless an ``initial_state`` was given (then ``(dS, dz)``)."""
+
+_VJP_RULES = {}
+
+
+def register_vjp(forward, rule):
+    """Make ``vjp(forward, ...)`` call ``rule(*args, **options)``, which
+    returns ``(out, pullback)``."""
+    _VJP_RULES[forward] = rule
+
+
+def vjp(fn, *args, **options):
+    """Run ``fn(*args, **options)`` and return ``(out, pullback)``, where
+    ``pullback(dout)`` returns the :class:`Gradients` of ``sum(dout * out)``
+    with respect to the inputs, through the same options.
+
+    ``fn`` is a public attnx function that has a backward, e.g.
+    ``out, pullback = attnx.vjp(attnx.softmax_attention, q, k, v, causal=True)``.
+    """
+    rule = _VJP_RULES.get(fn)
+    if rule is None:
+        name = getattr(fn, "__qualname__", repr(fn))
+        known = ", ".join(sorted(f.__name__ for f in _VJP_RULES)) or "none yet"
+        raise TypeError(f"vjp: {name} has no backward in attnx (functions with one: {known})")
+    return rule(*args, **options)
+
+
+def sum_to_shape(grad, shape):
+    """Reduce ``grad`` (computed on the broadcast shape) to ``shape``, the
+    shape of the input it belongs to: sum over the leading axes the input
+    lacks and over the axes where it has size 1, as broadcasting requires."""
+    shape = tuple(shape)
+    if grad.shape == shape:
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra < 0:
+        raise ValueError(f"cannot reduce a gradient of shape {grad.shape} to {shape}")
+    axes = tuple(range(extra)) + tuple(
+        extra + i for i, size in enumerate(shape) if size == 1 and grad.shape[extra + i] != 1)
+    reduced = grad.sum(axis=axes, keepdims=True) if axes else grad
+    return np.ascontiguousarray(reduced.reshape(shape))
