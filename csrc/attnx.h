@@ -72,6 +72,9 @@ typedef struct {
     double key_sqnorm_coef;            /* gaussian attention: -1/(2 sigma^2) */
     attnx_band band;
     int num_threads;
+    double dropout_p;                  /* in [0, 1): weights dropped (philox.h) and the
+                                          kept ones scaled by 1 / (1 - dropout_p) */
+    uint64_t seed;                     /* of the dropout mask */
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);
