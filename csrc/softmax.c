@@ -299,6 +299,7 @@ static void SFX(plain_finish_tile)(const SFX(softmax_backend) *be, const attnx_s
 static const SFX(softmax_backend) SFX(softmax_plain) = {
     .name = "plain",
     .width = 0,
+    .mk = NULL,
     .q_tile = Q_TILE,
     .row_align = 1, /* just the rows (a decoding step: one) */
     .st_pad = 0,

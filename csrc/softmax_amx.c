@@ -186,6 +186,7 @@ static int amx_setup(const softmax_backend_f32 *be, const attnx_softmax_args *a,
 const softmax_backend_f32 softmax_amx_f32 = {
     .name = "amx",
     .width = 16,
+    .mk = NULL, /* its own kernels, amx.h */
     .q_tile = AMX_Q_TILE,
     .row_align = 32, /* whole blocks of rows */
     /* AMX reads and writes 16 rows of st and ot at a time: rows 1 KiB

@@ -106,9 +106,11 @@ typedef struct {
  *   finish_tile   out = the output over the rows' sums (inverse_sum)
  * setup sizes and allocates the per-thread operands of a call. */
 typedef struct SFX(softmax_backend) SFX(softmax_backend);
+typedef struct SFX(mk_kernels) SFX(mk_kernels);
 struct SFX(softmax_backend) {
     const char *name;      /* as ATTNX_SOFTMAX_BACKEND names it: plain, mk, amx */
     int width;             /* the micro-kernels' instruction set (attnx_mk_width), 0 none */
+    const SFX(mk_kernels) *mk;  /* the micro-kernels of that width (softmax_mk.c), or NULL */
     ptrdiff_t q_tile;      /* query rows per tile */
     ptrdiff_t row_align;   /* st_ld is the rows rounded up to this (1: the rows) */
     ptrdiff_t st_pad;      /* lanes added to st_ld past that */

@@ -40,6 +40,15 @@ typedef struct {
 #ifdef MK_HAVE_X86
 #include "softmax_internal.h"
 
+/* The micro-kernels of one instruction set (microkernel.h), named outright. */
+struct SFX(mk_kernels) {
+    void (*scores)(const mk_tile *t, REAL *st, ptrdiff_t st_ld, const REAL *qt, const REAL *kt,
+                   ptrdiff_t slots, ptrdiff_t d, REAL scale, const REAL *key_term,
+                   REAL *tile_max);
+    void (*add_pv)(const mk_tile *t, REAL *ot, ptrdiff_t ot_ld, const REAL *pt, ptrdiff_t pt_ld,
+                   const mk_values *values, ptrdiff_t e, const REAL *correction);
+};
+
 /* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
  * by square blocks of `side` numbers, what they leave by blocks half as
  * big, the rest one by one. The blocks: 16 x 16 floats on AVX-512, 8 x 8
@@ -158,11 +167,8 @@ static void SFX(mk_rescale_output)(SFX(tile_work) *w, ptrdiff_t rows, ptrdiff_t 
 /* ot += (P V_tile)^T after ot is rescaled by the rows' correction (folded
  * into the P V kernel), values from their panels or read in place; values
  * with inf or NaN take the plain path (softmax_add_visible_values) */
-static void SFX(mk_add_pv)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                           const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v,
-                           void (*add_pv_kernel)(const mk_tile *, REAL *, ptrdiff_t, const REAL *,
-                                                 ptrdiff_t, const mk_values *, ptrdiff_t,
-                                                 const REAL *))
+static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                                const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
 {
     const packed_panels *pk = w->operands;
     if (!SFX(softmax_values_finite)(a, w, v, t->j0, t->cols)) {
@@ -174,21 +180,18 @@ static void SFX(mk_add_pv)(const SFX(softmax_backend) *be, const attnx_softmax_a
     ptrdiff_t kb = be->kb;
     mk_values values = {pk->vt, pk->slots, kb * a->e, kb, kb * kb};
     if (!pk->vt) values = (mk_values){v, PTRDIFF_MAX, kb * a->v_row, a->v_row, kb};
-    add_pv_kernel(t, w->ot, w->st_ld, w->st, w->st_ld, &values, a->e, w->correction);
+    be->mk->add_pv(t, w->ot, w->st_ld, w->st, w->st_ld, &values, a->e, w->correction);
 }
 
 /* st = the scores of the key tile's panels, packed first where needed */
-static void SFX(mk_scores)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                           const mk_tile *t, SFX(tile_work) *w, const REAL *k, const REAL *v,
-                           void (*scores_kernel)(const mk_tile *, REAL *, ptrdiff_t, const REAL *,
-                                                 const REAL *, ptrdiff_t, ptrdiff_t, REAL,
-                                                 const REAL *, REAL *),
-                           REAL scale2)
+static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                                const mk_tile *t, SFX(tile_work) *w, const REAL *q,
+                                const REAL *k, const REAL *v, REAL scale2)
 {
     packed_panels *pk = w->operands;
     SFX(mk_pack_panels)(a, pk, k, v, t->j0, t->cols);
-    scores_kernel(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
-                  w->tile_max);
+    be->mk->scores(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
+                   w->tile_max);
 }
 
 void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
@@ -249,53 +252,15 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     return ATTNX_OK;
 }
 
-/* The steps of each instruction set, with its kernels named outright. */
+/* The kernels of each instruction set (microkernel.h's suffixes: float32
+ * _w16 on AVX-512 and _w8 on AVX2, float64 _d8 and _d4) */
 #if REAL_IS_DOUBLE
-static void mk_scores_avx512_f64(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                                 const mk_tile *t, SFX(tile_work) *w, const REAL *q,
-                                 const REAL *k, const REAL *v, REAL scale2)
-{
-    SFX(mk_scores)(be, a, t, w, k, v, mk_scores_d8, scale2);
-}
-static void mk_scores_avx2_f64(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                               const mk_tile *t, SFX(tile_work) *w, const REAL *q, const REAL *k,
-                               const REAL *v, REAL scale2)
-{
-    SFX(mk_scores)(be, a, t, w, k, v, mk_scores_d4, scale2);
-}
-static void mk_add_pv_avx512_f64(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                                 const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
-{
-    SFX(mk_add_pv)(be, a, t, w, out, v, mk_add_pv_d8);
-}
-static void mk_add_pv_avx2_f64(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                               const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
-{
-    SFX(mk_add_pv)(be, a, t, w, out, v, mk_add_pv_d4);
-}
+static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8};
+static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4};
 #else
-static void mk_scores_avx512_f32(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                                 const mk_tile *t, SFX(tile_work) *w, const REAL *q,
-                                 const REAL *k, const REAL *v, REAL scale2)
-{
-    SFX(mk_scores)(be, a, t, w, k, v, mk_scores_w16, scale2);
-}
-static void mk_scores_avx2_f32(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                               const mk_tile *t, SFX(tile_work) *w, const REAL *q, const REAL *k,
-                               const REAL *v, REAL scale2)
-{
-    SFX(mk_scores)(be, a, t, w, k, v, mk_scores_w8, scale2);
-}
-static void mk_add_pv_avx512_f32(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                                 const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
-{
-    SFX(mk_add_pv)(be, a, t, w, out, v, mk_add_pv_w16);
-}
-static void mk_add_pv_avx2_f32(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
-                               const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
-{
-    SFX(mk_add_pv)(be, a, t, w, out, v, mk_add_pv_w8);
-}
+static const mk_kernels_f32 mk_avx512_f32 = {mk_scores_w16, mk_add_pv_w16};
+static const mk_kernels_f32 mk_avx2_f32 = {mk_scores_w8, mk_add_pv_w8};
+
 /* the online softmax of a whole strip (3 vectors of 16 rows) in registers */
 static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,
                                         ptrdiff_t lo, ptrdiff_t hi)
@@ -308,6 +273,7 @@ static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff
 const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
     .name = "mk",
     .width = 16,
+    .mk = &SFX(mk_avx512),
     .q_tile = Q_TILE,
     .row_align = MK_ROW_ALIGN,
     .st_pad = 0,
@@ -316,21 +282,20 @@ const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
     .setup = SFX(mk_setup),
     .prepare_tile = SFX(mk_prepare_tile),
     .key_tile = SFX(softmax_strips_key_tile),
+    .scores = SFX(mk_tile_scores),
 #if REAL_IS_DOUBLE
-    .scores = mk_scores_avx512_f64,
     .softmax_strip = SFX(softmax_online_strip),
-    .add_pv = mk_add_pv_avx512_f64,
 #else
-    .scores = mk_scores_avx512_f32,
     .softmax_strip = mk_softmax_strip_avx512_f32,
-    .add_pv = mk_add_pv_avx512_f32,
 #endif
+    .add_pv = SFX(mk_tile_add_pv),
     .finish_tile = SFX(mk_finish_tile),
 };
 
 const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
     .name = "mk",
     .width = 8,
+    .mk = &SFX(mk_avx2),
     .q_tile = Q_TILE,
     .row_align = MK_ROW_ALIGN,
     .st_pad = 0,
@@ -339,14 +304,9 @@ const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
     .setup = SFX(mk_setup),
     .prepare_tile = SFX(mk_prepare_tile),
     .key_tile = SFX(softmax_strips_key_tile),
-#if REAL_IS_DOUBLE
-    .scores = mk_scores_avx2_f64,
-    .add_pv = mk_add_pv_avx2_f64,
-#else
-    .scores = mk_scores_avx2_f32,
-    .add_pv = mk_add_pv_avx2_f32,
-#endif
+    .scores = SFX(mk_tile_scores),
     .softmax_strip = SFX(softmax_online_strip),
+    .add_pv = SFX(mk_tile_add_pv),
     .finish_tile = SFX(mk_finish_tile),
 };
 #endif /* MK_HAVE_X86 */
