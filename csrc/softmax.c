@@ -36,6 +36,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "philox.h"
 #include "softmax_internal.h"
 
 /* Below this many queries, packing every key costs more than the
@@ -317,6 +318,21 @@ static const SFX(softmax_backend) SFX(softmax_plain) = {
 /* ------------------------------------------------------------------------
  * The driver */
 
+/* Dropout: the weights of the tile's rows that the Philox decisions of
+ * (seed, head, i, j) drop are set to 0 before P V; the rows' sums (and
+ * so lse) keep them, and finish scales what is kept by 1 / (1 - p). */
+static void SFX(softmax_drop)(const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w)
+{
+    unsigned char keep[KEY_TILE];
+    uint32_t threshold = attnx_dropout_threshold(a->dropout_p);
+    for (ptrdiff_t r = 0; r < t->rows; r++) {
+        attnx_dropout_row(a->seed, (uint64_t)w->head, (uint64_t)(t->i0 + r), (uint64_t)t->j0,
+                          t->cols, threshold, keep);
+        for (ptrdiff_t j = 0; j < t->cols; j++)
+            if (!keep[j]) w->st[j * w->st_ld + r] = 0;
+    }
+}
+
 void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
                                   const mk_tile *t, SFX(tile_work) *w, const REAL *q,
                                   const REAL *k, const REAL *v, REAL *out, const REAL *bias,
@@ -332,6 +348,7 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
         /* a strip of the micro-kernels runs over all its lanes */
         be->softmax_strip(w, r0, kb > 1 ? r0 + strip : r1, lo, hi);
     }
+    if (a->dropout_p > 0) SFX(softmax_drop)(a, t, w);
     be->add_pv(be, a, t, w, out, v);
 }
 
@@ -339,7 +356,8 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
  * whole groups of a panel's width (the P V kernel's columns) and the tiles
  * have rows enough to pay for packing the keys; AMX on top for float32,
  * where the keys' operands (all of the head's) need not be kept to a
- * window; none past the limit a test or ATTNX_SOFTMAX_BACKEND sets. */
+ * window and no dropout (which its walk by blocks does not apply); none
+ * past the limit a test or ATTNX_SOFTMAX_BACKEND sets. */
 static const SFX(softmax_backend) *SFX(choose_backend)(const attnx_softmax_args *a)
 {
     int limit = attnx_softmax_backend_limit();
@@ -348,7 +366,7 @@ static const SFX(softmax_backend) *SFX(choose_backend)(const attnx_softmax_args 
         return &SFX(softmax_plain);
 #if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
     if (cpu_width == 16 && limit >= ATTNX_BACKEND_AMX && attnx_amx_usable() &&
-        !(a->band.has_lo && a->band.has_hi))
+        !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
         return &softmax_amx_f32;
 #endif
 #ifdef MK_HAVE_X86
@@ -376,6 +394,7 @@ static void SFX(softmax_tile)(const SFX(softmax_backend) *be, const attnx_softma
         w->row_max[r] = -(REAL)INFINITY;
         w->row_sum[r] = 0;
     }
+    w->head = head;
 
     /* the keys any row of the tile can see; from a panel's start (the keys
      * before the band are hidden like any other) */
@@ -398,9 +417,11 @@ static void SFX(softmax_tile)(const SFX(softmax_backend) *be, const attnx_softma
         be->key_tile(be, a, &tile, w, q, k, v, out, bias, mask, scale2, per_query);
     }
 
-    /* normalise; a row that saw nothing has row_sum 0 and gives 0 */
-    REAL *inverse_sum = w->shift;
-    for (ptrdiff_t r = 0; r < rows; r++) inverse_sum[r] = w->row_sum[r] == 0 ? 0 : 1 / w->row_sum[r];
+    /* normalise (and scale up what dropout kept); a row that saw nothing
+     * has row_sum 0 and gives 0 */
+    REAL *inverse_sum = w->shift, kept = (REAL)(1 / (1 - a->dropout_p));
+    for (ptrdiff_t r = 0; r < rows; r++)
+        inverse_sum[r] = w->row_sum[r] == 0 ? 0 : kept / w->row_sum[r];
     be->finish_tile(be, a, w, out, rows, inverse_sum);
 
     if (!a->lse) return;

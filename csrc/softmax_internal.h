@@ -85,6 +85,7 @@ typedef struct {
     REAL *correction;   /* 2^(old max - new max), to rescale the output */
     REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum;
                                * at the tile's end, shift holds the rows' 1 / sum */
+    ptrdiff_t head;           /* the tile's head, flat index (dropout's counter) */
     unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
     const void *v_seen;       /* the values v_state describes */
     /* the backend's own, set by its setup (plain: none) */

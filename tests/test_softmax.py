@@ -17,7 +17,6 @@ a wide margin for a correct kernel.
 """
 
 import concurrent.futures
-import contextlib
 import math
 import os
 import subprocess
@@ -33,7 +32,7 @@ import attnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
-                     mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
+                     mixed_dtype_qkv, qkv, run_isolated, softmax_backend, tol, vscale)
 
 HYP = hypothesis_settings(60)
 
@@ -1096,17 +1095,6 @@ def test_mask_and_bias_layouts(dtype):
 
 AMX_USABLE = attnx._C.build_info()["amx"]
 BACKENDS_HERE = attnx._C.build_info()["softmax_backends"]
-
-
-@contextlib.contextmanager
-def softmax_backend(name):
-    """Calls inside use at most backend `name` (plain C + BLAS, the
-    micro-kernels, AMX), as ATTNX_SOFTMAX_BACKEND=name would have them."""
-    before = attnx._C._set_softmax_backend(name)
-    try:
-        yield name
-    finally:
-        attnx._C._set_softmax_backend(before)
 
 
 @pytest.fixture(params=["plain", "mk", "amx"])
