@@ -347,3 +347,36 @@ def test_importing_attnx_does_not_import_matplotlib():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------ the README figure
+
+def test_readme_figure_script(tmp_path):
+    """examples/make_figures.py regenerates docs/images/weights.png: a PNG
+    whose panels are the variants' weights under window=4."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
+    script = os.path.join(root, "examples", "make_figures.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    result = subprocess.run([sys.executable, script, "--out", str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "weights.png", "rb") as png:
+        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        import make_figures
+    finally:
+        sys.path.pop(0)
+    fig = make_figures.weights_figure()
+    rng = np.random.default_rng(7)
+    q, k = rng.standard_normal((16, 16)), rng.standard_normal((16, 16))
+    expected = [attnx.attention_weights(q, k, "softmax", window=4),
+                attnx.attention_weights(q, k, "gaussian", sigma=3.0, window=4),
+                attnx.attention_weights(q, k, "linear", window=4),
+                attnx.attention_weights(q, k, "taylor", window=4),
+                attnx.attention_weights(q, k, "cosformer", window=4)]
+    for ax, w in zip(fig.axes[:5], expected):
+        shown = image_array(ax)
+        np.testing.assert_array_equal(shown.data, w)
+        np.testing.assert_array_equal(np.ma.getmaskarray(shown), ~visible_by_rule(16, 16, window=4))
