@@ -15,7 +15,10 @@ plot can be checked as well as looked at:
 * ``mask(n, m, causal=, window=, layout=, block_size=)``: the visibility
   pattern itself, block-sparse layouts included.
 * ``kernel_regression(x, y, x_query, sigma=)``: the Nadaraya-Watson fit of
-  1-d data, computed by ``attnx.gaussian_attention``.
+  1-d data, computed by ``attnx.gaussian_attention``, and optionally the
+  weights of one query.
+* ``visibility(n, m, causal=, window=, layout=, block_size=)``: the boolean
+  pattern ``mask`` draws, as an array.
 """
 import math
 import numbers
@@ -219,12 +222,19 @@ def weights(q, k, variant="softmax", ax=None, *, cmap="viridis", colorbar=True, 
     return ax
 
 
+def _short(value):
+    """An option's value for a panel title (arrays by their shape)."""
+    if isinstance(value, np.ndarray):
+        return f"<array {value.shape}>"
+    return repr(value)
+
+
 def _variant_and_options(entry):
     if isinstance(entry, str):
         return entry, {}, entry
     if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], dict):
         name, own = entry
-        detail = ", ".join(f"{key}={value!r}" for key, value in own.items())
+        detail = ", ".join(f"{key}={_short(value)}" for key, value in own.items())
         return name, own, f"{name} ({detail})" if detail else name
     raise TypeError(f"variants must hold names or (name, {{options}}) pairs, got {entry!r}")
 
@@ -315,16 +325,23 @@ def _points(values, name):
     return array
 
 
-def kernel_regression(x, y, x_query, sigma=1.0, ax=None):
+def kernel_regression(x, y, x_query, sigma=1.0, ax=None, *, weights_at=None):
     """The Nadaraya-Watson estimate of y at x_query from points (x, y),
     ``f(t) = sum_i K(t - x_i) y_i / sum_i K(t - x_i)`` with the Gaussian
     kernel ``K(u) = exp(-u^2 / (2 sigma^2))``: Gaussian attention with the
     queries x_query, the keys x and the values y (each reshaped to (n, 1)),
     computed by ``attnx.gaussian_attention`` in float64.
 
-    Draws the data points and the fit (``ax.lines[0]``, its x data sorted)
-    and returns the Axes."""
+    Draws the data points (``ax.collections[0]``) and the fit
+    (``ax.lines[0]``, its x data sorted) and returns the Axes. weights_at:
+    a position t whose weights over the data points are drawn too, as
+    stems on a second y axis (``ax.weights_axes``, its
+    ``collections[0]`` segments ``(x_i, 0)-(x_i, w_i)``)."""
     x, y, x_query = _points(x, "x"), _points(y, "y"), _points(x_query, "x_query")
+    if weights_at is not None:
+        if isinstance(weights_at, (bool, np.bool_)) or not isinstance(weights_at, numbers.Real) \
+                or not math.isfinite(weights_at):
+            raise ValueError(f"weights_at must be a finite number (a query position), got {weights_at!r}")
     if x.shape != y.shape:
         raise ValueError(f"x and y must have the same length, got {x.size} and {y.size}")
     if x.size == 0:
@@ -341,5 +358,17 @@ def kernel_regression(x, y, x_query, sigma=1.0, ax=None):
     ax.scatter(x, y, s=14, color="C0", alpha=0.7, label="data", zorder=3)
     ax.set_xlabel("x")
     ax.set_ylabel("y")
-    ax.legend(loc="best", fontsize="small")
+    handles, labels = ax.get_legend_handles_labels()
+    if weights_at is not None:
+        w = attention_weights(np.array([[float(weights_at)]]), x[:, None], "gaussian",
+                              sigma=float(sigma))[0]
+        ax.axvline(weights_at, color="C2", linestyle=":", linewidth=1)
+        twin = ax.twinx()
+        stems = twin.vlines(x, 0.0, w, color="C2", linewidth=2, alpha=0.8,
+                            label=f"weights of the query at x = {weights_at:g}")
+        twin.set_ylim(0.0, 3.0 * max(float(w.max()), np.finfo(float).tiny))  # stems in the lower third
+        twin.set_ylabel("weight")
+        ax.weights_axes = twin
+        handles, labels = handles + [stems], labels + [stems.get_label()]
+    ax.legend(handles, labels, loc="best", fontsize="small")
     return ax

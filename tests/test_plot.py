@@ -181,6 +181,15 @@ def test_compare_panels_are_each_variants_weights_on_one_scale():
     assert len(fig.axes) == 5   # one shared colorbar
 
 
+def test_compare_titles_show_arrays_by_shape():
+    q, k = data(8, 8)
+    W = attnx.random_features(16, 5, seed=0)
+    fig = attnx.plot.compare(q, k, [("performer", {"projection": W})])
+    assert fig.axes[0].get_title() == "performer (projection=<array (16, 5)>)"
+    np.testing.assert_array_equal(image_array(fig.axes[0]).data,
+                                  attnx.attention_weights(q, k, "performer", projection=W))
+
+
 def test_compare_with_own_scales():
     q, k = data(8, 8)
     fig = attnx.plot.compare(q, k, ["softmax", "taylor"], shared_scale=False)
@@ -284,6 +293,23 @@ def test_kernel_regression_curve_is_nadaraya_watson(sigma):
     np.testing.assert_array_equal(t, np.sort(x_query))
     np.testing.assert_allclose(curve.get_ydata(), nadaraya_watson(x, y, t, sigma), rtol=1e-12, atol=1e-13)
     np.testing.assert_array_equal(ax.collections[0].get_offsets(), np.column_stack([x, y]))
+
+
+def test_kernel_regression_draws_the_weights_of_one_query():
+    rng = np.random.default_rng(6)
+    x = rng.uniform(0, 5, 30)
+    y = np.cos(x)
+    ax = attnx.plot.kernel_regression(x, y, np.linspace(0, 5, 50), sigma=0.4, weights_at=2.5)
+    segments = ax.weights_axes.collections[0].get_segments()
+    kernel = np.exp(-(2.5 - x) ** 2 / (2 * 0.4**2))
+    np.testing.assert_array_equal([s[0] for s in segments], np.column_stack([x, np.zeros(30)]))
+    np.testing.assert_array_equal([s[1][0] for s in segments], x)
+    np.testing.assert_allclose([s[1][1] for s in segments], kernel / kernel.sum(), rtol=1e-12, atol=1e-15)
+    assert ax.lines[1].get_xdata()[0] == 2.5       # the query's position, marked
+    with pytest.raises(ValueError, match="weights_at must be a finite number"):
+        attnx.plot.kernel_regression(x, y, [1.0], weights_at=np.nan)
+    with pytest.raises(ValueError, match="weights_at must be a finite number"):
+        attnx.plot.kernel_regression(x, y, [1.0], weights_at="2")
 
 
 def test_kernel_regression_takes_integers_and_a_given_axes():
