@@ -297,7 +297,6 @@ static void SFX(plain_finish_tile)(const SFX(softmax_backend) *be, const attnx_s
 }
 
 static const SFX(softmax_backend) SFX(softmax_plain) = {
-    .name = "plain",
     .width = 0,
     .mk = NULL,
     .q_tile = Q_TILE,

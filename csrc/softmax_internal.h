@@ -108,7 +108,6 @@ typedef struct {
 typedef struct SFX(softmax_backend) SFX(softmax_backend);
 typedef struct SFX(mk_kernels) SFX(mk_kernels);
 struct SFX(softmax_backend) {
-    const char *name;      /* as ATTNX_SOFTMAX_BACKEND names it: plain, mk, amx */
     int width;             /* the micro-kernels' instruction set (attnx_mk_width), 0 none */
     const SFX(mk_kernels) *mk;  /* the micro-kernels of that width (softmax_mk.c), or NULL */
     ptrdiff_t q_tile;      /* query rows per tile */
