@@ -450,8 +450,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
                                        REAL *rows_scratch, unsigned char *bad_scratch)
 {
     const attnx_softmax_args *a = &b->fwd;
-    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
-    const ptrdiff_t *goff = b->grad_offsets + head * ATTNX_SMB_NOPS;
+    const ptrdiff_t *off = a->offsets + head * ATTNX_SMB_NOPS;
     SFX(bwd_head) h = {
         .q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]),
         .k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]),
@@ -460,11 +459,11 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
         .lse = (const REAL *)((const char *)a->lse + off[ATTNX_SM_LSE]),
         .bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL,
         .mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL,
-        .dout = (const REAL *)((const char *)b->dout + goff[ATTNX_SMB_DOUT]),
-        .dq = (REAL *)((char *)b->dq + goff[ATTNX_SMB_DQ]),
-        .dk = (REAL *)((char *)b->dk + goff[ATTNX_SMB_DK]),
-        .dv = (REAL *)((char *)b->dv + goff[ATTNX_SMB_DV]),
-        .dbias = b->dbias ? (REAL *)((char *)b->dbias + goff[ATTNX_SMB_DBIAS]) : NULL,
+        .dout = (const REAL *)((const char *)b->dout + off[ATTNX_SMB_DOUT]),
+        .dq = (REAL *)((char *)b->dq + off[ATTNX_SMB_DQ]),
+        .dk = (REAL *)((char *)b->dk + off[ATTNX_SMB_DK]),
+        .dv = (REAL *)((char *)b->dv + off[ATTNX_SMB_DV]),
+        .dbias = b->dbias ? (REAL *)((char *)b->dbias + off[ATTNX_SMB_DBIAS]) : NULL,
         .row_delta = rows_scratch,
         .q_bad = bad_scratch,
         .index = head,
