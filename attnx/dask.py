@@ -1,0 +1,446 @@
+"""attnx on dask arrays: the same attention functions, lazily, chunk by chunk.
+
+    import dask.array as da, attnx.dask
+    q = da.from_array(q_np, chunks=(1, 8, 1024, 64))   # (B, H, n, d)
+    o = attnx.dask.softmax_attention(q, k, v, causal=True)  # lazy dask array
+    o.compute()                                        # or on a dask.distributed Client
+
+Every function takes dask arrays (numpy arrays are accepted too and chunked
+to match) with the options of the numpy function of the same name, and
+returns a lazy dask array (a pair of them with ``return_lse=True``) equal to
+the single-machine call. Each task is one call of the C kernel on numpy
+blocks, with the GIL released, so the threads of a worker and the workers of
+a cluster run in parallel.
+
+How the work is split:
+
+* Leading (batch, head) axes: block by block. Inputs must have the same
+  chunks along every axis they share; an axis of size 1 broadcasts.
+* Query axis: query chunks are independent.
+* Key axis, softmax and gaussian: each key chunk gives a partial output and
+  its log-sum-exp; the partials of a query chunk are merged exactly by
+  log-sum-exp. Causal masks and windows use global positions (each block's
+  call gets a window shifted to the block's place), masks and biases are
+  sliced with the block, and key chunks no query of a query chunk can see
+  are never computed.
+* Key axis, kernelised family: each key chunk's summary (S, z), summed, then
+  applied to each query chunk; causal: the summaries of the sequence chunks
+  before a chunk give its incoming state (an exclusive prefix sum), so the
+  chunks run in parallel. The key axis is rechunked to follow the query
+  chunks (the keys query chunk [a, b) sees first: [a + m - n, b + m - n)
+  for the lower-right causal mask, [a, b) for upper-left).
+
+The feature axes d and e are always made one chunk. Results are lazy; there
+is no ``out=`` and no streaming state (``initial_state``, ``return_state``).
+"""
+import functools
+import itertools
+import math
+import operator
+
+import numpy as np
+
+try:
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError('attnx.dask needs dask: pip install "attnx[dask]"') from error
+
+from . import _C
+from ._linear import (
+    FRONT_ENDS,
+    LinearAttentionState,
+    _performer_projection,
+    _result_dtype,
+)
+
+__all__ = [
+    "softmax_attention",
+    "gaussian_attention",
+    "linear_attention",
+    "cosformer_attention",
+    "focused_linear_attention",
+    "taylor_attention",
+    "performer_attention",
+    "efficient_attention",
+]
+
+# the C side treats a window side of 2**52 or more as open
+_OPEN_WINDOW = 1 << 52
+
+
+# ---------------------------------------------------------------------------
+# Inputs: broadcast, shape checks and common chunks
+# ---------------------------------------------------------------------------
+
+class _Operands:
+    """The array arguments of one call as dask arrays of the same number of
+    dimensions (leading axes padded with size-1 axes), with common chunks.
+
+    roles: per argument the names of its core axes ("n", "m", "d", "e").
+    After construction: lead (number of leading axes), lead_shape, and
+    chunks[axis] for the leading axes 0..lead-1 and for "n", "m", "d", "e".
+    """
+
+    def __init__(self, arrays, roles):
+        self.roles = roles
+        self.names = [name for name in roles if arrays.get(name) is not None]
+        raw = {name: arrays[name] for name in self.names}
+        for name, x in raw.items():
+            if not isinstance(x, da.Array):
+                raw[name] = np.asarray(x)
+        # pad masks, biases and key masks to their core rank (numpy broadcasting)
+        for name, x in raw.items():
+            core = len(roles[name])
+            if name in ("q", "k", "v") and x.ndim < core:
+                raise ValueError(f"{name} must have at least {core} dimensions "
+                                 f"({_core_text(name, roles)}), got shape {x.shape}")
+            if x.ndim < core:
+                raw[name] = x.reshape((1,) * (core - x.ndim) + x.shape)
+        self.lead = max(x.ndim - len(roles[name]) for name, x in raw.items())
+        for name, x in raw.items():
+            pad = self.lead + len(roles[name]) - x.ndim
+            if pad:
+                raw[name] = x[(None,) * pad] if isinstance(x, da.Array) else \
+                    x.reshape((1,) * pad + x.shape)
+        self._check_core_sizes(raw)
+        self._unify(raw)
+        self.raw = raw
+
+    def _axes(self, name):
+        return list(range(self.lead)) + list(self.roles[name])
+
+    def _check_core_sizes(self, raw):
+        q, k, v = raw["q"], raw["k"], raw["v"]
+        n, d = q.shape[-2:]
+        m = k.shape[-2]
+        if k.shape[-1] != d:
+            raise ValueError(f"k must have shape (..., m, d) with d = {d} from q (..., n, d), "
+                             f"got {k.shape}")
+        if v.shape[-2] != m:
+            raise ValueError(f"v must have shape (..., m, e) with m = {m} keys from k "
+                             f"(..., m, d), got {v.shape}")
+        self.sizes = {"n": n, "m": m, "d": d, "e": v.shape[-1]}
+        for name in self.names:
+            if name in ("q", "k", "v"):
+                continue
+            x = raw[name]
+            for axis, role in zip(range(-len(self.roles[name]), 0), self.roles[name]):
+                if x.shape[axis] not in (1, self.sizes[role]):
+                    raise ValueError(f"{name} must broadcast to {_core_text(name, self.roles)} = "
+                                     f"{self._core_sizes(name)}, got shape {x.shape}")
+        lead_shape = []
+        for axis in range(self.lead):
+            sizes = {raw[name].shape[axis] for name in self.names} - {1}
+            if len(sizes) > 1:
+                shapes = ", ".join(f"{name} {raw[name].shape}" for name in self.names)
+                raise ValueError(f"the leading (batch) axes of the inputs do not broadcast "
+                                 f"(axis {axis}): {shapes}")
+            lead_shape.append(sizes.pop() if sizes else 1)
+        self.lead_shape = tuple(lead_shape)
+
+    def _core_sizes(self, name):
+        return "(..., " + ", ".join(str(self.sizes[role]) for role in self.roles[name]) + ")"
+
+    def _unify(self, raw):
+        """chunks per axis: those of the dask inputs that hold the axis with
+        its full size (they must agree), else one chunk; d and e one chunk."""
+        self.chunks = {}
+        keys = list(range(self.lead)) + ["n", "m", "d", "e"]
+        for key in keys:
+            size = self.lead_shape[key] if isinstance(key, int) else self.sizes[key]
+            found = None
+            for name in self.names:
+                x = raw[name]
+                if not isinstance(x, da.Array) or key not in self._axes(name):
+                    continue
+                axis = self._axes(name).index(key)
+                if x.shape[axis] != size or (size == 1 and len(x.chunks[axis]) == 1):
+                    continue
+                if found is None:
+                    found = (name, x.chunks[axis])
+                elif x.chunks[axis] != found[1]:
+                    where = (f"leading axis {key}" if isinstance(key, int)
+                             else f"the {key} axis")
+                    raise ValueError(
+                        f"{found[0]} and {name} are chunked differently along {where} "
+                        f"({found[1]} vs {x.chunks[axis]}); inputs must have the same chunks "
+                        f"along every axis they share (rechunk one of them, e.g. "
+                        f"{name}.rechunk(...))")
+            if key in ("d", "e") or found is None:
+                self.chunks[key] = (size,)
+            else:
+                self.chunks[key] = found[1]
+
+    def arrays(self):
+        """every argument as a dask array with the common chunks (size-1
+        broadcast axes one chunk of 1)"""
+        out = {}
+        for name in self.names:
+            x = self.raw[name]
+            target = tuple((1,) if x.shape[axis] == 1 and self._size(key) != 1 else
+                           self.chunks[key] for axis, key in enumerate(self._axes(name)))
+            if isinstance(x, da.Array):
+                out[name] = x if x.chunks == target else x.rechunk(target)
+            else:
+                out[name] = da.from_array(x, chunks=target)
+        return out
+
+    def _size(self, key):
+        return self.lead_shape[key] if isinstance(key, int) else self.sizes[key]
+
+    def block_key(self, array, lead_index, n_index=0, m_index=0):
+        """the key of array's block for output block lead_index (leading axes)
+        and query/key chunks n_index, m_index: index 0 along one-chunk axes"""
+        wanted = list(lead_index)
+        for role in self.roles_of(array):
+            wanted.append({"n": n_index, "m": m_index}.get(role, 0))
+        return (array.name,) + tuple(i if blocks > 1 else 0
+                                     for i, blocks in zip(wanted, array.numblocks))
+
+    def roles_of(self, array):
+        return self._array_roles[array.name]
+
+    def finish(self):
+        """the dask arrays, remembered with their roles for block_key"""
+        arrays = self.arrays()
+        self._array_roles = {x.name: self.roles[name] for name, x in arrays.items()}
+        return arrays
+
+
+def _core_text(name, roles):
+    return "(..., " + ", ".join(roles[name]) + ")"
+
+
+def _starts(chunks):
+    return (0,) + tuple(itertools.accumulate(chunks))
+
+
+def _lead_blocks(ops):
+    return itertools.product(*(range(len(ops.chunks[axis])) for axis in range(ops.lead)))
+
+
+def _lead_chunk_shape(ops, lead_index):
+    return tuple(ops.chunks[axis][i] for axis, i in enumerate(lead_index))
+
+
+def _array(graph_layer, name, dependencies, chunks, dtype):
+    graph = HighLevelGraph.from_collections(name, graph_layer, dependencies=dependencies)
+    return da.Array(graph, name, chunks, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
+# Visibility: global bands and their shifted form on one block
+# ---------------------------------------------------------------------------
+
+def _window_sides(window):
+    """(left, right) of a validated window, None for an open side"""
+    if window is None:
+        return None, None
+    sides = tuple(window) if isinstance(window, (tuple, list)) else (window, window)
+    return tuple(None if side is None or operator.index(side) >= _OPEN_WINDOW
+                 else operator.index(side) for side in sides)
+
+
+def _band(n, m, causal, window):
+    """The keys query i sees as a band of j - i: [low, high], None for an
+    open side (lower-right causal j <= i + m - n, upper-left j <= i, window
+    i + m - n - left <= j <= i + m - n + right)."""
+    left, right = _window_sides(window)
+    high = None
+    if isinstance(causal, str):
+        high = 0 if causal == "upper_left" else m - n
+    elif causal:
+        high = m - n
+    if right is not None:
+        high = m - n + right if high is None else min(high, m - n + right)
+    low = None if left is None else m - n - left
+    return low, high
+
+
+def _block_geometry(rows, keys, low, high):
+    """The part of block rows [a, b) x keys [ka, kb) (global positions) that
+    band [low, high] of j - i leaves, as (a, b, ka, kb, left, right):
+    trimmed ranges and the window that gives the band in a call on them
+    alone (None for an open side); None when no query sees a key.
+
+    A call on n' rows and m' keys centres its window on i' + m' - n', so on
+    the trimmed block the band [low, high] becomes the window
+    left = kb - b - low, right = high + b - kb; trimming the keys past the
+    last row's reach (kb <= b + high) and the rows past the last key's reach
+    (b <= kb - low) makes both sides >= 0."""
+    (a, b), (ka, kb) = rows, keys
+    for _ in range(2):  # trimming rows can free keys once more
+        if high is not None:
+            kb = min(kb, b + high)
+            a = max(a, ka - high)
+        if low is not None:
+            ka = max(ka, a + low)
+            b = min(b, kb - low)
+        if a >= b or ka >= kb:
+            return None
+    left = None if low is None else kb - b - low
+    right = None if high is None else high + b - kb
+    return a, b, ka, kb, left, right
+
+
+def _local_window(left, right):
+    return None if left is None and right is None else (left, right)
+
+
+def _slice_core(x, rows, keys, core):
+    """x's block sliced to rows / keys (chunk-local ranges) along the core
+    axes core (("n", "m"), ("m",), ...), leaving size-1 broadcast axes"""
+    if x is None:
+        return None
+    index = [Ellipsis]
+    for axis, role in zip(range(-len(core), 0), core):
+        span = {"n": rows, "m": keys}.get(role)
+        take = span is not None and x.shape[axis] == span[2]  # not a broadcast axis
+        index.append(slice(span[0], span[1]) if take else slice(None))
+    return x[tuple(index)]
+
+
+# ---------------------------------------------------------------------------
+# Softmax and gaussian attention
+# ---------------------------------------------------------------------------
+
+def _softmax_part(function, options, geometry, want_lse, upcast, q, k, v, mask, bias):
+    """One block's call: (out, lse) over the block's keys, rows the band
+    leaves out of the block as zeros and lse -inf. geometry: chunk-local
+    (a, b, ka, kb, left, right)."""
+    a, b, ka, kb, left, right = geometry
+    n_rows, m_keys = q.shape[-2], k.shape[-2]
+    rows, keys = (a, b, n_rows), (ka, kb, m_keys)
+    if upcast:  # float16: partial results merged in float32
+        q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    result = function(_slice_core(q, rows, keys, "nd"), _slice_core(k, rows, keys, "md"),
+                      _slice_core(v, rows, keys, "me"), mask=_slice_core(mask, rows, keys, "nm"),
+                      bias=_slice_core(bias, rows, keys, "nm"), window=_local_window(left, right),
+                      return_lse=want_lse, **options)
+    if (a, b) == (0, n_rows):
+        return result
+    out, lse = result if want_lse else (result, None)
+    full = np.zeros(out.shape[:-2] + (n_rows, out.shape[-1]), out.dtype)
+    full[..., a:b, :] = out
+    if not want_lse:
+        return full
+    full_lse = np.full(lse.shape[:-1] + (n_rows,), -np.inf, lse.dtype)
+    full_lse[..., a:b] = lse
+    return full, full_lse
+
+
+def _softmax_merge(shape, out_dtype, lse_dtype, want_lse, parts):
+    """The exact combination of a query chunk's partial (out, lse): weights
+    exp(lse_c - lse) with lse = log sum_c exp(lse_c); rows that see no key
+    in any part stay zeros with lse -inf."""
+    if not parts:
+        out = np.zeros(shape, out_dtype)
+        lse = np.full(shape[:-1], -np.inf, lse_dtype)
+    elif len(parts) == 1:
+        out, lse = parts[0]
+    else:
+        lses = [lse for _, lse in parts]
+        top = functools.reduce(np.maximum, lses)
+        top = np.where(np.isneginf(top), 0, top)  # no key anywhere: every weight 0
+        weights = [np.exp(lse - top) for lse in lses]
+        total = functools.reduce(np.add, weights)
+        out = functools.reduce(np.add, (w[..., None] * part for w, (part, _) in zip(weights, parts)))
+        with np.errstate(divide="ignore"):
+            out /= np.where(total > 0, total, 1)[..., None]
+            lse = top + np.log(total)
+    out = np.broadcast_to(out, shape).astype(out_dtype, copy=False)
+    if not want_lse:
+        return out
+    return out, np.broadcast_to(lse, shape[:-1]).astype(lse_dtype, copy=False)
+
+
+def _softmax_graph(function, front, q, k, v, mask, bias, options, causal, window, return_lse):
+    ops = _Operands({"q": q, "k": k, "v": v, "mask": mask, "bias": bias},
+                    {"q": "nd", "k": "md", "v": "me", "mask": "nm", "bias": "nm"})
+    x = ops.finish()
+    n, m, d, e = (ops.sizes[r] for r in "nmde")
+    # options, dtypes and masks checked now, by the kernel, on one row
+    probe = {name: np.zeros((1,) * len(ops.roles[name]), x[name].dtype) for name in x}
+    probe["q"], probe["k"], probe["v"] = (np.zeros((1, s), x[c].dtype)
+                                          for c, s in (("q", d), ("k", d), ("v", e)))
+    out_probe, lse_probe = function(probe["q"], probe["k"], probe["v"], mask=probe.get("mask"),
+                                    bias=probe.get("bias"), causal=causal, window=window,
+                                    return_lse=True, **options)
+    out_dtype, lse_dtype = out_probe.dtype, lse_probe.dtype
+    low, high = _band(n, m, causal, window)
+    q_starts, k_starts = _starts(ops.chunks["n"]), _starts(ops.chunks["m"])
+    many_keys = len(ops.chunks["m"]) > 1
+    want_lse = return_lse or many_keys
+    upcast = many_keys and out_dtype == np.float16
+
+    token = tokenize(front, [a.name for a in x.values()], options, causal, window, return_lse)
+    part_name, merged_name = f"{front}-part-{token}", f"{front}-{token}"
+    layer = {}
+    for lead_index in _lead_blocks(ops):
+        for qi in range(len(ops.chunks["n"])):
+            a, b = q_starts[qi], q_starts[qi + 1]
+            parts = []
+            for ki in range(len(ops.chunks["m"])):
+                ka, kb = k_starts[ki], k_starts[ki + 1]
+                geometry = _block_geometry((a, b), (ka, kb), low, high)
+                if geometry is None:
+                    continue  # no query of this chunk sees these keys: never computed
+                ga, gb, gka, gkb, left, right = geometry
+                local = (ga - a, gb - a, gka - ka, gkb - ka, left, right)
+                key = (part_name,) + lead_index + (qi, ki)
+                layer[key] = (functools.partial(_softmax_part, function, options, local,
+                                                want_lse, upcast),) + tuple(
+                    ops.block_key(x[name], lead_index, qi, ki) if name in x else None
+                    for name in ("q", "k", "v", "mask", "bias"))
+                parts.append(key)
+            shape = _lead_chunk_shape(ops, lead_index) + (b - a, e)
+            merged_key = (merged_name,) + lead_index + (qi, 0)
+            if many_keys or not parts:
+                layer[merged_key] = (functools.partial(_softmax_merge, shape, out_dtype,
+                                                       lse_dtype, return_lse), parts)
+            else:  # one key chunk: the block's call is the result
+                layer[merged_key] = layer.pop(parts[0])
+    lead_chunks = tuple(ops.chunks[axis] for axis in range(ops.lead))
+    out_chunks = lead_chunks + (ops.chunks["n"], (e,))
+    deps = list(x.values())
+    if not return_lse:
+        return _array(layer, merged_name, deps, out_chunks, out_dtype)
+    # (out, lse) per block, taken apart into two arrays
+    out_name, lse_name = f"{front}-out-{token}", f"{front}-lse-{token}"
+    merged_keys = [key for key in layer if key[0] == merged_name]
+    merged = _array(layer, merged_name, deps, out_chunks, out_dtype)
+    out = _array({(out_name,) + key[1:]: (operator.getitem, key, 0) for key in merged_keys},
+                 out_name, [merged], out_chunks, out_dtype)
+    lse = _array({(lse_name,) + key[1:-1]: (operator.getitem, key, 1) for key in merged_keys},
+                 lse_name, [merged], lead_chunks + (ops.chunks["n"],), lse_dtype)
+    return out, lse
+
+
+def softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, window=None,
+                      return_lse=False):
+    """attnx.softmax_attention on dask arrays, lazily; options as there.
+
+    q (..., n, d), k (..., m, d), v (..., m, e) -> (..., n, e) dask array,
+    chunked like q along the leading and query axes (and lse (..., n) with
+    return_lse=True). Leading-axis chunks are independent calls; so are
+    query chunks; key chunks give partial outputs merged exactly by
+    log-sum-exp. causal and window keep their global alignment (query i
+    sees j <= i + m - n, ...) in every block; masks and biases are sliced
+    with the blocks; key chunks that no query of a query chunk sees are
+    skipped. Inputs must share chunks along every axis they share (numpy
+    arrays are chunked to match)."""
+    options = {"scale": scale}
+    return _softmax_graph(_C.softmax_attention, "softmax_attention", q, k, v, mask, bias,
+                          options, causal, window, return_lse)
+
+
+def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None, window=None,
+                       return_lse=False):
+    """attnx.gaussian_attention on dask arrays, lazily; options as there and
+    chunking as softmax_attention (its per-key bias -|k_j|^2 / (2 sigma^2)
+    travels with each key chunk, so key chunks merge exactly)."""
+    options = {"sigma": sigma}
+    return _softmax_graph(_C.gaussian_attention, "gaussian_attention", q, k, v, mask, bias,
+                          options, causal, window, return_lse)
