@@ -444,3 +444,277 @@ def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None
     options = {"sigma": sigma}
     return _softmax_graph(_C.gaussian_attention, "gaussian_attention", q, k, v, mask, bias,
                           options, causal, window, return_lse)
+
+
+# ---------------------------------------------------------------------------
+# The kernelised (linear) family
+# ---------------------------------------------------------------------------
+
+def _compute_dtype(*dtypes):
+    """the dtype the kernel computes in (and states hold): float16 -> float32"""
+    dtype = _result_dtype(*(np.empty(0, dt) for dt in dtypes))
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def _linear_call(front, options, geometry, q, k, v, key_mask, mask):
+    """One block's call with the keys it sees. geometry (general masks):
+    chunk-local (a, b, ka, kb, left, right), rows outside [a, b) zeros."""
+    if geometry is None:
+        return FRONT_ENDS[front](q, k, v, key_mask=key_mask, **_with_mask(mask, options))
+    a, b, ka, kb, left, right = geometry
+    n_rows, m_keys = q.shape[-2], k.shape[-2]
+    rows, keys = (a, b, n_rows), (ka, kb, m_keys)
+    out = FRONT_ENDS[front](
+        _slice_core(q, rows, keys, "nd"), _slice_core(k, rows, keys, "md"),
+        _slice_core(v, rows, keys, "me"), key_mask=_slice_core(key_mask, rows, keys, "m"),
+        mask=_slice_core(mask, rows, keys, "nm"), window=_local_window(left, right), **options)
+    if (a, b) == (0, n_rows):
+        return out
+    full = np.zeros(out.shape[:-2] + (n_rows, out.shape[-1]), out.dtype)
+    full[..., a:b, :] = out
+    return full
+
+
+def _with_mask(mask, options):
+    """options plus mask= when there is one (efficient_attention has none)"""
+    return options if mask is None else dict(options, mask=mask)
+
+
+def _linear_summary(front, options, q_dtype, zero_state, k, v, key_mask):
+    """(S, z) of a key chunk: sum_j psi(k_j) v_j^T and sum_j psi(k_j) over
+    its keys (positions from zero_state's offset for cosFormer)"""
+    q = np.zeros((0, k.shape[-1]), q_dtype)
+    initial = None if zero_state is None else LinearAttentionState(*zero_state)
+    _, state = FRONT_ENDS[front](q, k, v, key_mask=key_mask, initial_state=initial,
+                                 return_state=True, **options)
+    return state.S, state.z
+
+
+def _add_states(*states):
+    """the sum of (S, z) pairs; None stands for no keys"""
+    states = [s for s in states if s is not None]
+    if not states:
+        return None
+    return (functools.reduce(np.add, (s[0] for s in states)),
+            functools.reduce(np.add, (s[1] for s in states)))
+
+
+def _linear_apply(front, options, offset, empty_dtypes, state, q, k, v, key_mask):
+    """A query chunk's output from its incoming state (keys before it) and,
+    causal, its own keys k, v; non-causal calls have no keys of their own
+    (k is None) and take every key through the state."""
+    if k is None:
+        d, e = q.shape[-1], state[0].shape[-1]
+        k, v = np.zeros((0, d), empty_dtypes[0]), np.zeros((0, e), empty_dtypes[1])
+    initial = None if state is None else LinearAttentionState(state[0], state[1], offset)
+    return FRONT_ENDS[front](q, k, v, key_mask=key_mask, initial_state=initial, **options)
+
+
+def _linear_graph(front, q, k, v, key_mask, mask, options):
+    ops = _Operands({"q": q, "k": k, "v": v, "key_mask": key_mask, "mask": mask},
+                    {"q": "nd", "k": "md", "v": "me", "key_mask": "m", "mask": "nm"})
+    n, m, d, e = (ops.sizes[r] for r in "nmde")
+    dtypes = {name: ops.raw[name].dtype for name in ops.names}
+    causal, window = options.get("causal", False), options.get("window")
+    # options, dtypes and masks checked now, by the kernel, on one row
+    probe = {name: np.zeros((1,) * len(ops.roles[name]), dtypes[name]) for name in ops.names}
+    probe["q"], probe["k"], probe["v"] = (np.zeros((1, s), dtypes[c])
+                                          for c, s in (("q", d), ("k", d), ("v", e)))
+    if front == "performer":  # one projection for every block
+        options["projection"] = _performer_projection(
+            probe["q"], options["projection"], options.pop("num_features"), options.pop("seed"))
+    out_dtype = FRONT_ENDS[front](probe["q"], probe["k"], probe["v"],
+                                  key_mask=probe.get("key_mask"),
+                                  **_with_mask(probe.get("mask"), options)).dtype
+    if front == "cosformer":
+        largest = max(n, m)
+        if causal and n != m:
+            raise ValueError(f"causal cosformer_attention needs as many queries as keys, "
+                             f"got n = {n}, m = {m}")
+        if options["M"] is None:
+            options["M"] = largest if largest > 0 else 1  # the default, fixed for every block
+        elif options["M"] < largest:
+            raise ValueError(f"M={options['M']} is smaller than the largest position "
+                             f"{largest} (max(n, m)); cos(pi/2 (i - j) / M) must stay positive")
+
+    general = mask is not None or window is not None
+    if general and front == "cosformer":
+        mode = "whole"   # positions and masks: one call per leading block
+        ops.chunks["n"], ops.chunks["m"] = (n,), (m,)
+    elif general:
+        mode = "general"
+        ops.chunks["m"] = (m,)
+    elif front == "efficient":
+        mode = "direct"
+        ops.chunks["m"] = (m,)
+    elif causal:
+        mode = "causal"
+    elif len(ops.chunks["m"]) == 1 and (front != "cosformer" or len(ops.chunks["n"]) == 1):
+        mode = "direct"
+    else:
+        mode = "summaries"
+    q_starts = _starts(ops.chunks["n"])
+    if mode == "causal":
+        # key segment of query chunk [a, b): [clip(a + high), clip(b + high)),
+        # preceded by the keys every query sees, [0, clip(high))
+        high = 0 if causal == "upper_left" else m - n
+        ends = [min(max(s + high, 0), m) for s in q_starts]
+        ops.chunks["m"] = tuple(b - a for a, b in zip([0] + ends[:-1], ends)) + (m - ends[-1],)
+    x = ops.finish()
+    deps = list(x.values())
+    token = tokenize(front, [a.name for a in deps], options, mode)
+    out_name = f"{front}-{token}"
+    layer = {}
+    n_chunks = len(ops.chunks["n"])
+
+    def keys_of(lead_index, qi, ki, names):
+        return tuple(ops.block_key(x[name], lead_index, qi, ki) if name in x else None
+                     for name in names)
+
+    if mode in ("whole", "direct", "general"):
+        call_options = dict(options)
+        if mode == "general":  # causal and window become each block's own window
+            low, high = _band(n, m, causal, window)
+            del call_options["window"]
+            call_options["causal"] = False
+        for lead_index in _lead_blocks(ops):
+            for qi in range(n_chunks):
+                a, b = q_starts[qi], q_starts[qi + 1]
+                geometry = None
+                if mode == "general":
+                    found = _block_geometry((a, b), (0, m), low, high)
+                    if found is None:
+                        shape = _lead_chunk_shape(ops, lead_index) + (b - a, e)
+                        layer[(out_name,) + lead_index + (qi, 0)] = (np.zeros, shape, out_dtype)
+                        continue
+                    ga, gb, gka, gkb, left, right = found
+                    geometry = (ga - a, gb - a, gka, gkb, left, right)
+                layer[(out_name,) + lead_index + (qi, 0)] = (
+                    functools.partial(_linear_call, front, call_options, geometry),
+                ) + keys_of(lead_index, qi, 0, ("q", "k", "v", "key_mask", "mask"))
+    else:
+        # summaries: the state (S, z) of each key chunk, from a call without
+        # queries (non-causal; positions from the chunk's start for cosFormer)
+        summary_options = {name: value for name, value in options.items()
+                           if name not in ("causal", "method", "chunk_size", "window")}
+        apply_options = dict(options)
+        r = 2 * d if front == "cosformer" else None
+        state_dtype = _compute_dtype(dtypes["q"], dtypes["k"], dtypes["v"])
+        k_starts = _starts(ops.chunks["m"])
+        summary_name, state_name = f"{front}-summary-{token}", f"{front}-state-{token}"
+        for lead_index in _lead_blocks(ops):
+            summaries = []
+            for ki in range(len(ops.chunks["m"])):
+                zero = None if r is None else (np.zeros((r, e), state_dtype),
+                                               np.zeros(r, state_dtype), k_starts[ki])
+                key = (summary_name,) + lead_index + (ki,)
+                layer[key] = (functools.partial(_linear_summary, front, summary_options,
+                                                dtypes["q"], zero),
+                              ) + keys_of(lead_index, 0, ki, ("k", "v", "key_mask"))
+                summaries.append(key)
+                if mode == "causal" and ki == n_chunks - 1:
+                    break  # the later segments enter no incoming state
+            empty = (dtypes["k"], dtypes["v"])
+            if mode == "summaries":
+                total = (state_name,) + lead_index
+                layer[total] = (_add_states,) + tuple(summaries)
+                for qi in range(n_chunks):
+                    layer[(out_name,) + lead_index + (qi, 0)] = (
+                        functools.partial(_linear_apply, front, apply_options, q_starts[qi],
+                                          empty),
+                        total, ops.block_key(x["q"], lead_index, qi), None, None, None)
+                continue
+            # causal: chunk qi's keys are segment qi + 1 (segment 0: the keys
+            # every query sees); its incoming state sums the segments before
+            incoming = summaries[0]
+            for qi in range(n_chunks):
+                if qi:
+                    incoming_key = (state_name,) + lead_index + (qi,)
+                    layer[incoming_key] = (_add_states, incoming, summaries[qi])
+                    incoming = incoming_key
+                layer[(out_name,) + lead_index + (qi, 0)] = (
+                    functools.partial(_linear_apply, front, apply_options, k_starts[qi + 1],
+                                      empty),
+                    incoming,
+                ) + keys_of(lead_index, qi, qi + 1, ("q", "k", "v", "key_mask"))
+    lead_chunks = tuple(ops.chunks[axis] for axis in range(ops.lead))
+    return _array(layer, out_name, deps, lead_chunks + (ops.chunks["n"], (e,)), out_dtype)
+
+
+def _linear_front(front, q, k, v, key_mask=None, mask=None, **options):
+    for name in ("initial_state", "return_state", "out"):
+        if options.pop(name, None) not in (None, False):
+            raise TypeError(f"attnx.dask.{FRONT_ENDS[front].__name__} takes no {name}=: its "
+                            "results are lazy dask arrays and it carries no streaming state")
+    return _linear_graph(front, q, k, v, key_mask, mask, options)
+
+
+_LINEAR_SPLITS = """
+    Chunking: leading-axis and query chunks are independent calls.
+    Non-causal key chunks each give their summary (S, z), summed and then
+    applied to every query chunk. Causal: the key axis is rechunked to
+    follow the query chunks (query chunk [a, b) takes keys
+    [a + m - n, b + m - n), upper-left [a, b)); each segment's summary,
+    an exclusive prefix sum of them, then each chunk from its incoming
+    state, all chunks in parallel. mask= or window= (the quadratic form)
+    puts the key axis in one chunk (query chunks stay independent, each
+    with its window shifted to its place). Results equal the one call
+    within rounding; there is no out=, initial_state or return_state."""
+
+
+def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
+                     window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3):
+    """attnx.linear_attention on dask arrays, lazily; options as there
+    (a callable feature_map runs on every block)."""
+    return _linear_front("linear", q, k, v, key_mask, mask, feature_map=feature_map,
+                         causal=causal, window=window, method=method, chunk_size=chunk_size,
+                         eps=eps, projection=projection, p=p)
+
+
+def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
+                        method=None, chunk_size=None, eps=1e-6):
+    """attnx.cosformer_attention on dask arrays, lazily; options as there.
+    M defaults to max(n, m) of the whole call and every block uses it, with
+    the blocks' global positions. mask= or window= put both the query and
+    the key axis in one chunk (a call with them keeps no position offset)."""
+    return _linear_front("cosformer", q, k, v, key_mask, mask, causal=causal, M=M,
+                         window=window, method=method, chunk_size=chunk_size, eps=eps)
+
+
+def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None,
+                             window=None, method=None, chunk_size=None, eps=1e-6):
+    """attnx.focused_linear_attention on dask arrays, lazily; options as there."""
+    return _linear_front("focused", q, k, v, key_mask, mask, p=p, causal=causal, window=window,
+                         method=method, chunk_size=chunk_size, eps=eps)
+
+
+def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None,
+                     method=None, chunk_size=None, eps=1e-6):
+    """attnx.taylor_attention on dask arrays, lazily; options as there."""
+    return _linear_front("taylor", q, k, v, key_mask, mask, causal=causal, window=window,
+                         method=method, chunk_size=chunk_size, eps=eps)
+
+
+def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
+                        key_mask=None, mask=None, window=None, method=None, chunk_size=None,
+                        eps=1e-6):
+    """attnx.performer_attention on dask arrays, lazily; options as there.
+    Without projection=, one projection is drawn when the graph is built
+    (random_features(num_features, d, seed=seed)) and every block uses it."""
+    return _linear_front("performer", q, k, v, key_mask, mask, projection=projection,
+                         num_features=num_features, seed=seed, causal=causal, window=window,
+                         method=method, chunk_size=chunk_size, eps=eps)
+
+
+def efficient_attention(q, k, v, *, key_mask=None, causal=False):
+    """attnx.efficient_attention on dask arrays, lazily; options as there.
+    Its key softmax runs over the whole sequence, so the key axis is put in
+    one chunk; leading-axis and query chunks are independent calls."""
+    return _linear_front("efficient", q, k, v, key_mask, None, causal=causal)
+
+
+for _function in (linear_attention, focused_linear_attention, taylor_attention,
+                  performer_attention):
+    _function.__doc__ += "\n" + _LINEAR_SPLITS
+cosformer_attention.__doc__ += "\n" + _LINEAR_SPLITS
+del _function
