@@ -642,10 +642,6 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
 
 
 def _linear_front(front, q, k, v, key_mask=None, mask=None, **options):
-    for name in ("initial_state", "return_state", "out"):
-        if options.pop(name, None) not in (None, False):
-            raise TypeError(f"attnx.dask.{FRONT_ENDS[front].__name__} takes no {name}=: its "
-                            "results are lazy dask arrays and it carries no streaming state")
     return _linear_graph(front, q, k, v, key_mask, mask, options)
 
 
