@@ -481,7 +481,7 @@ def test_linear_float32_with_key_chunks():
 def client():
     distributed = pytest.importorskip("dask.distributed", reason="needs dask[distributed]")
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=None) as cluster, \
+                                  dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client:
         yield client
 
