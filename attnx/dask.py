@@ -156,8 +156,8 @@ class _Operands:
                 if not isinstance(x, da.Array) or key not in self._axes(name):
                     continue
                 axis = self._axes(name).index(key)
-                if x.shape[axis] != size or (size == 1 and len(x.chunks[axis]) == 1):
-                    continue
+                if x.shape[axis] != size or size == 1:
+                    continue  # broadcast along this axis
                 if found is None:
                     found = (name, x.chunks[axis])
                 elif x.chunks[axis] != found[1]:
@@ -173,40 +173,34 @@ class _Operands:
             else:
                 self.chunks[key] = found[1]
 
-    def arrays(self):
+    def finish(self):
         """every argument as a dask array with the common chunks (size-1
-        broadcast axes one chunk of 1)"""
-        out = {}
+        broadcast axes one chunk of 1), by name; kept for block_key"""
+        self.arrays = {}
         for name in self.names:
             x = self.raw[name]
             target = tuple((1,) if x.shape[axis] == 1 and self._size(key) != 1 else
                            self.chunks[key] for axis, key in enumerate(self._axes(name)))
             if isinstance(x, da.Array):
-                out[name] = x if x.chunks == target else x.rechunk(target)
+                self.arrays[name] = x if x.chunks == target else x.rechunk(target)
             else:
-                out[name] = da.from_array(x, chunks=target)
-        return out
+                self.arrays[name] = da.from_array(x, chunks=target)
+        return self.arrays
 
     def _size(self, key):
         return self.lead_shape[key] if isinstance(key, int) else self.sizes[key]
 
-    def block_key(self, array, lead_index, n_index=0, m_index=0):
-        """the key of array's block for output block lead_index (leading axes)
-        and query/key chunks n_index, m_index: index 0 along one-chunk axes"""
-        wanted = list(lead_index)
-        for role in self.roles_of(array):
-            wanted.append({"n": n_index, "m": m_index}.get(role, 0))
+    def block_key(self, name, lead_index, n_index=0, m_index=0):
+        """the key of argument name's block for output block lead_index
+        (leading axes) and query/key chunks n_index, m_index; None for an
+        argument not given. Index 0 along one-chunk (broadcast) axes."""
+        if name not in self.arrays:
+            return None
+        array = self.arrays[name]
+        wanted = list(lead_index) + [{"n": n_index, "m": m_index}.get(role, 0)
+                                     for role in self.roles[name]]
         return (array.name,) + tuple(i if blocks > 1 else 0
                                      for i, blocks in zip(wanted, array.numblocks))
-
-    def roles_of(self, array):
-        return self._array_roles[array.name]
-
-    def finish(self):
-        """the dask arrays, remembered with their roles for block_key"""
-        arrays = self.arrays()
-        self._array_roles = {x.name: self.roles[name] for name, x in arrays.items()}
-        return arrays
 
 
 def _core_text(name, roles):
@@ -392,7 +386,7 @@ def _softmax_graph(function, front, q, k, v, mask, bias, options, causal, window
                 key = (part_name,) + lead_index + (qi, ki)
                 layer[key] = (functools.partial(_softmax_part, function, options, local,
                                                 want_lse, upcast),) + tuple(
-                    ops.block_key(x[name], lead_index, qi, ki) if name in x else None
+                    ops.block_key(name, lead_index, qi, ki)
                     for name in ("q", "k", "v", "mask", "bias"))
                 parts.append(key)
             shape = _lead_chunk_shape(ops, lead_index) + (b - a, e)
@@ -568,8 +562,7 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
     n_chunks = len(ops.chunks["n"])
 
     def keys_of(lead_index, qi, ki, names):
-        return tuple(ops.block_key(x[name], lead_index, qi, ki) if name in x else None
-                     for name in names)
+        return tuple(ops.block_key(name, lead_index, qi, ki) for name in names)
 
     if mode in ("whole", "direct", "general"):
         call_options = dict(options)
@@ -622,7 +615,7 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
                     layer[(out_name,) + lead_index + (qi, 0)] = (
                         functools.partial(_linear_apply, front, apply_options, q_starts[qi],
                                           empty),
-                        total, ops.block_key(x["q"], lead_index, qi), None, None, None)
+                        total, ops.block_key("q", lead_index, qi), None, None, None)
                 continue
             # causal: chunk qi's keys are segment qi + 1 (segment 0: the keys
             # every query sees); its incoming state sums the segments before

@@ -180,6 +180,31 @@ def test_unseen_key_chunks_are_never_computed():
     assert_close(got, attnx.softmax_attention(q2, k, v, causal=True), np.float64)
 
 
+def test_one_array_as_queries_keys_and_values():
+    """self-attention: the same dask array as q, k and v, whose blocks serve
+    as query blocks and as key blocks"""
+    rng = np.random.default_rng(16)
+    x_np = make(rng, (2, 12, 6))
+    x = chunked(x_np, (1, 5, 6))
+    for causal in CAUSAL:
+        assert_close(compute(ad.softmax_attention(x, x, x, causal=causal)),
+                     attnx.softmax_attention(x_np, x_np, x_np, causal=causal), np.float64)
+        assert_close(compute(ad.linear_attention(x, x, x, causal=causal)),
+                     attnx.linear_attention(x_np, x_np, x_np, causal=causal), np.float64)
+    assert_close(compute(ad.cosformer_attention(x, x, x)),
+                 attnx.cosformer_attention(x_np, x_np, x_np), np.float64)
+
+
+def test_nan_stays_in_its_rows():
+    rng = np.random.default_rng(17)
+    q, k, v = qkv(rng, (1,), 8, 12, 4, 3)
+    q[0, 2, 1] = np.nan
+    got, lse = compute(*ad.softmax_attention(*split(q, k, v, (1,), 4, 4), return_lse=True))
+    assert np.isnan(got[0, 2]).all() and np.isnan(lse[0, 2])
+    rows = np.arange(8) != 2
+    assert_close(got[:, rows], attnx.softmax_attention(q, k, v)[:, rows], np.float64)
+
+
 @given(data=st.data())
 @HYP
 def test_softmax_chunkings_hypothesis(data):
