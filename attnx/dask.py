@@ -325,29 +325,40 @@ def _softmax_part(function, options, geometry, want_lse, upcast, q, k, v, mask, 
     return full, full_lse
 
 
-def _softmax_merge(shape, out_dtype, lse_dtype, want_lse, parts):
-    """The exact combination of a query chunk's partial (out, lse): weights
-    exp(lse_c - lse) with lse = log sum_c exp(lse_c); rows that see no key
-    in any part stay zeros with lse -inf."""
-    if not parts:
-        out = np.zeros(shape, out_dtype)
-        lse = np.full(shape[:-1], -np.inf, lse_dtype)
-    elif len(parts) == 1:
-        out, lse = parts[0]
+def _softmax_combine(*parts):
+    """The exact combination of partial (out, lse) pairs over disjoint key
+    sets: weights exp(lse_c - lse) with lse = log sum_c exp(lse_c); rows
+    that see no key in any part stay zeros with lse -inf (never NaN)."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = [lse for _, lse in parts]
+    top = functools.reduce(np.maximum, lses)
+    top = np.where(np.isneginf(top), 0, top)  # no key anywhere: every weight 0
+    weights = [np.exp(lse - top) for lse in lses]
+    total = functools.reduce(np.add, weights)
+    out = functools.reduce(np.add, (w[..., None] * part for w, (part, _) in zip(weights, parts)))
+    with np.errstate(divide="ignore"):
+        out /= np.where(total > 0, total, 1)[..., None]
+        lse = top + np.log(total)
+    return out, lse
+
+
+def _softmax_finish(shape, out_dtype, lse_dtype, want_lse, *parts):
+    """A query chunk's result from its last partials (zeros and lse -inf
+    when it sees no key chunk), in the dtypes of the single call"""
+    if parts:
+        out, lse = _softmax_combine(*parts)
     else:
-        lses = [lse for _, lse in parts]
-        top = functools.reduce(np.maximum, lses)
-        top = np.where(np.isneginf(top), 0, top)  # no key anywhere: every weight 0
-        weights = [np.exp(lse - top) for lse in lses]
-        total = functools.reduce(np.add, weights)
-        out = functools.reduce(np.add, (w[..., None] * part for w, (part, _) in zip(weights, parts)))
-        with np.errstate(divide="ignore"):
-            out /= np.where(total > 0, total, 1)[..., None]
-            lse = top + np.log(total)
+        out, lse = np.zeros(shape, out_dtype), np.full(shape[:-1], -np.inf, lse_dtype)
     out = np.broadcast_to(out, shape).astype(out_dtype, copy=False)
     if not want_lse:
         return out
     return out, np.broadcast_to(lse, shape[:-1]).astype(lse_dtype, copy=False)
+
+
+# partials of a query chunk merged this many at a time (a tree), so that a
+# merge holds a few blocks however many key chunks there are
+_MERGE_FAN_IN = 8
 
 
 def _softmax_graph(function, front, q, k, v, mask, bias, options, causal, window, return_lse):
@@ -371,6 +382,7 @@ def _softmax_graph(function, front, q, k, v, mask, bias, options, causal, window
 
     token = tokenize(front, [a.name for a in x.values()], options, causal, window, return_lse)
     part_name, merged_name = f"{front}-part-{token}", f"{front}-{token}"
+    combine_name = f"{front}-combine-{token}"
     layer = {}
     for lead_index in _lead_blocks(ops):
         for qi in range(len(ops.chunks["n"])):
@@ -391,11 +403,20 @@ def _softmax_graph(function, front, q, k, v, mask, bias, options, causal, window
                 parts.append(key)
             shape = _lead_chunk_shape(ops, lead_index) + (b - a, e)
             merged_key = (merged_name,) + lead_index + (qi, 0)
-            if many_keys or not parts:
-                layer[merged_key] = (functools.partial(_softmax_merge, shape, out_dtype,
-                                                       lse_dtype, return_lse), parts)
-            else:  # one key chunk: the block's call is the result
+            if not many_keys and parts:  # one key chunk: the block's call is the result
                 layer[merged_key] = layer.pop(parts[0])
+                continue
+            level = 0
+            while len(parts) > _MERGE_FAN_IN:
+                groups = [parts[i:i + _MERGE_FAN_IN] for i in range(0, len(parts), _MERGE_FAN_IN)]
+                parts = []
+                for g, group in enumerate(groups):
+                    key = (combine_name,) + lead_index + (qi, level, g)
+                    layer[key] = (_softmax_combine,) + tuple(group)
+                    parts.append(key)
+                level += 1
+            layer[merged_key] = (functools.partial(_softmax_finish, shape, out_dtype, lse_dtype,
+                                                   return_lse),) + tuple(parts)
     lead_chunks = tuple(ops.chunks[axis] for axis in range(ops.lead))
     out_chunks = lead_chunks + (ops.chunks["n"], (e,))
     deps = list(x.values())

@@ -180,6 +180,20 @@ def test_unseen_key_chunks_are_never_computed():
     assert_close(got, attnx.softmax_attention(q2, k, v, causal=True), np.float64)
 
 
+def test_many_key_chunks_merge_as_a_tree():
+    """20 key chunks: partials merged a few at a time, same result"""
+    rng = np.random.default_rng(18)
+    q, k, v = qkv(rng, (2,), 6, 100, 4, 3)
+    mask = rng.random((2, 6, 100)) < 0.3
+    out, lse = ad.softmax_attention(*split(q, k, v, (1,), 3, 5), mask=mask, return_lse=True)
+    combines = [key for key in dict(out.__dask_graph__()) if "-combine-" in key[0]]
+    assert len(combines) == 2 * 2 * 3  # per block: 20 partials -> 3 groups
+    want, want_lse = ref.softmax_attention(q, k, v, mask=mask, return_lse=True)
+    got, got_lse = compute(out, lse)
+    assert_close(got, want, np.float64)
+    lse_equal(got_lse, want_lse)
+
+
 def test_one_array_as_queries_keys_and_values():
     """self-attention: the same dask array as q, k and v, whose blocks serve
     as query blocks and as key blocks"""
