@@ -562,8 +562,11 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
     elif front == "efficient":
         mode = "direct"
         ops.chunks["m"] = (m,)
-    elif causal:
+    elif causal and len(ops.chunks["n"]) > 1:
         mode = "causal"
+    elif causal:
+        mode = "direct"  # one query chunk: one call over every key
+        ops.chunks["m"] = (m,)
     elif len(ops.chunks["m"]) == 1 and (front != "cosformer" or len(ops.chunks["n"]) == 1):
         mode = "direct"
     else:
@@ -616,21 +619,28 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
         state_dtype = _compute_dtype(dtypes["q"], dtypes["k"], dtypes["v"])
         k_starts = _starts(ops.chunks["m"])
         summary_name, state_name = f"{front}-summary-{token}", f"{front}-state-{token}"
+        key_names = [name for name in ("k", "v", "key_mask") if name in x]
         for lead_index in _lead_blocks(ops):
+            # summaries and states belong to the key blocks: made once for
+            # every leading block that shares them (the query groups of GQA)
+            key_lead = tuple(i if any(x[name].numblocks[axis] > 1 for name in key_names) else 0
+                             for axis, i in enumerate(lead_index))
             summaries = []
-            for ki in range(len(ops.chunks["m"])):
+            for ki in range(len(ops.chunks["m"]) if mode == "summaries" else n_chunks):
+                # causal: the segments after the last query chunk's own enter
+                # no incoming state
+                key = (summary_name,) + key_lead + (ki,)
+                summaries.append(key)
+                if key in layer:
+                    continue
                 zero = None if r is None else (np.zeros((r, e), state_dtype),
                                                np.zeros(r, state_dtype), k_starts[ki])
-                key = (summary_name,) + lead_index + (ki,)
                 layer[key] = (functools.partial(_linear_summary, front, summary_options,
                                                 dtypes["q"], zero),
                               ) + keys_of(lead_index, 0, ki, ("k", "v", "key_mask"))
-                summaries.append(key)
-                if mode == "causal" and ki == n_chunks - 1:
-                    break  # the later segments enter no incoming state
             empty = (dtypes["k"], dtypes["v"])
             if mode == "summaries":
-                total = (state_name,) + lead_index
+                total = (state_name,) + key_lead
                 layer[total] = (_add_states,) + tuple(summaries)
                 for qi in range(n_chunks):
                     layer[(out_name,) + lead_index + (qi, 0)] = (
@@ -643,7 +653,7 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
             incoming = summaries[0]
             for qi in range(n_chunks):
                 if qi:
-                    incoming_key = (state_name,) + lead_index + (qi,)
+                    incoming_key = (state_name,) + key_lead + (qi,)
                     layer[incoming_key] = (_add_states, incoming, summaries[qi])
                     incoming = incoming_key
                 layer[(out_name,) + lead_index + (qi, 0)] = (

@@ -496,11 +496,25 @@ def test_causal_linear_graph_runs_chunks_in_parallel():
     graph = dict(out.__dask_graph__())
     outputs = [key for key in graph if key[0] == out.name]
     assert len(outputs) == 4
-    summaries = [key for key in graph if "summary" in key[0]]
+    summaries = [key for key in graph if "-summary-" in key[0]]
     assert len(summaries) == 4  # the keys before the first chunk (none) and 3 chunks
     deps = out.__dask_graph__().get_all_dependencies()
     for key in outputs:
         assert not any(dep[0] == out.name for dep in deps[key])
+
+
+def test_linear_summaries_are_shared_by_query_groups():
+    """GQA: the key summaries and states of a (B, Hkv) block are computed
+    once for all the query-group chunks that use them"""
+    rng = np.random.default_rng(29)
+    q = make(rng, (1, 2, 4, 12, 4))
+    k, v = make(rng, (1, 2, 1, 12, 4)), make(rng, (1, 2, 1, 12, 3))
+    for causal in [False, True]:
+        out = ad.linear_attention(chunked(q, (1, 1, 1, 4, 4)), chunked(k, (1, 1, 1, 4, 4)),
+                                  chunked(v, (1, 1, 1, 4, 3)), causal=causal)
+        summaries = [key for key in dict(out.__dask_graph__()) if "-summary-" in key[0]]
+        assert len(summaries) == 2 * 3  # 2 key heads x 3 key chunks (causal: 3 segments)
+        assert_close(compute(out), attnx.linear_attention(q, k, v, causal=causal), np.float64)
 
 
 def test_linear_float32_with_key_chunks():
