@@ -35,7 +35,6 @@ is no ``out=`` and no streaming state (``initial_state``, ``return_state``).
 """
 import functools
 import itertools
-import math
 import operator
 
 import numpy as np

@@ -1,7 +1,9 @@
 """attnx.dask from one worker to two: the same graph on a LocalCluster of one
 worker process and on one of two (one thread each, attnx.set_num_threads(1)
 in every worker), rounds interleaved, median wall time of each and the
-speed-up. The inputs are made and kept on the workers (persisted) and the
+speed-up, and the share of the wall time each worker spent computing
+tasks (near 100% on both: the graph keeps both busy, and the speed-up is
+what the cores give). The inputs are made and kept on the workers (persisted) and the
 result stays there too (persist, then wait), so a round times the attention
 and the scheduling, not moving arrays to and from this process.
 
@@ -67,6 +69,16 @@ def one_round(client, attend, arrays):
     return elapsed
 
 
+def busy_fractions(task_stream, wall_seconds):
+    """per worker, the seconds its tasks computed over the rounds' wall time"""
+    busy = {}
+    for task in task_stream:
+        for span in task["startstops"]:
+            if span["action"] == "compute":
+                busy[task["worker"]] = busy.get(task["worker"], 0.0) + span["stop"] - span["start"]
+    return [seconds / wall_seconds for seconds in busy.values()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -76,10 +88,12 @@ def main():
     parser.add_argument("--variant", choices=("softmax", "linear"), default="softmax")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    # no start and stop lines from the scheduler, nannies and workers
-    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
+    # no start and stop lines (nor a late heartbeat at shutdown) from the
+    # scheduler, nannies and workers
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
 
     import dask
+    from dask.distributed import get_task_stream
 
     import attnx.dask
 
@@ -98,9 +112,14 @@ def main():
         for workers, (_, client) in setups.items():  # warm up: imports, first calls
             one_round(client, attend, data[workers])
         times = {1: [], 2: []}
+        streams = {workers: get_task_stream(client) for workers, (_, client) in setups.items()}
+        for stream in streams.values():
+            stream.__enter__()
         for _ in range(args.rounds):
             for workers, (_, client) in setups.items():
                 times[workers].append(one_round(client, attend, data[workers]))
+        for stream in streams.values():
+            stream.__exit__(None, None, None)
     finally:
         for cluster, client in setups.values():
             client.close()
@@ -110,9 +129,14 @@ def main():
     for workers, t in times.items():
         print(f"{workers} worker{'s' if workers > 1 else ' '}: median {medians[workers] * 1e3:8.1f} ms"
               f"   (rounds: {', '.join(f'{x * 1e3:.0f}' for x in t)})")
+    for workers, stream in streams.items():
+        busy = busy_fractions(stream.data, sum(times[workers]))
+        print(f"{workers} worker{'s' if workers > 1 else ' '}: share of the wall time each worker "
+              f"spent in tasks: {', '.join(f'{b:.0%}' for b in busy)}")
     ratios = [one / two for one, two in zip(times[1], times[2])]
     print(f"speed-up 1 -> 2 workers: {medians[1] / medians[2]:.2f}x "
-          f"(ratio of medians; per-round ratios median {statistics.median(ratios):.2f}x)")
+          f"(ratio of medians; per-round ratios median {statistics.median(ratios):.2f}x; "
+          f"fastest rounds {min(times[1]) / min(times[2]):.2f}x)")
 
 
 if __name__ == "__main__":
