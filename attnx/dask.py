@@ -264,6 +264,8 @@ def _block_geometry(rows, keys, low, high):
     last row's reach (kb <= b + high) and the rows past the last key's reach
     (b <= kb - low) makes both sides >= 0."""
     (a, b), (ka, kb) = rows, keys
+    if low is not None and high is not None and low > high:
+        return None  # e.g. upper-left causal with a window ahead of the diagonal
     for _ in range(2):  # trimming rows can free keys once more
         if high is not None:
             kb = min(kb, b + high)

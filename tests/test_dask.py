@@ -27,7 +27,7 @@ from helpers import assert_close, hypothesis_settings, make, qkv  # noqa: E402
 
 HYP = hypothesis_settings(40)
 CAUSAL = [False, True, "upper_left"]
-WINDOWS = [None, 3, (0, 2), (4, None), (None, 1), (0, 0)]
+WINDOWS = [None, 3, (0, 2), (4, None), (None, 1), (0, 0), (2, 0)]
 
 
 def compute(*arrays, scheduler="sync"):
