@@ -266,7 +266,9 @@ def _block_geometry(rows, keys, low, high):
     (a, b), (ka, kb) = rows, keys
     if low is not None and high is not None and low > high:
         return None  # e.g. upper-left causal with a window ahead of the diagonal
-    for _ in range(2):  # trimming rows can free keys once more
+    # two passes: after the first, b <= kb - low; the second's kb <= b + high
+    # then moves b no more when low <= high (kb - low >= b + high - low >= b)
+    for _ in range(2):
         if high is not None:
             kb = min(kb, b + high)
             a = max(a, ka - high)

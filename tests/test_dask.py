@@ -112,6 +112,47 @@ def test_softmax_mask_and_bias_sliced_with_blocks(mask_shape, as_dask):
     lse_equal(got_lse, want_lse)
 
 
+def test_block_geometry_gives_exactly_the_band():
+    """every block of small sequences under every band of j - i: the
+    trimmed block holds every visible pair, and a call on it alone with
+    the window given (centred on i' + m' - n') sees exactly those pairs"""
+    from attnx.dask import _block_geometry
+
+    sides = [None, -3, -1, 0, 1, 2, 5]
+    for low in sides:
+        for high in sides:
+            for a in range(5):
+                for b in range(a + 1, 6):
+                    for ka in range(5):
+                        for kb in range(ka + 1, 6):
+                            visible = {(i, j) for i in range(a, b) for j in range(ka, kb)
+                                       if (low is None or j - i >= low) and
+                                       (high is None or j - i <= high)}
+                            found = _block_geometry((a, b), (ka, kb), low, high)
+                            if found is None:
+                                assert not visible, (low, high, a, b, ka, kb)
+                                continue
+                            ga, gb, gka, gkb, left, right = found
+                            assert (left is None or left >= 0) and (right is None or right >= 0)
+                            centre = (gkb - gka) - (gb - ga)
+                            seen = {(i, j) for i in range(ga, gb) for j in range(gka, gkb)
+                                    if (left is None or j - gka >= i - ga + centre - left) and
+                                    (right is None or j - gka <= i - ga + centre + right)}
+                            assert seen == visible, (low, high, a, b, ka, kb, found)
+
+
+def test_upper_left_with_a_window_past_the_diagonal_sees_nothing():
+    rng = np.random.default_rng(19)
+    q, k, v = qkv(rng, (1,), 4, 8, 3, 2)  # keys from i + 1 on, but j <= i: none
+    for chunks in [(4, 8), (2, 3)]:
+        got, lse = compute(*ad.softmax_attention(*split(q, k, v, (1,), *chunks), window=3,
+                                                 causal="upper_left", return_lse=True))
+        assert np.all(got == 0) and np.all(np.isneginf(lse))
+        got = compute(ad.linear_attention(*split(q, k, v, (1,), *chunks), window=3,
+                                          causal="upper_left"))
+        assert np.all(got == 0)
+
+
 def test_rows_that_see_nothing_in_some_or_all_key_chunks():
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, (2,), 8, 12, 4, 3)
