@@ -35,6 +35,7 @@ is no ``out=`` and no streaming state (``initial_state``, ``return_state``).
 """
 import functools
 import itertools
+import math
 import operator
 
 import numpy as np
@@ -89,6 +90,9 @@ class _Operands:
         for name, x in raw.items():
             if not isinstance(x, da.Array):
                 raw[name] = np.asarray(x)
+            elif any(math.isnan(size) for sizes in x.chunks for size in sizes):
+                raise ValueError(f"{name} has chunks of unknown size {x.chunks}; call "
+                                 f"{name}.compute_chunk_sizes() first")
         # pad masks, biases and key masks to their core rank (numpy broadcasting)
         for name, x in raw.items():
             core = len(roles[name])

@@ -357,6 +357,15 @@ def test_mismatched_chunks_are_refused():
                              mask=chunked(np.ones((6, 6), bool), (2, 6)))
 
 
+def test_unknown_chunk_sizes_are_refused():
+    rng = np.random.default_rng(32)
+    q, k, v = qkv(rng, (4,), 6, 6, 3, 2)
+    qd = chunked(q, (2, 3, 3))
+    unknown = qd[qd[:, 0, 0] > -10]  # boolean indexing: sizes known only when computed
+    with pytest.raises(ValueError, match=r"q has chunks of unknown size .*compute_chunk_sizes"):
+        ad.softmax_attention(unknown, k, v)
+
+
 def test_bad_shapes_and_options_are_refused_at_once():
     rng = np.random.default_rng(15)
     q, k, v = qkv(rng, (4,), 6, 7, 3, 2)
