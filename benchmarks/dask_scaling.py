@@ -3,7 +3,8 @@ worker process and on one of two (one thread each, attnx.set_num_threads(1)
 in every worker), rounds interleaved, median wall time of each and the
 speed-up, and the share of the wall time each worker spent computing
 tasks (near 100% on both: the graph keeps both busy, and the speed-up is
-what the cores give). The inputs are made and kept on the workers (persisted) and the
+what the cores give) with the CPU time the workers used and the cores that
+amounts to (what the machine's other processes left them). The inputs are made and kept on the workers (persisted) and the
 result stays there too (persist, then wait), so a round times the attention
 and the scheduling, not moving arrays to and from this process.
 
@@ -69,6 +70,11 @@ def one_round(client, attend, arrays):
     return elapsed
 
 
+def cpu_seconds(client):
+    """CPU seconds the cluster's worker processes have used so far"""
+    return sum(client.run(time.process_time).values())
+
+
 def busy_fractions(task_stream, wall_seconds):
     """per worker, the seconds its tasks computed over the rounds' wall time"""
     busy = {}
@@ -113,6 +119,7 @@ def main():
             one_round(client, attend, data[workers])
         times = {1: [], 2: []}
         streams = {workers: get_task_stream(client) for workers, (_, client) in setups.items()}
+        cpu = {workers: -cpu_seconds(client) for workers, (_, client) in setups.items()}
         for stream in streams.values():
             stream.__enter__()
         for _ in range(args.rounds):
@@ -120,6 +127,8 @@ def main():
                 times[workers].append(one_round(client, attend, data[workers]))
         for stream in streams.values():
             stream.__exit__(None, None, None)
+        for workers, (_, client) in setups.items():
+            cpu[workers] += cpu_seconds(client)
     finally:
         for cluster, client in setups.values():
             client.close()
@@ -132,7 +141,9 @@ def main():
     for workers, stream in streams.items():
         busy = busy_fractions(stream.data, sum(times[workers]))
         print(f"{workers} worker{'s' if workers > 1 else ' '}: share of the wall time each worker "
-              f"spent in tasks: {', '.join(f'{b:.0%}' for b in busy)}")
+              f"spent in tasks: {', '.join(f'{b:.0%}' for b in busy)}; CPU time of the workers "
+              f"{cpu[workers] / args.rounds * 1e3:.0f} ms a round, "
+              f"{cpu[workers] / sum(times[workers]):.2f} cores obtained")
     ratios = [one / two for one, two in zip(times[1], times[2])]
     print(f"speed-up 1 -> 2 workers: {medians[1] / medians[2]:.2f}x "
           f"(ratio of medians; per-round ratios median {statistics.median(ratios):.2f}x; "
