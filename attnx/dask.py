@@ -23,15 +23,21 @@ How the work is split:
   call gets a window shifted to the block's place), masks and biases are
   sliced with the block, and key chunks no query of a query chunk can see
   are never computed.
-* Key axis, kernelised family: each key chunk's summary (S, z), summed, then
-  applied to each query chunk; causal: the summaries of the sequence chunks
+* Key axis, kernelised family, non-causal: each key chunk's summary
+  (S, z) = (sum_j psi(k_j) v_j^T, sum_j psi(k_j)), summed, then applied to
+  each query chunk. Causal: the key axis is rechunked to follow the query
+  chunks (query chunk [a, b) takes the keys [a + m - n, b + m - n) with the
+  lower-right mask, [a, b) with upper-left); the summaries of the segments
   before a chunk give its incoming state (an exclusive prefix sum), so the
-  chunks run in parallel. The key axis is rechunked to follow the query
-  chunks (the keys query chunk [a, b) sees first: [a + m - n, b + m - n)
-  for the lower-right causal mask, [a, b) for upper-left).
+  chunks run in parallel. cosFormer blocks keep their global positions.
+* One chunk where a variant cannot be split: the key axis of efficient
+  attention (its key softmax runs over the whole sequence) and of the
+  linear family under mask= or window= (the quadratic form; cosFormer's
+  query axis too).
 
 The feature axes d and e are always made one chunk. Results are lazy; there
-is no ``out=`` and no streaming state (``initial_state``, ``return_state``).
+is no ``out=`` and no streaming state (``initial_state``, ``return_state``:
+the chunks pass states among themselves).
 """
 import functools
 import itertools
