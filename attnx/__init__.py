@@ -30,6 +30,7 @@ _C = _load_extension()
 from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
 from ._grad import Gradients, vjp
 from ._inspect import attention_weights, similarity
+from . import layouts
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -60,6 +61,7 @@ __all__ = [
     "sinusoidal_positions",
     "rotary",
     "rotary_backward",
+    "layouts",
     "Gradients",
     "vjp",
     "get_num_threads",
