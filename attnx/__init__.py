@@ -31,6 +31,7 @@ from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_at
 from ._grad import Gradients, vjp
 from ._inspect import attention_weights, similarity
 from . import layouts
+from ._systems import block_sparse_attention
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -61,6 +62,7 @@ __all__ = [
     "sinusoidal_positions",
     "rotary",
     "rotary_backward",
+    "block_sparse_attention",
     "layouts",
     "Gradients",
     "vjp",

@@ -1,0 +1,105 @@
+"""Block-sparse attention with about 10% of its blocks active beside dense
+softmax attention, in one run (median wall times of interleaved rounds);
+and the Python time block_sparse_attention spends per run of query blocks.
+
+    python benchmarks/block_sparse.py [--n 4096,8192] [--block-size 128] [--rounds 5] [--json FILE]
+
+Layouts at block size bs (nb = n / bs blocks per side):
+* random: each query block sees its own key block and round(0.1 nb) - 1
+  others drawn at random (a different set per row: keys gathered);
+* local: attnx.layouts.local(nb, w) with w chosen for ~10% (a band: keys
+  read in place);
+* bigbird: attnx.layouts.bigbird(nb, w, 1, r) for ~10%.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import attnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Settings, measure  # noqa: E402
+
+
+def random_layout(nb, rng, density=0.1):
+    per_row = max(1, round(density * nb))
+    layout = np.eye(nb, dtype=bool)
+    for row in range(nb):
+        others = np.delete(np.arange(nb), row)
+        layout[row, rng.choice(others, per_row - 1, replace=False)] = True
+    return layout
+
+
+def layouts_for(nb, rng):
+    window = max(0, round(0.1 * nb - 1) // 2)
+    random_blocks = max(0, round(0.1 * nb) - 4)  # beside 3 window blocks and 1 global
+    return {
+        "random": random_layout(nb, rng),
+        "local": attnx.layouts.local(nb, window),
+        "bigbird": attnx.layouts.bigbird(nb, 1, 1, random_blocks, seed=0),
+    }
+
+
+def overhead_per_run_us(repeats=20):
+    """Time per softmax call of block_sparse_attention at a size where the
+    kernel's own work is tiny (1 head, d = 4, block size 1): the Python cost
+    per run of query blocks (slicing, the call's argument handling)."""
+    n = 256
+    q, k, v = (np.random.default_rng(i).standard_normal((n, 4)) for i in range(3))
+    layout = np.eye(n, dtype=bool)
+    layout[:, 0] = True  # every row differs from the next: n runs, keys gathered
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        attnx.block_sparse_attention(q, k, v, layout, 1)
+        best = min(best, time.perf_counter() - start)
+    return best / n * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", default="4096,8192")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    results = []
+    print(f"float32, batch 1, {args.heads} heads, d = e = {args.d}, block size {args.block_size}, "
+          f"{attnx.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'n':>6s} {'layout':8s} {'active':>7s} {'median ms':>10s} {'dense ms':>9s} {'ratio':>6s}")
+    for n in map(int, args.n.split(",")):
+        q, k, v = (rng.standard_normal((1, args.heads, n, args.d), dtype=np.float32) for _ in range(3))
+        nb = -(-n // args.block_size)
+        layouts = layouts_for(nb, rng)
+        calls = {"dense": lambda: attnx.softmax_attention(q, k, v)}
+        for name, layout in layouts.items():
+            calls[name] = (lambda layout=layout: attnx.block_sparse_attention(q, k, v, layout, args.block_size))
+        stats, first, failures = measure(calls, Settings(min_rounds=args.rounds, max_rounds=args.rounds))
+        if failures:
+            raise SystemExit(f"failed: {failures}")
+        dense = stats["dense"].median
+        for name, layout in layouts.items():
+            s = stats[name]
+            print(f"{n:6d} {name:8s} {layout.mean():7.1%} {s.median * 1e3:10.1f} {dense * 1e3:9.1f} "
+                  f"{s.median / dense:6.3f}")
+            results.append(dict(n=n, layout=name, active=float(layout.mean()), median_s=s.median,
+                                dense_median_s=dense, ratio=s.median / dense,
+                                samples_s=s.samples, dense_samples_s=stats["dense"].samples))
+    overhead = overhead_per_run_us()
+    print(f"Python time per run of query blocks (one softmax call each): {overhead:.1f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(block_size=args.block_size, heads=args.heads, d=args.d,
+                           threads=attnx.get_num_threads(), results=results,
+                           overhead_per_run_us=overhead), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

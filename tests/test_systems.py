@@ -1,0 +1,191 @@
+"""Block-sparse, Linformer, pooled and multi-head attention against plain
+numpy float64 references (and torch.nn.MultiheadAttention)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnx
+from attnx import _systems
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference as ref  # noqa: E402
+from helpers import assert_close, hypothesis_settings, vscale  # noqa: E402
+
+HYP = hypothesis_settings(60)
+
+
+def expanded_mask(layout, block_size, n, m):
+    """kron(layout, ones(bs, bs))[..., :n, :m], built by a loop over tokens."""
+    layout = np.asarray(layout)
+    out = np.zeros(layout.shape[:-2] + (n, m), dtype=bool)
+    for i in range(n):
+        for j in range(m):
+            out[..., i, j] = layout[..., i // block_size, j // block_size]
+    return out
+
+
+def lse_close(got, want, dtype):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    assert_close(got[finite], want[finite], dtype, scale=vscale(want))
+
+
+# --------------------------------------------------------------------------
+# block-sparse attention
+# --------------------------------------------------------------------------
+
+@HYP
+@given(n=st.integers(1, 40), m=st.integers(1, 40), block_size=st.integers(1, 9),
+       d=st.integers(1, 6), e=st.integers(1, 5), density=st.floats(0, 1),
+       causal=st.sampled_from([False, True, "upper_left"]),
+       window=st.sampled_from([None, 3, (0, 2), (None, 1), (5, None)]),
+       with_mask=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_block_sparse_equals_softmax_under_the_expanded_mask(n, m, block_size, d, e, density, causal,
+                                                             window, with_mask, with_bias, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((2, n, d)), rng.standard_normal((2, m, d)), rng.standard_normal((2, m, e))
+    layout = rng.random((-(-n // block_size), -(-m // block_size))) < density
+    mask = rng.random((2, n, m)) < 0.8 if with_mask else None
+    bias = rng.standard_normal((1, n, m)) if with_bias else None
+    options = dict(causal=causal, window=window, bias=bias)
+    got, lse = attnx.block_sparse_attention(q, k, v, layout, block_size, mask=mask, return_lse=True, **options)
+    full = expanded_mask(layout, block_size, n, m)
+    want, want_lse = ref.softmax_attention(q, k, v, mask=full if mask is None else full & mask,
+                                           return_lse=True, **options)
+    assert_close(got, want, np.float64, scale=vscale(v))
+    lse_close(lse, want_lse, np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_block_sparse_per_head_layouts_and_grouped_heads(dtype):
+    # a layout per query head (B, Hkv, g, nb, nb) with keys shared by each group
+    rng = np.random.default_rng(1)
+    B, Hkv, g, n, d, bs = 2, 2, 3, 37, 8, 5
+    q = rng.standard_normal((B, Hkv, g, n, d)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, 1, n, d)).astype(dtype) for _ in range(2))
+    layout = rng.random((1, Hkv, g, 8, 8)) < 0.3
+    got = attnx.block_sparse_attention(q, k, v, layout, bs, causal=True)
+    assert got.dtype == dtype and got.shape == (B, Hkv, g, n, d)
+    want = ref.softmax_attention(q, k, v, mask=expanded_mask(layout, bs, n, n), causal=True)
+    assert_close(got, want, dtype, scale=vscale(v))
+
+
+def test_block_sparse_layout_with_more_leading_axes_than_the_inputs():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((12, 4)) for _ in range(3))
+    layout = np.stack([attnx.layouts.local(3, 0), attnx.layouts.local(3, 1)])[:, None]  # (2, 1, 3, 3)
+    got = attnx.block_sparse_attention(q, k, v, layout, 4)
+    assert got.shape == (2, 1, 12, 4)
+    want = ref.softmax_attention(q, k, v, mask=expanded_mask(layout, 4, 12, 12))
+    assert_close(got, want, np.float64)
+
+
+@pytest.mark.parametrize("make_layout", [
+    lambda nb: attnx.layouts.local(nb, 1),
+    lambda nb: attnx.layouts.strided(nb, 3),
+    lambda nb: attnx.layouts.fixed(nb, 4, 1),
+    lambda nb: attnx.layouts.longformer(nb, 1, 2),
+    lambda nb: attnx.layouts.bigbird(nb, 1, 1, 2, seed=3),
+])
+def test_block_sparse_with_each_layout_builder(make_layout):
+    rng = np.random.default_rng(3)
+    n, bs = 70, 8
+    q, k, v = (rng.standard_normal((2, n, 16)) for _ in range(3))
+    layout = make_layout(-(-n // bs))
+    for causal in (False, True):
+        got = attnx.block_sparse_attention(q, k, v, layout, bs, causal=causal)
+        want = ref.softmax_attention(q, k, v, mask=expanded_mask(layout, bs, n, n), causal=causal)
+        assert_close(got, want, np.float64)
+
+
+def test_block_sparse_computes_only_the_named_blocks(monkeypatch):
+    # count the query-key pairs handed to the softmax kernel
+    pairs = []
+    real = _systems._C.softmax_attention
+
+    class Counting:
+        def softmax_attention(self, q, k, v, **options):
+            pairs.append(q.shape[-2] * k.shape[-2])
+            return real(q, k, v, **options)
+
+    monkeypatch.setattr(_systems, "_C", Counting())
+    rng = np.random.default_rng(4)
+    n, bs = 256, 16
+    q, k, v = (rng.standard_normal((n, 8)) for _ in range(3))
+    layout = attnx.layouts.bigbird(n // bs, 1, 1, 2, seed=0)
+    attnx.block_sparse_attention(q, k, v, layout, bs)
+    assert sum(pairs) == layout.sum() * bs * bs
+    pairs.clear()
+    # causal: blocks above the diagonal are skipped as well
+    attnx.block_sparse_attention(q, k, v, layout, bs, causal=True)
+    assert sum(pairs) == np.tril(layout).sum() * bs * bs
+    pairs.clear()
+    # a window of 20 tokens reaches at most 3 key blocks of a query block of 16 rows
+    attnx.block_sparse_attention(q, k, v, np.ones((16, 16), bool), bs, window=(20, 0))
+    assert sum(pairs) == (3 * 16 - 2 - 1) * bs * bs
+
+
+def test_block_sparse_rows_without_blocks_are_zero():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((10, 4)) for _ in range(3))
+    layout = np.array([[True, False], [False, False]])
+    out, lse = attnx.block_sparse_attention(q, k, v, layout, 5, return_lse=True)
+    np.testing.assert_array_equal(out[5:], 0)
+    assert np.all(np.isneginf(lse[5:])) and np.all(np.isfinite(lse[:5]))
+
+
+def test_block_sparse_out_inputs_unchanged_and_views():
+    rng = np.random.default_rng(6)
+    base = rng.standard_normal((3, 40, 2, 8))
+    q = k = v = base.transpose(0, 2, 1, 3)  # strided (3, 2, 40, 8)
+    kept = base.copy()
+    layout = attnx.layouts.strided(5, 2)
+    out_base = np.zeros((3, 40, 2, 8))
+    out = out_base.transpose(0, 2, 1, 3)
+    result = attnx.block_sparse_attention(q, k, v, layout, 8, out=out)
+    assert result is out
+    np.testing.assert_array_equal(base, kept)
+    want = ref.softmax_attention(q, k, v, mask=expanded_mask(layout, 8, 40, 40))
+    assert_close(out, want, np.float64)
+
+
+def test_block_sparse_empty_sizes():
+    q, k, v = np.zeros((2, 0, 4)), np.zeros((2, 5, 4)), np.zeros((2, 5, 3))
+    assert attnx.block_sparse_attention(q, k, v, np.ones((0, 2), bool), 4).shape == (2, 0, 3)
+    q = np.ones((2, 5, 4))
+    out = attnx.block_sparse_attention(q, k[:, :0], v[:, :0], np.ones((2, 0), bool), 4)
+    np.testing.assert_array_equal(out, np.zeros((2, 5, 3)))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(layout=np.ones((3, 3))), TypeError, "layout must be a boolean array"),
+    (dict(layout=np.ones((2, 3), bool)), ValueError, r"must broadcast to \(\.\.\., 3, 3\)"),
+    (dict(layout=np.ones(3, bool)), ValueError, "layout must have at least 2 dimensions"),
+    (dict(block_size=0), ValueError, "block_size must be at least 1"),
+    (dict(block_size=2.0), TypeError, "block_size must be an integer"),
+    (dict(causal="sideways"), ValueError, "causal must be"),
+    (dict(window=-1), ValueError, "window must be at least 0"),
+    (dict(mask=np.ones((10, 10))), TypeError, "mask must be a boolean array"),
+    (dict(mask=np.ones((4, 10), bool)), ValueError, "mask of shape"),
+    (dict(layout=np.ones((5, 3, 3), bool)), ValueError, "leading axes"),
+    (dict(out=np.zeros((2, 10, 4), np.float32)), ValueError, "out must be an array of shape"),
+    (dict(k=np.zeros((2, 10, 3))), ValueError, "k's last axis"),
+])
+def test_block_sparse_bad_arguments(kwargs, error, match):
+    rng = np.random.default_rng(7)
+    arguments = dict(q=rng.standard_normal((2, 10, 4)), k=rng.standard_normal((2, 10, 4)),
+                     v=rng.standard_normal((2, 10, 4)), layout=np.ones((3, 3), bool), block_size=4)
+    arguments.update(kwargs)
+    with pytest.raises(error, match=match):
+        attnx.block_sparse_attention(**arguments)
+
+
+def test_block_sparse_complex_input_raises():
+    with pytest.raises(TypeError, match="real numbers"):
+        attnx.block_sparse_attention(np.ones((4, 2), complex), np.ones((4, 2)), np.ones((4, 2)),
+                                     np.ones((1, 1), bool), 4)
