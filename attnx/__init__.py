@@ -32,7 +32,7 @@ from ._grad import Gradients, vjp
 from ._softmax import gaussian_attention_backward, softmax_attention_backward
 from ._inspect import attention_weights, similarity
 from . import layouts
-from ._systems import block_sparse_attention
+from ._systems import block_sparse_attention, block_sparse_attention_backward
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -66,6 +66,7 @@ __all__ = [
     "rotary",
     "rotary_backward",
     "block_sparse_attention",
+    "block_sparse_attention_backward",
     "layouts",
     "Gradients",
     "vjp",

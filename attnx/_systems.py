@@ -7,6 +7,8 @@ import math
 import numpy as np
 
 from . import _C
+from ._grad import Gradients, register_vjp
+from ._softmax import _finish, _grad_dtype, softmax_attention_backward
 
 _CAUSAL_MODES = {False: None, True: "lower_right", "lower_right": "lower_right", "upper_left": "upper_left"}
 
@@ -132,6 +134,11 @@ class _BlockPlan:
                 key[axis - pad] = i if x.shape[axis - pad] != 1 else 0
         return x[tuple(key)]
 
+    @staticmethod
+    def call_ndim(*inputs):
+        """The number of axes of a softmax call's result over these inputs."""
+        return len(np.broadcast_shapes(*(x.shape[:-2] for x in inputs if x is not None))) + 2
+
     def slices(self):
         """(index, layout2d) for each slice of the layout's varying axes."""
         shape = tuple(self.lead[axis] for axis in self.varying)
@@ -209,6 +216,26 @@ def _check_pairwise(x, name, n, m):
     return x
 
 
+def _prepare(q, k, v, layout, block_size, causal, mask, bias, window):
+    q, k, v = _check_qkv(q, k, v)
+    n, m = q.shape[-2], k.shape[-2]
+    mask = _check_pairwise(mask, "mask", n, m)
+    bias = _check_pairwise(bias, "bias", n, m)
+    layout = np.asarray(layout)
+    try:
+        lead = np.broadcast_shapes(*(x.shape[:-2] for x in (q, k, v, layout, mask, bias) if x is not None))
+    except ValueError:
+        raise ValueError("the leading axes of q, k, v, layout, mask and bias do not broadcast: "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}, layout {layout.shape}") from None
+    return q, k, v, mask, bias, _BlockPlan(layout, block_size, lead, n, m, causal, window)
+
+
+def _trim(x, ndim):
+    """x without the leading size-1 axes beyond ndim (those only the
+    layout has): the shape a softmax call over the slice's inputs gives."""
+    return x[(0,) * (x.ndim - ndim)]
+
+
 def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=False, mask=None,
                            bias=None, window=None, out=None, return_lse=False):
     """Softmax attention restricted to a layout of blocks.
@@ -230,17 +257,8 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
     ``out=`` receives the result; ``return_lse=True`` also returns the
     log-sum-exp per query row. Rows that see no key are zeros (lse -inf).
     """
-    q, k, v = _check_qkv(q, k, v)
-    n, m, e = q.shape[-2], k.shape[-2], v.shape[-1]
-    mask = _check_pairwise(mask, "mask", n, m)
-    bias = _check_pairwise(bias, "bias", n, m)
-    layout_arr = np.asarray(layout)
-    try:
-        lead = np.broadcast_shapes(*(x.shape[:-2] for x in (q, k, v, layout_arr, mask, bias) if x is not None))
-    except ValueError:
-        raise ValueError("the leading axes of q, k, v, layout, mask and bias do not broadcast: "
-                         f"q {q.shape}, k {k.shape}, v {v.shape}, layout {layout_arr.shape}") from None
-    plan = _BlockPlan(layout_arr, block_size, lead, n, m, causal, window)
+    q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
+    n, m, e, lead = q.shape[-2], k.shape[-2], v.shape[-1], plan.lead
     dtype = _result_dtype(q, k, v)
     if out is None:
         out = np.empty(lead + (n, e), dtype=dtype)
@@ -254,12 +272,10 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
         q_i, k_i, v_i = (plan.select(x, index) for x in (q, k, v))
         mask_i, bias_i, out_i = (plan.select(x, index) for x in (mask, bias, out))
         lse_i = plan.select(lse, index, core=1)
-        # the calls' results lack the leading size-1 axes that only the layout has
-        call_ndim = len(np.broadcast_shapes(*(x.shape[:-2] for x in (q_i, k_i, v_i, mask_i, bias_i)
-                                              if x is not None))) + 2
-        out_i = out_i[(0,) * (out_i.ndim - call_ndim)]
+        call_ndim = plan.call_ndim(q_i, k_i, v_i, mask_i, bias_i)
+        out_i = _trim(out_i, call_ndim)
         if lse is not None:
-            lse_i = lse_i[(0,) * (lse_i.ndim - call_ndim + 1)]
+            lse_i = _trim(lse_i, call_ndim - 1)
         for rows, keys, token_mask in plan.runs(layout2d):
             if keys is None:
                 out_i[..., rows, :] = 0
@@ -280,3 +296,74 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
 
 def _take_keys(x, keys):
     return x[..., keys, :] if isinstance(keys, slice) else np.take(x, keys, axis=-2)
+
+
+def _scatter_add(target, rows, keys, grad):
+    """target[..., rows, keys] += grad for a bias gradient (size-1 axes of
+    the bias are not indexed, as in _gather)."""
+    if target.shape[-2] != 1:
+        target = target[..., rows, :]
+    if target.shape[-1] == 1:
+        target += grad
+    else:
+        target[..., keys] += grad
+
+
+def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size, *, scale=None,
+                                    causal=False, mask=None, bias=None, window=None,
+                                    bias_grad=False, dq=None, dk=None, dv=None):
+    """Gradients of ``sum(dout * block_sparse_attention(q, k, v, layout,
+    block_size, ...))``, with the forward's ``out`` and ``lse``
+    (``return_lse=True``) and options. Runs the forward's plan: one
+    softmax backward per run of query blocks over its key blocks alone,
+    the key and value gradients added into place. Returns
+    :class:`attnx.Gradients` (q, k, v, and bias when ``bias_grad=True``)."""
+    q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
+    n, e, lead = q.shape[-2], v.shape[-1], plan.lead
+    dout, out, lse = np.asarray(dout), np.asarray(out), np.asarray(lse)
+    for name, x, shape in (("dout", dout, lead + (n, e)), ("out", out, lead + (n, e)), ("lse", lse, lead + (n,))):
+        if x.shape != shape:
+            raise ValueError(f"{name} must have the shape of the forward's result {shape}, got {x.shape}")
+    compute = _result_dtype(q, k, v)
+    grads = [np.zeros(x.shape, _grad_dtype(x, compute)) for x in (q, k, v)]
+    grad_bias = np.zeros(bias.shape, _grad_dtype(bias, compute)) if bias_grad and bias is not None else None
+    for index, layout2d in plan.slices():
+        q_i, k_i, v_i, mask_i, bias_i = (plan.select(x, index) for x in (q, k, v, mask, bias))
+        call_ndim = plan.call_ndim(q_i, k_i, v_i, mask_i, bias_i)
+        dout_i, out_i = (_trim(plan.select(x, index), call_ndim) for x in (dout, out))
+        lse_i = _trim(plan.select(lse, index, core=1), call_ndim - 1)
+        dq_i, dk_i, dv_i, dbias_i = (plan.select(x, index) for x in grads + [grad_bias])
+        for rows, keys, token_mask in plan.runs(layout2d):
+            if keys is None:
+                continue
+            run_mask = _gather(mask_i, rows, keys)
+            if token_mask is not None:
+                run_mask = token_mask if run_mask is None else run_mask & token_mask
+            g = softmax_attention_backward(
+                dout_i[..., rows, :], q_i[..., rows, :], _take_keys(k_i, keys), _take_keys(v_i, keys),
+                out_i[..., rows, :], lse_i[..., rows], scale=scale, mask=run_mask,
+                bias=_gather(bias_i, rows, keys), bias_grad=dbias_i is not None)
+            dq_i[..., rows, :] += g.q
+            # keys are distinct within a run, so fancy-index += adds each once
+            dk_i[..., keys, :] += g.k
+            dv_i[..., keys, :] += g.v
+            if dbias_i is not None:
+                _scatter_add(dbias_i, rows, keys, g.bias)
+    return Gradients(q=_finish(grads[0], q, "dq", dq), k=_finish(grads[1], k, "dk", dk),
+                     v=_finish(grads[2], v, "dv", dv), bias=grad_bias)
+
+
+def _block_sparse_vjp(q, k, v, layout, block_size, **options):
+    if options.get("return_lse"):
+        raise TypeError("vjp: return_lse is not an option of the differentiated function")
+    out, lse = block_sparse_attention(q, k, v, layout, block_size, return_lse=True, **options)
+    options.pop("out", None)
+
+    def pullback(dout):
+        return block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
+                                               bias_grad=options.get("bias") is not None, **options)
+
+    return out, pullback
+
+
+register_vjp(block_sparse_attention, _block_sparse_vjp)

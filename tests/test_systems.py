@@ -189,3 +189,100 @@ def test_block_sparse_complex_input_raises():
     with pytest.raises(TypeError, match="real numbers"):
         attnx.block_sparse_attention(np.ones((4, 2), complex), np.ones((4, 2)), np.ones((4, 2)),
                                      np.ones((1, 1), bool), 4)
+
+
+# --------------------------------------------------------------------------
+# gradients: a dense float64 reference from the formulas
+# --------------------------------------------------------------------------
+
+def sum_to(grad, shape):
+    while grad.ndim > len(shape):
+        grad = grad.sum(axis=0)
+    for axis, size in enumerate(shape):
+        if size == 1 and grad.shape[axis] != 1:
+            grad = grad.sum(axis=axis, keepdims=True)
+    return grad
+
+
+def reference_gradients(dout, q, k, v, scale=None, visible=None, bias=None):
+    """Gradients of sum(dout * softmax attention) with P = softmax(scale q k^T + b)
+    over the visible keys: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
+    dQ = scale dS K, dK = scale dS^T Q, dbias = dS; each summed to its input's shape."""
+    q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = scale * q @ np.swapaxes(k, -1, -2) + (0 if bias is None else bias)
+    if visible is not None:
+        scores = np.where(visible, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0))
+    total = weights.sum(axis=-1, keepdims=True)
+    P = np.where(total > 0, weights / np.where(total > 0, total, 1), 0)
+    out = P @ v
+    dV = np.swapaxes(P, -1, -2) @ dout
+    dP = dout @ np.swapaxes(v, -1, -2)
+    dS = P * (dP - np.sum(dout * out, axis=-1, keepdims=True))
+    dQ = scale * dS @ k
+    dK = scale * np.swapaxes(dS, -1, -2) @ q
+    grads = [sum_to(dQ, q.shape), sum_to(dK, k.shape), sum_to(dV, v.shape)]
+    grads.append(None if bias is None else sum_to(dS, np.shape(bias)))
+    return out, grads
+
+
+def test_reference_gradients_match_torch_autograd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(20)
+    q, k, v = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((1, 3, 6, 4)), rng.standard_normal((1, 3, 6, 2))
+    bias, dout = rng.standard_normal((5, 6)), rng.standard_normal((2, 3, 5, 2))
+    tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v, bias)]
+    out = torch.nn.functional.scaled_dot_product_attention(*tensors[:3], attn_mask=tensors[3])
+    out.backward(torch.from_numpy(dout))
+    _, grads = reference_gradients(dout, q, k, v, bias=bias)
+    for got, tensor in zip(grads, tensors):
+        np.testing.assert_allclose(got, tensor.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@HYP
+@given(n=st.integers(1, 30), m=st.integers(1, 30), block_size=st.integers(1, 8), density=st.floats(0, 1),
+       causal=st.sampled_from([False, True, "upper_left"]), window=st.sampled_from([None, 2, (None, 0)]),
+       with_mask=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_block_sparse_backward_matches_the_dense_reference(n, m, block_size, density, causal, window,
+                                                           with_mask, with_bias, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((2, 2, n, 3)), rng.standard_normal((1, 2, m, 3)), rng.standard_normal((2, 1, m, 4))
+    layout = rng.random((2, 1, -(-n // block_size), -(-m // block_size))) < density
+    mask = rng.random((n, m)) < 0.8 if with_mask else None
+    bias = rng.standard_normal((2, 1, n, m)) if with_bias else None
+    dout = rng.standard_normal((2, 2, n, 4))
+    options = dict(causal=causal, window=window, mask=mask, bias=bias, scale=0.7)
+    out, pullback = attnx.vjp(attnx.block_sparse_attention, q, k, v, layout, block_size, **options)
+    g = pullback(dout)
+    visible = ref.visibility(n, m, causal, expanded_mask(layout, block_size, n, m) & (True if mask is None else mask),
+                             window)
+    want_out, want = reference_gradients(dout, q, k, v, 0.7, visible, bias)
+    assert_close(out, want_out, np.float64)
+    for got, expected, x in zip((g.q, g.k, g.v, g.bias), want, (q, k, v, bias)):
+        if x is None:
+            assert got is None
+            continue
+        assert got.shape == x.shape and got.dtype == np.float64
+        assert_close(got, expected, np.float64, scale=vscale(expected))
+
+
+def test_block_sparse_backward_float32_and_preallocated():
+    rng = np.random.default_rng(21)
+    n, bs = 64, 8
+    q, k, v, dout = (rng.standard_normal((2, n, 16)).astype(np.float32) for _ in range(4))
+    layout = attnx.layouts.bigbird(n // bs, 1, 1, 2, seed=1)
+    out, lse = attnx.block_sparse_attention(q, k, v, layout, bs, causal=True, return_lse=True)
+    dq, dk, dv = (np.empty_like(x) for x in (q, k, v))
+    g = attnx.block_sparse_attention_backward(dout, q, k, v, out, lse, layout, bs, causal=True, dq=dq, dk=dk, dv=dv)
+    assert g.q is dq and g.k is dk and g.v is dv and dq.dtype == np.float32
+    _, want = reference_gradients(dout, q, k, v, visible=ref.visibility(n, n, True, expanded_mask(layout, bs, n, n)))
+    for got, expected in zip((dq, dk, dv), want):
+        assert_close(got, expected, np.float32, scale=vscale(expected))
+
+
+def test_block_sparse_backward_checks_the_forward_results():
+    q = np.ones((8, 2))
+    with pytest.raises(ValueError, match="lse must have the shape"):
+        attnx.block_sparse_attention_backward(q, q, q, q, q, np.zeros(7), np.ones((2, 2), bool), 4)
