@@ -78,28 +78,21 @@ def _band(n, m, causal, window):
     return lo, hi
 
 
-def _key_selection(columns, block_size, m):
-    """The key tokens of the given key blocks: a slice when the blocks are
-    consecutive (a view, no copy), else an index array."""
-    first, last = int(columns[0]), int(columns[-1])
-    if last - first + 1 == columns.size:
-        return slice(first * block_size, min((last + 1) * block_size, m))
-    tokens = (columns[:, None] * block_size + np.arange(block_size)).ravel()
-    return tokens[tokens < m] if tokens[-1] >= m else tokens
-
-
-def _token_range(selection):
-    return np.arange(selection.start, selection.stop) if isinstance(selection, slice) else selection
-
-
 class _BlockPlan:
-    """The calls block-sparse attention makes: for each slice of the layout
-    over its own leading axes, runs of consecutive query blocks with the
-    same key blocks, each one softmax call over just those key blocks.
-    Under a causal or window rule each query block is its own run: key
-    blocks that the rule hides from all its queries are dropped, and a run
-    with partly hidden blocks gets a token mask.
+    """The calls block-sparse attention makes. For each slice of the layout
+    over its own leading axes, the query blocks are grouped by how many key
+    blocks they see; each group is one softmax call whose leading axes
+    gain a group axis: queries (..., R, bs, d) against their own gathered
+    key blocks (..., R, c * bs, d). A few calls per layout, whatever the
+    number of blocks, so that the threads of one call share out all the
+    work (many small calls would each wait at their threads' barrier).
+    Key blocks that the causal or window rule hides from every query of a
+    block are dropped; blocks it hides in part get a token mask, as do the
+    padding tokens that fill a short last key block to bs.
     """
+
+    # the gathered keys and values of one call stay under this many bytes
+    GATHER_BYTES = 64 << 20
 
     def __init__(self, layout, block_size, lead, n, m, causal, window):
         self.block_size = block_size = _count(block_size, "block_size", 1)
@@ -136,8 +129,8 @@ class _BlockPlan:
 
     @staticmethod
     def call_ndim(*inputs):
-        """The number of axes of a softmax call's result over these inputs."""
-        return len(np.broadcast_shapes(*(x.shape[:-2] for x in inputs if x is not None))) + 2
+        """The number of leading axes of a softmax call over these inputs."""
+        return len(np.broadcast_shapes(*(x.shape[:-2] for x in inputs if x is not None)))
 
     def slices(self):
         """(index, layout2d) for each slice of the layout's varying axes."""
@@ -149,57 +142,79 @@ class _BlockPlan:
                 key[axis - pad] = i
             yield index, self.layout[tuple(key)]
 
-    def runs(self, layout2d):
-        """(query rows, key selection or None, token mask or None) per run."""
-        bs, n, m = self.block_size, self.n, self.m
+    def _active(self, layout2d):
+        """The layout without the blocks the causal or window rule hides
+        from every query of the query block."""
         lo, hi = self.band
-        n_blocks = layout2d.shape[0]
-        if n_blocks == 0:
-            return
         if lo is None and hi is None:
-            starts = np.flatnonzero(np.r_[True, np.any(layout2d[1:] != layout2d[:-1], axis=1)])
-        else:  # the band gives each query block its own key blocks
-            starts = np.arange(n_blocks)
-        for start, stop in zip(starts, np.r_[starts[1:], n_blocks]):
-            rows = slice(int(start) * bs, min(int(stop) * bs, n))
-            columns = np.flatnonzero(layout2d[start])
-            if columns.size and (lo is not None or hi is not None):
-                first_q, last_q = rows.start, rows.stop - 1
-                first_k = columns * bs
-                last_k = np.minimum(first_k + bs, m) - 1
-                # hidden from every query of the run: j - i < lo or > hi throughout
-                hidden = np.zeros(columns.size, dtype=bool)
-                if lo is not None:
-                    hidden |= last_k - first_q < lo
-                if hi is not None:
-                    hidden |= first_k - last_q > hi
-                columns = columns[~hidden]
-            if columns.size == 0:
-                yield rows, None, None
-                continue
-            keys = _key_selection(columns, bs, m)
-            token_mask = None
-            if lo is not None or hi is not None:
-                offsets = _token_range(keys)[None, :] - np.arange(rows.start, rows.stop)[:, None]
-                visible = np.ones(offsets.shape, dtype=bool)
-                if lo is not None:
-                    visible &= offsets >= lo
-                if hi is not None:
-                    visible &= offsets <= hi
-                token_mask = None if visible.all() else visible
-            yield rows, keys, token_mask
+            return layout2d
+        bs = self.block_size
+        first_q = np.arange(layout2d.shape[0]) * bs
+        last_q = np.minimum(first_q + bs, self.n) - 1
+        first_k = np.arange(layout2d.shape[1]) * bs
+        last_k = np.minimum(first_k + bs, self.m) - 1
+        hidden = np.zeros(layout2d.shape, dtype=bool)
+        if lo is not None:  # j - i < lo for every pair
+            hidden |= last_k[None, :] - first_q[:, None] < lo
+        if hi is not None:  # j - i > hi for every pair
+            hidden |= first_k[None, :] - last_q[:, None] > hi
+        return layout2d & ~hidden
+
+    def groups(self, layout2d, bytes_per_key):
+        """(query tokens (R, r), key tokens (R, K) or None, call mask
+        (R, r or 1, K) or None) for each call; key tokens None marks query
+        blocks that see no key."""
+        bs, n, m = self.block_size, self.n, self.m
+        active = self._active(layout2d)
+        counts = active.sum(axis=1)
+        blocks = np.arange(active.shape[0])
+        short_last = n % bs != 0
+        for count in np.unique(counts):
+            rows = blocks[counts == count]
+            # a short last query block goes alone: every other has bs rows
+            parts = [rows[rows != blocks[-1]], rows[rows == blocks[-1]]] if short_last else [rows]
+            for part in parts:
+                if part.size == 0:
+                    continue
+                height = min(bs, n - int(part[0]) * bs)
+                per_call = max(1, self.GATHER_BYTES // max(1, bytes_per_key * int(count) * bs))
+                for first in range(0, part.size, per_call):
+                    chunk = part[first:first + per_call]
+                    query_tokens = chunk[:, None] * bs + np.arange(height)
+                    if count == 0:
+                        yield query_tokens, None, None
+                        continue
+                    columns = np.nonzero(active[chunk])[1].reshape(chunk.size, int(count))
+                    key_tokens = (columns[:, :, None] * bs + np.arange(bs)).reshape(chunk.size, -1)
+                    yield (query_tokens,) + self._key_tokens_and_mask(query_tokens, key_tokens)
+
+    def _key_tokens_and_mask(self, query_tokens, key_tokens):
+        m = self.m
+        lo, hi = self.band
+        visible = key_tokens[:, None, :] < m  # the padding of a short last key block
+        if lo is not None or hi is not None:
+            offsets = key_tokens[:, None, :] - query_tokens[:, :, None]
+            if lo is not None:
+                visible = visible & (offsets >= lo)
+            if hi is not None:
+                visible = visible & (offsets <= hi)
+        return np.minimum(key_tokens, m - 1), None if visible.all() else visible
 
 
-def _gather(x, rows, keys):
-    """The part of a mask or bias broadcastable to (..., n, m) for these
-    query rows and key tokens (its size-1 axes stay)."""
+def _gather(x, query_tokens, key_tokens):
+    """A mask or bias broadcastable to (..., n, m) at these query and key
+    tokens: (..., R, r, K), size 1 where x has size 1."""
     if x is None:
         return None
-    if x.shape[-2] != 1:
-        x = x[..., rows, :]
-    if x.shape[-1] != 1:
-        x = x[..., keys] if isinstance(keys, slice) else np.take(x, keys, axis=-1)
-    return x
+    rows = query_tokens[:, :, None] if x.shape[-2] != 1 else np.zeros((1, 1, 1), np.intp)
+    columns = key_tokens[:, None, :] if x.shape[-1] != 1 else np.zeros((1, 1, 1), np.intp)
+    return x[..., rows, columns]
+
+
+def _combine(user_mask, call_mask):
+    if call_mask is None:
+        return user_mask
+    return call_mask if user_mask is None else user_mask & call_mask
 
 
 def _check_pairwise(x, name, n, m):
@@ -248,9 +263,10 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
     broadcast with q, k, v's (one layout per head, or one for all). Build
     layouts with :mod:`attnx.layouts`.
 
-    Only the named blocks are computed: each run of query blocks with the
-    same key blocks is one softmax call over those key blocks alone, so
-    the cost is proportional to the number of active blocks. The softmax
+    Only the named blocks are computed: the query blocks that see the same
+    number of key blocks form one softmax call, each against its own key
+    blocks gathered, so the cost is proportional to the number of active
+    blocks and a layout takes a few calls, not one per block row. The softmax
     options (``scale``, ``causal``, ``mask``, ``bias``, ``window``) apply on
     top of the layout, with the meaning they have in softmax_attention;
     blocks that causal or the window hide entirely are skipped too.
@@ -268,45 +284,39 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
         if any(np.shares_memory(out, x) for x in (q, k, v)):
             raise ValueError("out must not overlap q, k or v")
     lse = np.empty(lead + (n,), dtype=np.float64 if dtype == np.float64 else np.float32) if return_lse else None
+    bytes_per_key = math.prod(lead) * (q.shape[-1] + e) * dtype.itemsize
     for index, layout2d in plan.slices():
-        q_i, k_i, v_i = (plan.select(x, index) for x in (q, k, v))
-        mask_i, bias_i, out_i = (plan.select(x, index) for x in (mask, bias, out))
-        lse_i = plan.select(lse, index, core=1)
+        q_i, k_i, v_i, mask_i, bias_i = (plan.select(x, index) for x in (q, k, v, mask, bias))
         call_ndim = plan.call_ndim(q_i, k_i, v_i, mask_i, bias_i)
-        out_i = _trim(out_i, call_ndim)
-        if lse is not None:
-            lse_i = _trim(lse_i, call_ndim - 1)
-        for rows, keys, token_mask in plan.runs(layout2d):
-            if keys is None:
+        out_i = _trim(plan.select(out, index), call_ndim + 2)
+        lse_i = None if lse is None else _trim(plan.select(lse, index, core=1), call_ndim + 1)
+        for query_tokens, key_tokens, call_mask in plan.groups(layout2d, bytes_per_key):
+            rows = query_tokens.ravel()
+            if key_tokens is None:
                 out_i[..., rows, :] = 0
                 if lse is not None:
                     lse_i[..., rows] = -np.inf
                 continue
-            run_mask = _gather(mask_i, rows, keys)
-            if token_mask is not None:
-                run_mask = token_mask if run_mask is None else run_mask & token_mask
             result = _C.softmax_attention(
-                q_i[..., rows, :], _take_keys(k_i, keys), _take_keys(v_i, keys), scale=scale,
-                mask=run_mask, bias=_gather(bias_i, rows, keys),
-                out=out_i[..., rows, :], return_lse=return_lse)
+                q_i[..., query_tokens, :], k_i[..., key_tokens, :], v_i[..., key_tokens, :], scale=scale,
+                mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask),
+                bias=_gather(bias_i, query_tokens, key_tokens), return_lse=return_lse)
             if lse is not None:
-                lse_i[..., rows] = result[1]
+                result, result_lse = result
+                lse_i[..., rows] = result_lse.reshape(result_lse.shape[:-2] + (-1,))
+            out_i[..., rows, :] = result.reshape(result.shape[:-3] + (-1, e))
     return (out, lse) if return_lse else out
 
 
-def _take_keys(x, keys):
-    return x[..., keys, :] if isinstance(keys, slice) else np.take(x, keys, axis=-2)
-
-
-def _scatter_add(target, rows, keys, grad):
-    """target[..., rows, keys] += grad for a bias gradient (size-1 axes of
-    the bias are not indexed, as in _gather)."""
-    if target.shape[-2] != 1:
-        target = target[..., rows, :]
-    if target.shape[-1] == 1:
-        target += grad
-    else:
-        target[..., keys] += grad
+def _add_by_token(target, key_tokens, grad):
+    """target[..., t, :] += the sum of grad's rows gathered from token t:
+    grad (..., R, K, d) holds a row per entry of key_tokens (R, K), where a
+    token appears once per query block that sees it."""
+    tokens = key_tokens.ravel()
+    grad = grad.reshape(grad.shape[:-3] + (-1, grad.shape[-1]))
+    order = np.argsort(tokens, kind="stable")
+    unique, starts = np.unique(tokens[order], return_index=True)
+    target[..., unique, :] += np.add.reduceat(grad[..., order, :], starts, axis=-2)
 
 
 def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size, *, scale=None,
@@ -315,8 +325,8 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
     """Gradients of ``sum(dout * block_sparse_attention(q, k, v, layout,
     block_size, ...))``, with the forward's ``out`` and ``lse``
     (``return_lse=True``) and options. Runs the forward's plan: one
-    softmax backward per run of query blocks over its key blocks alone,
-    the key and value gradients added into place. Returns
+    softmax backward per group of query blocks over their gathered key
+    blocks, the key and value gradients added back to their tokens. Returns
     :class:`attnx.Gradients` (q, k, v, and bias when ``bias_grad=True``)."""
     q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
     n, e, lead = q.shape[-2], v.shape[-1], plan.lead
@@ -327,28 +337,30 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
     compute = _result_dtype(q, k, v)
     grads = [np.zeros(x.shape, _grad_dtype(x, compute)) for x in (q, k, v)]
     grad_bias = np.zeros(bias.shape, _grad_dtype(bias, compute)) if bias_grad and bias is not None else None
+    bytes_per_key = math.prod(lead) * (q.shape[-1] + e) * compute.itemsize
     for index, layout2d in plan.slices():
         q_i, k_i, v_i, mask_i, bias_i = (plan.select(x, index) for x in (q, k, v, mask, bias))
         call_ndim = plan.call_ndim(q_i, k_i, v_i, mask_i, bias_i)
-        dout_i, out_i = (_trim(plan.select(x, index), call_ndim) for x in (dout, out))
-        lse_i = _trim(plan.select(lse, index, core=1), call_ndim - 1)
+        dout_i, out_i = (_trim(plan.select(x, index), call_ndim + 2) for x in (dout, out))
+        lse_i = _trim(plan.select(lse, index, core=1), call_ndim + 1)
         dq_i, dk_i, dv_i, dbias_i = (plan.select(x, index) for x in grads + [grad_bias])
-        for rows, keys, token_mask in plan.runs(layout2d):
-            if keys is None:
+        for query_tokens, key_tokens, call_mask in plan.groups(layout2d, bytes_per_key):
+            if key_tokens is None:
                 continue
-            run_mask = _gather(mask_i, rows, keys)
-            if token_mask is not None:
-                run_mask = token_mask if run_mask is None else run_mask & token_mask
+            bias_g = _gather(bias_i, query_tokens, key_tokens)
             g = softmax_attention_backward(
-                dout_i[..., rows, :], q_i[..., rows, :], _take_keys(k_i, keys), _take_keys(v_i, keys),
-                out_i[..., rows, :], lse_i[..., rows], scale=scale, mask=run_mask,
-                bias=_gather(bias_i, rows, keys), bias_grad=dbias_i is not None)
-            dq_i[..., rows, :] += g.q
-            # keys are distinct within a run, so fancy-index += adds each once
-            dk_i[..., keys, :] += g.k
-            dv_i[..., keys, :] += g.v
+                dout_i[..., query_tokens, :], q_i[..., query_tokens, :], k_i[..., key_tokens, :],
+                v_i[..., key_tokens, :], out_i[..., query_tokens, :], lse_i[..., query_tokens], scale=scale,
+                mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask), bias=bias_g,
+                bias_grad=dbias_i is not None)
+            # query tokens are distinct within a call: each row is added once
+            dq_i[..., query_tokens.ravel(), :] += g.q.reshape(g.q.shape[:-3] + (-1, g.q.shape[-1]))
+            _add_by_token(dk_i, key_tokens, g.k)
+            _add_by_token(dv_i, key_tokens, g.v)
             if dbias_i is not None:
-                _scatter_add(dbias_i, rows, keys, g.bias)
+                rows = query_tokens[:, :, None] if dbias_i.shape[-2] != 1 else np.zeros((1, 1, 1), np.intp)
+                columns = key_tokens[:, None, :] if dbias_i.shape[-1] != 1 else np.zeros((1, 1, 1), np.intp)
+                np.add.at(dbias_i, (Ellipsis, rows, columns), g.bias)
     return Gradients(q=_finish(grads[0], q, "dq", dq), k=_finish(grads[1], k, "dk", dk),
                      v=_finish(grads[2], v, "dv", dv), bias=grad_bias)
 

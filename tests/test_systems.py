@@ -104,13 +104,15 @@ def test_block_sparse_with_each_layout_builder(make_layout):
 
 
 def test_block_sparse_computes_only_the_named_blocks(monkeypatch):
-    # count the query-key pairs handed to the softmax kernel
+    # count the query-key pairs handed to the softmax kernel: calls take
+    # queries (R, r, d) against keys (R, K, d), R query blocks at a time
     pairs = []
     real = _systems._C.softmax_attention
 
     class Counting:
         def softmax_attention(self, q, k, v, **options):
-            pairs.append(q.shape[-2] * k.shape[-2])
+            assert q.ndim == 3 and k.ndim == 3
+            pairs.append(q.shape[0] * q.shape[1] * k.shape[1])
             return real(q, k, v, **options)
 
     monkeypatch.setattr(_systems, "_C", Counting())
@@ -120,6 +122,8 @@ def test_block_sparse_computes_only_the_named_blocks(monkeypatch):
     layout = attnx.layouts.bigbird(n // bs, 1, 1, 2, seed=0)
     attnx.block_sparse_attention(q, k, v, layout, bs)
     assert sum(pairs) == layout.sum() * bs * bs
+    # one call per count of key blocks per query block (global row, edges, the rest)
+    assert len(pairs) == len(np.unique(layout.sum(axis=1)))
     pairs.clear()
     # causal: blocks above the diagonal are skipped as well
     attnx.block_sparse_attention(q, k, v, layout, bs, causal=True)
@@ -286,3 +290,20 @@ def test_block_sparse_backward_checks_the_forward_results():
     q = np.ones((8, 2))
     with pytest.raises(ValueError, match="lse must have the shape"):
         attnx.block_sparse_attention_backward(q, q, q, q, q, np.zeros(7), np.ones((2, 2), bool), 4)
+
+
+def test_block_sparse_split_into_calls_under_the_gather_budget(monkeypatch):
+    # one query block per call when the budget is tiny: same results
+    rng = np.random.default_rng(22)
+    n, bs = 45, 4
+    q, k, v, dout = (rng.standard_normal((2, n, 3)) for _ in range(4))
+    layout = rng.random((12, 12)) < 0.4
+    whole, pullback = attnx.vjp(attnx.block_sparse_attention, q, k, v, layout, bs, causal=True)
+    g = pullback(dout)
+    monkeypatch.setattr(_systems._BlockPlan, "GATHER_BYTES", 1)
+    split, pullback = attnx.vjp(attnx.block_sparse_attention, q, k, v, layout, bs, causal=True)
+    np.testing.assert_allclose(split, whole, rtol=1e-14, atol=1e-15)
+    for a, b in zip(pullback(dout)[:3], g[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    want = ref.softmax_attention(q, k, v, mask=expanded_mask(layout, bs, n, n), causal=True)
+    assert_close(split, want, np.float64)
