@@ -32,7 +32,14 @@ from ._grad import Gradients, vjp
 from ._softmax import gaussian_attention_backward, softmax_attention_backward
 from ._inspect import attention_weights, similarity
 from . import layouts
-from ._systems import block_sparse_attention, block_sparse_attention_backward
+from ._systems import (
+    block_sparse_attention,
+    block_sparse_attention_backward,
+    linformer_attention,
+    linformer_attention_backward,
+    pooled_attention,
+    pooled_attention_backward,
+)
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -67,6 +74,10 @@ __all__ = [
     "rotary_backward",
     "block_sparse_attention",
     "block_sparse_attention_backward",
+    "pooled_attention",
+    "pooled_attention_backward",
+    "linformer_attention",
+    "linformer_attention_backward",
     "layouts",
     "Gradients",
     "vjp",

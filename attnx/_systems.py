@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from . import _C
-from ._grad import Gradients, register_vjp
+from ._grad import Gradients, register_vjp, sum_to_shape
 from ._softmax import _finish, _grad_dtype, softmax_attention_backward
 
 _CAUSAL_MODES = {False: None, True: "lower_right", "lower_right": "lower_right", "upper_left": "upper_left"}
@@ -365,17 +365,172 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
                      v=_finish(grads[2], v, "dv", dv), bias=grad_bias)
 
 
-def _block_sparse_vjp(q, k, v, layout, block_size, **options):
-    if options.get("return_lse"):
-        raise TypeError("vjp: return_lse is not an option of the differentiated function")
-    out, lse = block_sparse_attention(q, k, v, layout, block_size, return_lse=True, **options)
-    options.pop("out", None)
-
-    def pullback(dout):
-        return block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
-                                               bias_grad=options.get("bias") is not None, **options)
-
-    return out, pullback
 
 
-register_vjp(block_sparse_attention, _block_sparse_vjp)
+# --------------------------------------------------------------------------
+# Pooled keys (PVT's spatial reduction, Funnel-style downsampling)
+# --------------------------------------------------------------------------
+
+def _pool_windows(m, stride):
+    """First position of each window of `stride` keys and the window sizes
+    (the last window holds what remains)."""
+    starts = np.arange(0, m, stride)
+    return starts, np.minimum(starts + stride, m) - starts
+
+
+def _compute_dtype(x):
+    """float32/float64 stay, float16 pools in float32, integers in float64."""
+    if x.dtype.kind == "f":
+        return np.float32 if x.dtype == np.float16 else x.dtype
+    if x.dtype.kind in "iub":
+        return np.float64
+    raise TypeError(f"q, k, v must hold real numbers (float, int or bool), got dtype {x.dtype}")
+
+
+def _pool(x, stride, mode):
+    """x (..., m, c) pooled over windows of `stride` positions along -2,
+    in x's own float dtype (float16 pooled in float32, integers in float64)."""
+    m = x.shape[-2]
+    if m == 0:
+        return x.astype(_compute_dtype(x), copy=False)
+    starts, sizes = _pool_windows(m, stride)
+    work = x.astype(_compute_dtype(x), copy=False)
+    if mode == "mean":
+        pooled = np.add.reduceat(work, starts, axis=-2) / sizes[:, None].astype(work.dtype)
+    else:
+        pooled = np.maximum.reduceat(work, starts, axis=-2)
+    return pooled.astype(x.dtype, copy=False) if x.dtype == np.float16 else pooled
+
+
+def _unpool(grad, x, stride, mode):
+    """The gradient of x (..., m, c) from that of its pooled form: mean
+    spreads each window's gradient evenly over it; max routes it to the
+    window's largest entry (the first, on ties), feature by feature."""
+    m = x.shape[-2]
+    starts, sizes = _pool_windows(m, stride)
+    if mode == "mean":
+        return np.repeat(grad / sizes[:, None].astype(grad.dtype), sizes, axis=-2)
+    windows = starts.size
+    padded = np.full(x.shape[:-2] + (windows * stride, x.shape[-1]), -np.inf, dtype=_compute_dtype(x))
+    padded[..., :m, :] = x
+    padded = padded.reshape(x.shape[:-2] + (windows, stride, x.shape[-1]))
+    winner = np.argmax(padded, axis=-2)[..., None, :]  # (..., windows, 1, c)
+    spread = np.zeros(padded.shape, dtype=grad.dtype)
+    np.put_along_axis(spread, winner, grad[..., None, :], axis=-2)
+    return spread.reshape(x.shape[:-2] + (windows * stride, x.shape[-1]))[..., :m, :]
+
+
+def _check_pooling(stride, mode):
+    stride = _count(stride, "stride", 1)
+    if mode not in ("mean", "max"):
+        raise ValueError(f"mode must be 'mean' or 'max', got {mode!r}")
+    return stride
+
+
+def pooled_attention(q, k, v, stride, mode="mean", **softmax_options):
+    """Softmax attention over pooled keys and values.
+
+    k (..., m, d) and v (..., m, e) are pooled over consecutive windows of
+    ``stride`` positions (the last window over what remains), giving
+    ceil(m / stride) keys: ``mode="mean"`` averages each window
+    (Funnel-style downsampling, PVT's spatial reduction without its
+    convolution), ``"max"`` takes each feature's largest value. Then
+    ``softmax_attention(q, k', v', **softmax_options)``; masks, biases,
+    ``causal`` and ``window`` refer to the pooled keys (m' = ceil(m / stride)).
+    """
+    q, k, v = _check_qkv(q, k, v)
+    stride = _check_pooling(stride, mode)
+    return _C.softmax_attention(q, _pool(k, stride, mode), _pool(v, stride, mode), **softmax_options)
+
+
+def pooled_attention_backward(dout, q, k, v, out, lse, stride, mode="mean", *, bias_grad=False,
+                              **softmax_options):
+    """Gradients of ``sum(dout * pooled_attention(q, k, v, stride, mode,
+    ...))`` with the forward's ``out`` and ``lse`` (``return_lse=True``):
+    the softmax backward over the pooled keys, then the pooling's own
+    (mean: each window's gradient spread evenly over it; max: routed to the
+    window's largest entry, the first on ties)."""
+    q, k, v = _check_qkv(q, k, v)
+    stride = _check_pooling(stride, mode)
+    pooled_k, pooled_v = _pool(k, stride, mode), _pool(v, stride, mode)
+    g = softmax_attention_backward(dout, q, pooled_k, pooled_v, out, lse, bias_grad=bias_grad,
+                                   **softmax_options)
+    compute = _result_dtype(q, k, v)
+    dk = _unpool(g.k, k, stride, mode).astype(_grad_dtype(k, compute), copy=False)
+    dv = _unpool(g.v, v, stride, mode).astype(_grad_dtype(v, compute), copy=False)
+    return Gradients(q=g.q, k=dk, v=dv, bias=g.bias)
+
+
+# --------------------------------------------------------------------------
+# Low-rank keys (Linformer)
+# --------------------------------------------------------------------------
+
+def _check_projection(x, name, m):
+    x = _as_array(x, name)
+    if x.shape[-1] != m:
+        raise ValueError(f"{name} must have shape (..., r, m) with m = {m} (k's sequence length), got {x.shape}")
+    if x.dtype.kind not in "fiub":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    return x
+
+
+def linformer_attention(q, k, v, E, F=None, **softmax_options):
+    """Linformer: softmax attention over keys and values projected along
+    the sequence, ``k' = E @ k`` and ``v' = F @ v`` with E, F of shape
+    (r, m) (or (..., r, m), broadcast with the heads); F defaults to E.
+    The softmax options (``scale``, masks of shape (..., n, r), ...) apply
+    to the r projected keys."""
+    q, k, v = _check_qkv(q, k, v)
+    E = _check_projection(E, "E", k.shape[-2])
+    F = E if F is None else _check_projection(F, "F", k.shape[-2])
+    return _C.softmax_attention(q, E @ k, F @ v, **softmax_options)
+
+
+def linformer_attention_backward(dout, q, k, v, out, lse, E, F=None, *, bias_grad=False,
+                                 **softmax_options):
+    """Gradients of ``sum(dout * linformer_attention(q, k, v, E, F, ...))``
+    with the forward's ``out`` and ``lse`` (``return_lse=True``).
+    ``g.projection = (dE, dF)``: ``dE = dk' k^T``, ``dF = dv' v^T``
+    (summed to E's and F's shapes); when F was None, F is E, so dF is None
+    and its share is added to dE."""
+    q, k, v = _check_qkv(q, k, v)
+    E_arr = _check_projection(E, "E", k.shape[-2])
+    F_arr = E_arr if F is None else _check_projection(F, "F", k.shape[-2])
+    g = softmax_attention_backward(dout, q, E_arr @ k, F_arr @ v, out, lse, bias_grad=bias_grad,
+                                   **softmax_options)
+    compute = g.k.dtype
+    grad_k = np.swapaxes(E_arr, -1, -2).astype(compute, copy=False) @ g.k
+    grad_v = np.swapaxes(F_arr, -1, -2).astype(compute, copy=False) @ g.v
+    grad_E = g.k @ np.swapaxes(k, -1, -2).astype(compute, copy=False)
+    grad_F = g.v @ np.swapaxes(v, -1, -2).astype(compute, copy=False)
+    dk = sum_to_shape(grad_k, k.shape).astype(_grad_dtype(k, compute), copy=False)
+    dv = sum_to_shape(grad_v, v.shape).astype(_grad_dtype(v, compute), copy=False)
+    if F is None:
+        dE = sum_to_shape(grad_E + grad_F, E_arr.shape).astype(_grad_dtype(E_arr, compute), copy=False)
+        return Gradients(q=g.q, k=dk, v=dv, bias=g.bias, projection=(dE, None))
+    dE = sum_to_shape(grad_E, E_arr.shape).astype(_grad_dtype(E_arr, compute), copy=False)
+    dF = sum_to_shape(grad_F, F_arr.shape).astype(_grad_dtype(F_arr, compute), copy=False)
+    return Gradients(q=g.q, k=dk, v=dv, bias=g.bias, projection=(dE, dF))
+
+
+def _lse_vjp_rule(forward, backward):
+    """The vjp rule of a front end over softmax attention: the forward with
+    its lse, the backward with the bias gradient when a bias was given."""
+    def rule(q, k, v, *args, **options):
+        if options.get("return_lse"):
+            raise TypeError("vjp: return_lse is not an option of the differentiated function")
+        out, lse = forward(q, k, v, *args, return_lse=True, **options)
+        options.pop("out", None)
+
+        def pullback(dout):
+            return backward(dout, q, k, v, out, lse, *args, bias_grad=options.get("bias") is not None,
+                            **options)
+
+        return out, pullback
+
+    return rule
+
+
+register_vjp(block_sparse_attention, _lse_vjp_rule(block_sparse_attention, block_sparse_attention_backward))
+register_vjp(pooled_attention, _lse_vjp_rule(pooled_attention, pooled_attention_backward))
+register_vjp(linformer_attention, _lse_vjp_rule(linformer_attention, linformer_attention_backward))

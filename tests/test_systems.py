@@ -307,3 +307,153 @@ def test_block_sparse_split_into_calls_under_the_gather_budget(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
     want = ref.softmax_attention(q, k, v, mask=expanded_mask(layout, bs, n, n), causal=True)
     assert_close(split, want, np.float64)
+
+
+# --------------------------------------------------------------------------
+# pooled attention
+# --------------------------------------------------------------------------
+
+def loop_pool(x, stride, mode):
+    """Window by window, the last one over what remains."""
+    x = np.asarray(x, dtype=np.float64)
+    m = x.shape[-2]
+    windows = [x[..., start:start + stride, :] for start in range(0, m, stride)]
+    reduce = np.mean if mode == "mean" else np.max
+    return np.stack([reduce(w, axis=-2) for w in windows], axis=-2)
+
+
+def loop_unpool(grad, x, stride, mode):
+    x = np.asarray(x, dtype=np.float64)
+    out = np.zeros(x.shape)
+    for w, start in enumerate(range(0, x.shape[-2], stride)):
+        size = min(stride, x.shape[-2] - start)
+        for index in np.ndindex(*x.shape[:-2]):
+            for c in range(x.shape[-1]):
+                if mode == "mean":
+                    out[index + (slice(start, start + size), c)] = grad[index + (w, c)] / size
+                else:
+                    window = x[index + (slice(start, start + size), c)]
+                    first = next(j for j in range(size) if window[j] == window.max())
+                    out[index + (start + first, c)] = grad[index + (w, c)]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+@pytest.mark.parametrize("m, stride", [(12, 3), (13, 4), (5, 1), (5, 7), (1, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pooled_attention_and_backward_match_the_loops(mode, m, stride, causal):
+    rng = np.random.default_rng(30)
+    n = 6
+    q, k, v = rng.standard_normal((2, 1, n, 4)), rng.standard_normal((2, 3, m, 4)), rng.standard_normal((1, 3, m, 5))
+    dout = rng.standard_normal((2, 3, n, 5))
+    pk, pv = loop_pool(k, stride, mode), loop_pool(v, stride, mode)
+    m_pooled = pk.shape[-2]
+    out, pullback = attnx.vjp(attnx.pooled_attention, q, k, v, stride, mode=mode, causal=causal)
+    want = ref.softmax_attention(q, pk, pv, causal=causal)
+    assert out.shape == want.shape
+    assert_close(out, want, np.float64)
+    g = pullback(dout)
+    _, (dq, dpk, dpv, _) = reference_gradients(dout, q, pk, pv, visible=ref.visibility(n, m_pooled, causal))
+    assert_close(g.q, dq, np.float64, scale=vscale(dq))
+    assert_close(g.k, loop_unpool(dpk, k, stride, mode), np.float64, scale=vscale(dpk))
+    assert_close(g.v, loop_unpool(dpv, v, stride, mode), np.float64, scale=vscale(dpv))
+
+
+def test_pooled_max_ties_route_to_the_first():
+    q = np.ones((1, 2))
+    k = np.array([[1.0, 2.0], [1.0, 2.0], [0.0, 2.0], [3.0, 3.0], [3.0, -1.0]])
+    v = k.copy()
+    out, lse = attnx.pooled_attention(q, k, v, 3, mode="max", return_lse=True)
+    g = attnx.pooled_attention_backward(np.ones((1, 2)), q, k, v, out, lse, 3, mode="max")
+    # window 0 holds rows 0-2: feature 0 ties rows 0 and 1, feature 1 ties all three
+    assert np.all(g.k[1:3] == 0) and np.all(g.v[1:3] == 0)
+    assert np.all(g.k[0] != 0) and np.all(g.v[0] != 0)
+    # window 1 (rows 3-4): feature 0 ties, feature 1 is row 3's
+    assert np.all(g.k[4] == 0) and np.all(g.v[4] == 0)
+    assert np.all(g.k[3] != 0) and np.all(g.v[3] != 0)
+
+
+def test_pooled_mean_matches_torch_avg_pool_autograd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(31)
+    q, k, v, dout = (rng.standard_normal((2, 12, 4)) for _ in range(4))
+    tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    pooled = [torch.nn.functional.avg_pool1d(t.transpose(1, 2), 3).transpose(1, 2) for t in tensors[1:]]
+    out = torch.nn.functional.scaled_dot_product_attention(tensors[0], *pooled)
+    out.backward(torch.from_numpy(dout))
+    got, pullback = attnx.vjp(attnx.pooled_attention, q, k, v, 3)
+    np.testing.assert_allclose(got, out.detach().numpy(), rtol=1e-12, atol=1e-12)
+    for a, t in zip(pullback(dout)[:3], tensors):
+        np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_pooled_dtypes(dtype):
+    rng = np.random.default_rng(32)
+    q, k, v = (rng.standard_normal((3, 10, 4)).astype(dtype) for _ in range(3))
+    got = attnx.pooled_attention(q, k, v, 4)
+    assert got.dtype == dtype
+    want = ref.softmax_attention(q, loop_pool(k, 4, "mean"), loop_pool(v, 4, "mean"))
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    ((0,), {}, ValueError, "stride must be at least 1"),
+    ((2.0,), {}, TypeError, "stride must be an integer"),
+    ((2,), dict(mode="median"), ValueError, "mode must be 'mean' or 'max'"),
+])
+def test_pooled_bad_arguments(args, kwargs, error, match):
+    x = np.ones((4, 2))
+    with pytest.raises(error, match=match):
+        attnx.pooled_attention(x, x, x, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# Linformer
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("E_shape", [(3, 10), (1, 4, 3, 10)])
+def test_linformer_matches_torch_autograd(shared, E_shape):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(33)
+    q, k, v = rng.standard_normal((2, 4, 7, 5)), rng.standard_normal((2, 4, 10, 5)), rng.standard_normal((2, 4, 10, 6))
+    E, F = rng.standard_normal(E_shape) * 0.3, rng.standard_normal((3, 10)) * 0.3
+    dout = rng.standard_normal((2, 4, 7, 6))
+    bias = rng.standard_normal((7, 3))
+    tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v, E, F, bias)]
+    tq, tk, tv, tE, tF, tb = tensors
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tE @ tk, (tE if shared else tF) @ tv, attn_mask=tb)
+    out.backward(torch.from_numpy(dout))
+    got, pullback = attnx.vjp(attnx.linformer_attention, q, k, v, E, None if shared else F, bias=bias)
+    np.testing.assert_allclose(got, out.detach().numpy(), rtol=1e-12, atol=1e-12)
+    g = pullback(dout)
+    for a, t in zip((g.q, g.k, g.v, g.bias), (tq, tk, tv, tb)):
+        np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+    dE, dF = g.projection
+    assert dE.shape == E.shape
+    np.testing.assert_allclose(dE, tE.grad.numpy(), rtol=1e-10, atol=1e-12)
+    if shared:
+        assert dF is None
+    else:
+        np.testing.assert_allclose(dF, tF.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_linformer_equals_softmax_over_projected_keys_float32():
+    rng = np.random.default_rng(34)
+    q, k, v = (rng.standard_normal((2, 16, 8)).astype(np.float32) for _ in range(3))
+    E = (rng.standard_normal((4, 16)) / 4).astype(np.float32)
+    got = attnx.linformer_attention(q, k, v, E)
+    assert got.dtype == np.float32
+    E64 = E.astype(np.float64)
+    assert_close(got, ref.softmax_attention(q, E64 @ k.astype(np.float64), E64 @ v.astype(np.float64)), np.float32)
+
+
+def test_linformer_bad_projection():
+    x = np.ones((5, 2))
+    with pytest.raises(ValueError, match="E must have shape"):
+        attnx.linformer_attention(x, x, x, np.ones((3, 4)))
+    with pytest.raises(ValueError, match="F must have shape"):
+        attnx.linformer_attention(x, x, x, np.ones((3, 5)), np.ones((3, 4)))
+    with pytest.raises(TypeError, match="E must hold real numbers"):
+        attnx.linformer_attention(x, x, x, np.ones((3, 5), complex))
