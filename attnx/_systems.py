@@ -82,10 +82,11 @@ class _BlockPlan:
     """The calls block-sparse attention makes. For each slice of the layout
     over its own leading axes, the query blocks are grouped by how many key
     blocks they see; each group is one softmax call whose leading axes
-    gain a group axis: queries (..., R, bs, d) against their own gathered
-    key blocks (..., R, c * bs, d). A few calls per layout, whatever the
-    number of blocks, so that the threads of one call share out all the
-    work (many small calls would each wait at their threads' barrier).
+    gain a group axis: query blocks (..., R, bs, d) against their own key
+    blocks, gathered whole, (..., R, c * bs, d). A few calls per layout
+    whatever the number of blocks, so that the threads of one call share
+    out all the work (many small calls would each wait at their threads'
+    barrier), and block copies rather than token gathers.
     Key blocks that the causal or window rule hides from every query of a
     block are dropped; blocks it hides in part get a token mask, as do the
     padding tokens that fill a short last key block to bs.
@@ -127,11 +128,6 @@ class _BlockPlan:
                 key[axis - pad] = i if x.shape[axis - pad] != 1 else 0
         return x[tuple(key)]
 
-    @staticmethod
-    def call_ndim(*inputs):
-        """The number of leading axes of a softmax call over these inputs."""
-        return len(np.broadcast_shapes(*(x.shape[:-2] for x in inputs if x is not None)))
-
     def slices(self):
         """(index, layout2d) for each slice of the layout's varying axes."""
         shape = tuple(self.lead[axis] for axis in self.varying)
@@ -161,53 +157,85 @@ class _BlockPlan:
         return layout2d & ~hidden
 
     def groups(self, layout2d, bytes_per_key):
-        """(query tokens (R, r), key tokens (R, K) or None, call mask
-        (R, r or 1, K) or None) for each call; key tokens None marks query
-        blocks that see no key."""
-        bs, n, m = self.block_size, self.n, self.m
+        """(query blocks (R,), key blocks (R, c) or None, call mask
+        (R, bs or 1, c * bs) or None) for each call; key blocks None marks
+        query blocks that see no key."""
+        bs = self.block_size
         active = self._active(layout2d)
         counts = active.sum(axis=1)
-        blocks = np.arange(active.shape[0])
-        short_last = n % bs != 0
         for count in np.unique(counts):
-            rows = blocks[counts == count]
-            # a short last query block goes alone: every other has bs rows
-            parts = [rows[rows != blocks[-1]], rows[rows == blocks[-1]]] if short_last else [rows]
-            for part in parts:
-                if part.size == 0:
+            rows = np.flatnonzero(counts == count)
+            per_call = max(1, self.GATHER_BYTES // max(1, bytes_per_key * int(count) * bs))
+            for first in range(0, rows.size, per_call):
+                blocks = rows[first:first + per_call]
+                if count == 0:
+                    yield blocks, None, None
                     continue
-                height = min(bs, n - int(part[0]) * bs)
-                per_call = max(1, self.GATHER_BYTES // max(1, bytes_per_key * int(count) * bs))
-                for first in range(0, part.size, per_call):
-                    chunk = part[first:first + per_call]
-                    query_tokens = chunk[:, None] * bs + np.arange(height)
-                    if count == 0:
-                        yield query_tokens, None, None
-                        continue
-                    columns = np.nonzero(active[chunk])[1].reshape(chunk.size, int(count))
-                    key_tokens = (columns[:, :, None] * bs + np.arange(bs)).reshape(chunk.size, -1)
-                    yield (query_tokens,) + self._key_tokens_and_mask(query_tokens, key_tokens)
+                columns = np.nonzero(active[blocks])[1].reshape(blocks.size, int(count))
+                yield blocks, columns, self._call_mask(blocks, columns)
 
-    def _key_tokens_and_mask(self, query_tokens, key_tokens):
-        m = self.m
+    def _call_mask(self, blocks, columns):
+        """The token mask of one call: the padding of a short last key
+        block, and the causal or window rule where it hides part of a block;
+        None when every pair is visible."""
+        bs, n, m = self.block_size, self.n, self.m
         lo, hi = self.band
-        visible = key_tokens[:, None, :] < m  # the padding of a short last key block
+        key_tokens = (columns[:, :, None] * bs + np.arange(bs)).reshape(blocks.size, 1, -1)
+        visible = key_tokens < m
         if lo is not None or hi is not None:
-            offsets = key_tokens[:, None, :] - query_tokens[:, :, None]
+            query_tokens = (blocks[:, None] * bs + np.arange(bs))[:, :, None]
+            offsets = key_tokens - query_tokens
             if lo is not None:
                 visible = visible & (offsets >= lo)
             if hi is not None:
                 visible = visible & (offsets <= hi)
-        return np.minimum(key_tokens, m - 1), None if visible.all() else visible
+            visible |= query_tokens >= n  # padding rows: discarded, whatever they see
+        return None if visible.all() else visible
+
+    def tokens(self, blocks, columns):
+        """Query tokens (R, bs, 1) and key tokens (R, 1, c * bs) of a call,
+        clipped to the sequences (the padding repeats the last token)."""
+        bs = self.block_size
+        query_tokens = np.minimum(blocks[:, None] * bs + np.arange(bs), self.n - 1)[:, :, None]
+        key_tokens = np.minimum(columns[:, :, None] * bs + np.arange(bs), self.m - 1).reshape(blocks.size, 1, -1)
+        return query_tokens, key_tokens
+
+
+def _as_blocks(x, bs, fill=0, core=2):
+    """x (..., L, c) as (..., ceil(L / bs), bs, c) (core=1: (..., L) as
+    (..., ceil(L / bs), bs)): a view when bs divides L, else a copy padded
+    with `fill`."""
+    length = x.shape[-core]
+    blocks = -(-length // bs)
+    tail = x.shape[x.ndim - core + 1:]
+    if length % bs:
+        padded = np.full(x.shape[:x.ndim - core] + (blocks * bs,) + tail, fill, dtype=x.dtype)
+        padded[(Ellipsis, slice(0, length)) + (slice(None),) * (core - 1)] = x
+        x = padded
+    strides = x.strides[:x.ndim - core] + (bs * x.strides[x.ndim - core],) + x.strides[x.ndim - core:]
+    return np.lib.stride_tricks.as_strided(x, x.shape[:x.ndim - core] + (blocks, bs) + tail, strides,
+                                           writeable=x.flags.writeable)
+
+
+def _take_blocks(x, blocks):
+    """x (..., nb, bs, c) at the given blocks (R,) or (R, c'): a view for a
+    run of consecutive blocks, else a copy; (R, c') blocks are joined into
+    (..., R, c' * bs, c)."""
+    if blocks.ndim == 1 and blocks[-1] - blocks[0] + 1 == blocks.size:
+        return x[..., int(blocks[0]):int(blocks[-1]) + 1, :, :]
+    taken = x[..., blocks, :, :]
+    if blocks.ndim == 2:
+        taken = taken.reshape(taken.shape[:-4] + (blocks.shape[0], -1, taken.shape[-1]))
+    return taken
 
 
 def _gather(x, query_tokens, key_tokens):
     """A mask or bias broadcastable to (..., n, m) at these query and key
-    tokens: (..., R, r, K), size 1 where x has size 1."""
+    tokens: (..., R, bs, K), size 1 where x has size 1."""
     if x is None:
         return None
-    rows = query_tokens[:, :, None] if x.shape[-2] != 1 else np.zeros((1, 1, 1), np.intp)
-    columns = key_tokens[:, None, :] if x.shape[-1] != 1 else np.zeros((1, 1, 1), np.intp)
+    rows = query_tokens if x.shape[-2] != 1 else np.zeros((1, 1, 1), np.intp)
+    columns = key_tokens if x.shape[-1] != 1 else np.zeros((1, 1, 1), np.intp)
     return x[..., rows, columns]
 
 
@@ -245,9 +273,14 @@ def _prepare(q, k, v, layout, block_size, causal, mask, bias, window):
     return q, k, v, mask, bias, _BlockPlan(layout, block_size, lead, n, m, causal, window)
 
 
+def _call_lead(*inputs):
+    """The leading axes of a softmax call over these slices (core 2)."""
+    return np.broadcast_shapes(*(x.shape[:-2] for x in inputs if x is not None))
+
+
 def _trim(x, ndim):
     """x without the leading size-1 axes beyond ndim (those only the
-    layout has): the shape a softmax call over the slice's inputs gives."""
+    layout has)."""
     return x[(0,) * (x.ndim - ndim)]
 
 
@@ -265,58 +298,74 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
 
     Only the named blocks are computed: the query blocks that see the same
     number of key blocks form one softmax call, each against its own key
-    blocks gathered, so the cost is proportional to the number of active
-    blocks and a layout takes a few calls, not one per block row. The softmax
-    options (``scale``, ``causal``, ``mask``, ``bias``, ``window``) apply on
-    top of the layout, with the meaning they have in softmax_attention;
-    blocks that causal or the window hide entirely are skipped too.
-    ``out=`` receives the result; ``return_lse=True`` also returns the
-    log-sum-exp per query row. Rows that see no key are zeros (lse -inf).
+    blocks (copied whole), so the cost is proportional to the number of
+    active blocks and a layout takes a few calls, not one per block row.
+    The softmax options (``scale``, ``causal``, ``mask``, ``bias``,
+    ``window``) apply on top of the layout, with the meaning they have in
+    softmax_attention; blocks that causal or the window hide entirely are
+    skipped too. ``out=`` receives the result; ``return_lse=True`` also
+    returns the log-sum-exp per query row. Rows that see no key are zeros
+    (lse -inf).
     """
     q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
-    n, m, e, lead = q.shape[-2], k.shape[-2], v.shape[-1], plan.lead
+    n, m, e, lead, bs = q.shape[-2], k.shape[-2], v.shape[-1], plan.lead, plan.block_size
     dtype = _result_dtype(q, k, v)
-    if out is None:
-        out = np.empty(lead + (n, e), dtype=dtype)
-    else:
+    if out is not None:
         if not isinstance(out, np.ndarray) or out.shape != lead + (n, e) or out.dtype != dtype:
             raise ValueError(f"out must be an array of shape {lead + (n, e)} and dtype {dtype}")
         if any(np.shares_memory(out, x) for x in (q, k, v)):
             raise ValueError("out must not overlap q, k or v")
-    lse = np.empty(lead + (n,), dtype=np.float64 if dtype == np.float64 else np.float32) if return_lse else None
-    bytes_per_key = math.prod(lead) * (q.shape[-1] + e) * dtype.itemsize
-    for index, layout2d in plan.slices():
-        q_i, k_i, v_i, mask_i, bias_i = (plan.select(x, index) for x in (q, k, v, mask, bias))
-        call_ndim = plan.call_ndim(q_i, k_i, v_i, mask_i, bias_i)
-        out_i = _trim(plan.select(out, index), call_ndim + 2)
-        lse_i = None if lse is None else _trim(plan.select(lse, index, core=1), call_ndim + 1)
-        for query_tokens, key_tokens, call_mask in plan.groups(layout2d, bytes_per_key):
-            rows = query_tokens.ravel()
-            if key_tokens is None:
-                out_i[..., rows, :] = 0
-                if lse is not None:
-                    lse_i[..., rows] = -np.inf
-                continue
-            result = _C.softmax_attention(
-                q_i[..., query_tokens, :], k_i[..., key_tokens, :], v_i[..., key_tokens, :], scale=scale,
-                mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask),
-                bias=_gather(bias_i, query_tokens, key_tokens), return_lse=return_lse)
-            if lse is not None:
-                result, result_lse = result
-                lse_i[..., rows] = result_lse.reshape(result_lse.shape[:-2] + (-1,))
-            out_i[..., rows, :] = result.reshape(result.shape[:-3] + (-1, e))
-    return (out, lse) if return_lse else out
+    result = out if out is not None and n % bs == 0 else np.empty(lead + (-(-n // bs) * bs, e), dtype)
+    lse_dtype = np.float64 if dtype == np.float64 else np.float32
+    lse = np.empty(lead + (-(-n // bs) * bs,), lse_dtype) if return_lse else None
+    if n and m:
+        q_blocks, k_blocks, v_blocks = (_as_blocks(x, bs) for x in (q, k, v))
+        out_blocks = _as_blocks(result, bs)
+        lse_blocks = None if lse is None else _as_blocks(lse, bs, core=1)
+        bytes_per_key = math.prod(lead) * (q.shape[-1] + e) * dtype.itemsize
+        for index, layout2d in plan.slices():
+            q_i, k_i, v_i = (plan.select(x, index, core=3) for x in (q_blocks, k_blocks, v_blocks))
+            mask_i, bias_i = (plan.select(x, index) for x in (mask, bias))
+            call_ndim = len(_call_lead(plan.select(q, index), plan.select(k, index), plan.select(v, index),
+                                       mask_i, bias_i))
+            out_i = _trim(plan.select(out_blocks, index, core=3), call_ndim + 3)
+            lse_i = None if lse is None else _trim(plan.select(lse_blocks, index), call_ndim + 2)
+            for blocks, columns, call_mask in plan.groups(layout2d, bytes_per_key):
+                if columns is None:
+                    out_i[..., blocks, :, :] = 0
+                    if lse_i is not None:
+                        lse_i[..., blocks, :] = -np.inf
+                    continue
+                query_tokens, key_tokens = plan.tokens(blocks, columns)
+                computed = _C.softmax_attention(
+                    _take_blocks(q_i, blocks), _take_blocks(k_i, columns), _take_blocks(v_i, columns),
+                    scale=scale, mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask),
+                    bias=_gather(bias_i, query_tokens, key_tokens), return_lse=return_lse)
+                if lse_i is not None:
+                    computed, lse_i[..., blocks, :] = computed
+                out_i[..., blocks, :, :] = computed
+    elif n:
+        result[...] = 0
+        if lse is not None:
+            lse[...] = -np.inf
+    if result is not out:
+        if out is None:
+            out = result[..., :n, :]
+        else:
+            out[...] = result[..., :n, :]
+    return (out, lse[..., :n]) if return_lse else out
 
 
-def _add_by_token(target, key_tokens, grad):
-    """target[..., t, :] += the sum of grad's rows gathered from token t:
-    grad (..., R, K, d) holds a row per entry of key_tokens (R, K), where a
-    token appears once per query block that sees it."""
-    tokens = key_tokens.ravel()
-    grad = grad.reshape(grad.shape[:-3] + (-1, grad.shape[-1]))
-    order = np.argsort(tokens, kind="stable")
-    unique, starts = np.unique(tokens[order], return_index=True)
-    target[..., unique, :] += np.add.reduceat(grad[..., order, :], starts, axis=-2)
+def _add_by_block(target, columns, grad):
+    """target[..., j, :, :] += the sum of grad's blocks gathered from key
+    block j: grad (..., R, c * bs, e) holds a block per entry of columns
+    (R, c), where a key block appears once per query block that sees it."""
+    blocks = columns.ravel()
+    bs = target.shape[-2]
+    grad = grad.reshape(grad.shape[:-3] + (blocks.size, bs, grad.shape[-1]))
+    order = np.argsort(blocks, kind="stable")
+    unique, starts = np.unique(blocks[order], return_index=True)
+    target[..., unique, :, :] += np.add.reduceat(grad[..., order, :, :], starts, axis=-3)
 
 
 def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size, *, scale=None,
@@ -325,46 +374,52 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
     """Gradients of ``sum(dout * block_sparse_attention(q, k, v, layout,
     block_size, ...))``, with the forward's ``out`` and ``lse``
     (``return_lse=True``) and options. Runs the forward's plan: one
-    softmax backward per group of query blocks over their gathered key
-    blocks, the key and value gradients added back to their tokens. Returns
+    softmax backward per group of query blocks over their key blocks, the
+    key and value gradients added back to their blocks. Returns
     :class:`attnx.Gradients` (q, k, v, and bias when ``bias_grad=True``)."""
     q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
-    n, e, lead = q.shape[-2], v.shape[-1], plan.lead
+    n, m, e, lead, bs = q.shape[-2], k.shape[-2], v.shape[-1], plan.lead, plan.block_size
     dout, out, lse = np.asarray(dout), np.asarray(out), np.asarray(lse)
     for name, x, shape in (("dout", dout, lead + (n, e)), ("out", out, lead + (n, e)), ("lse", lse, lead + (n,))):
         if x.shape != shape:
             raise ValueError(f"{name} must have the shape of the forward's result {shape}, got {x.shape}")
     compute = _result_dtype(q, k, v)
-    grads = [np.zeros(x.shape, _grad_dtype(x, compute)) for x in (q, k, v)]
+    padded = [np.zeros(x.shape[:-2] + (-(-x.shape[-2] // bs) * bs, x.shape[-1]), _grad_dtype(x, compute))
+              for x in (q, k, v)]
     grad_bias = np.zeros(bias.shape, _grad_dtype(bias, compute)) if bias_grad and bias is not None else None
-    bytes_per_key = math.prod(lead) * (q.shape[-1] + e) * compute.itemsize
-    for index, layout2d in plan.slices():
-        q_i, k_i, v_i, mask_i, bias_i = (plan.select(x, index) for x in (q, k, v, mask, bias))
-        call_ndim = plan.call_ndim(q_i, k_i, v_i, mask_i, bias_i)
-        dout_i, out_i = (_trim(plan.select(x, index), call_ndim + 2) for x in (dout, out))
-        lse_i = _trim(plan.select(lse, index, core=1), call_ndim + 1)
-        dq_i, dk_i, dv_i, dbias_i = (plan.select(x, index) for x in grads + [grad_bias])
-        for query_tokens, key_tokens, call_mask in plan.groups(layout2d, bytes_per_key):
-            if key_tokens is None:
-                continue
-            bias_g = _gather(bias_i, query_tokens, key_tokens)
-            g = softmax_attention_backward(
-                dout_i[..., query_tokens, :], q_i[..., query_tokens, :], k_i[..., key_tokens, :],
-                v_i[..., key_tokens, :], out_i[..., query_tokens, :], lse_i[..., query_tokens], scale=scale,
-                mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask), bias=bias_g,
-                bias_grad=dbias_i is not None)
-            # query tokens are distinct within a call: each row is added once
-            dq_i[..., query_tokens.ravel(), :] += g.q.reshape(g.q.shape[:-3] + (-1, g.q.shape[-1]))
-            _add_by_token(dk_i, key_tokens, g.k)
-            _add_by_token(dv_i, key_tokens, g.v)
-            if dbias_i is not None:
-                rows = query_tokens[:, :, None] if dbias_i.shape[-2] != 1 else np.zeros((1, 1, 1), np.intp)
-                columns = key_tokens[:, None, :] if dbias_i.shape[-1] != 1 else np.zeros((1, 1, 1), np.intp)
-                np.add.at(dbias_i, (Ellipsis, rows, columns), g.bias)
+    if n and m:
+        q_blocks, k_blocks, v_blocks, dout_blocks, out_blocks = (_as_blocks(x, bs) for x in (q, k, v, dout, out))
+        lse_blocks = _as_blocks(lse, bs, fill=-np.inf, core=1)  # padding rows see nothing
+        grad_blocks = [_as_blocks(x, bs) for x in padded]
+        bytes_per_key = math.prod(lead) * (q.shape[-1] + e) * compute.itemsize
+        for index, layout2d in plan.slices():
+            q_i, k_i, v_i, dq_i, dk_i, dv_i = (plan.select(x, index, core=3)
+                                               for x in [q_blocks, k_blocks, v_blocks] + grad_blocks)
+            mask_i, bias_i, dbias_i = (plan.select(x, index) for x in (mask, bias, grad_bias))
+            call_ndim = len(_call_lead(plan.select(q, index), plan.select(k, index), plan.select(v, index),
+                                       mask_i, bias_i))
+            dout_i, out_i = (_trim(plan.select(x, index, core=3), call_ndim + 3) for x in (dout_blocks, out_blocks))
+            lse_i = _trim(plan.select(lse_blocks, index), call_ndim + 2)
+            for blocks, columns, call_mask in plan.groups(layout2d, bytes_per_key):
+                if columns is None:
+                    continue
+                query_tokens, key_tokens = plan.tokens(blocks, columns)
+                g = softmax_attention_backward(
+                    _take_blocks(dout_i, blocks), _take_blocks(q_i, blocks), _take_blocks(k_i, columns),
+                    _take_blocks(v_i, columns), _take_blocks(out_i, blocks), lse_i[..., blocks, :],
+                    scale=scale, mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask),
+                    bias=_gather(bias_i, query_tokens, key_tokens), bias_grad=dbias_i is not None)
+                dq_i[..., blocks, :, :] += g.q  # query blocks are distinct within a call
+                _add_by_block(dk_i, columns, g.k)
+                _add_by_block(dv_i, columns, g.v)
+                if dbias_i is not None:
+                    rows = query_tokens if dbias_i.shape[-2] != 1 else np.zeros((1, 1, 1), np.intp)
+                    cols = key_tokens if dbias_i.shape[-1] != 1 else np.zeros((1, 1, 1), np.intp)
+                    # padding rows and keys repeat the last token with a zero gradient
+                    np.add.at(dbias_i, (Ellipsis, rows, cols), g.bias)
+    grads = [x[..., :length, :] for x, length in zip(padded, (n, m, m))]
     return Gradients(q=_finish(grads[0], q, "dq", dq), k=_finish(grads[1], k, "dk", dk),
                      v=_finish(grads[2], v, "dv", dv), bias=grad_bias)
-
-
 
 
 # --------------------------------------------------------------------------
