@@ -40,6 +40,7 @@ from ._systems import (
     pooled_attention,
     pooled_attention_backward,
 )
+from ._multihead import multi_head_attention
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -69,6 +70,7 @@ __all__ = [
     "LinearAttentionState",
     "attention_weights",
     "similarity",
+    "multi_head_attention",
     "sinusoidal_positions",
     "rotary",
     "rotary_backward",

@@ -457,3 +457,148 @@ def test_linformer_bad_projection():
         attnx.linformer_attention(x, x, x, np.ones((3, 5)), np.ones((3, 4)))
     with pytest.raises(TypeError, match="E must hold real numbers"):
         attnx.linformer_attention(x, x, x, np.ones((3, 5), complex))
+
+
+# --------------------------------------------------------------------------
+# multi-head attention
+# --------------------------------------------------------------------------
+
+def literal_rotary(x):
+    """Rotate-half RoPE at positions 0..L-1 along -2, by complex numbers."""
+    half = x.shape[-1] // 2
+    theta = np.arange(x.shape[-2])[:, None] * 10000.0 ** (-2.0 * np.arange(half) / x.shape[-1])
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * theta)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def literal_mha(x_q, x_kv, w, b, heads, kv_heads, causal=False, mask=None, positions=None):
+    """Head by head in float64, with plain loops and slices."""
+    x_q, x_kv = np.asarray(x_q, np.float64), np.asarray(x_kv, np.float64)
+    if positions == "sinusoidal":
+        table = lambda L, c: np.array([[np.sin(p / 10000 ** (2 * (i // 2) / c)) if i % 2 == 0
+                                        else np.cos(p / 10000 ** (2 * (i // 2) / c)) for i in range(c)]
+                                       for p in range(L)])
+        x_q, x_kv = x_q + table(*x_q.shape[-2:]), x_kv + table(*x_kv.shape[-2:])
+    q, k, v = x_q @ w["q"] + b["q"], x_kv @ w["k"] + b["k"], x_kv @ w["v"] + b["v"]
+    d, e = q.shape[-1] // heads, v.shape[-1] // kv_heads
+    n, m = q.shape[-2], k.shape[-2]
+    outputs = []
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        qh, kh, vh = q[..., h * d:(h + 1) * d], k[..., kv * d:(kv + 1) * d], v[..., kv * e:(kv + 1) * e]
+        if positions == "rotary":
+            qh, kh = literal_rotary(qh), literal_rotary(kh)
+        visible = np.ones((n, m), bool) if not causal else np.tril(np.ones((n, m), bool), m - n)
+        if mask is not None:
+            visible = visible & mask[..., min(h, mask.shape[-3] - 1), :, :]
+        outputs.append(ref.softmax_attention(qh, kh, vh, mask=visible))
+    return np.concatenate(outputs, axis=-1) @ w["o"] + b["o"]
+
+
+def mha_parameters(rng, in_q, in_kv, heads, kv_heads, d, e, out, dtype=np.float64):
+    w = dict(q=rng.standard_normal((in_q, heads * d)), k=rng.standard_normal((in_kv, kv_heads * d)),
+             v=rng.standard_normal((in_kv, kv_heads * e)), o=rng.standard_normal((heads * e, out)))
+    b = dict(q=rng.standard_normal(heads * d), k=rng.standard_normal(kv_heads * d),
+             v=rng.standard_normal(kv_heads * e), o=rng.standard_normal(out))
+    w = {key: (x / np.sqrt(x.shape[0])).astype(dtype) for key, x in w.items()}
+    return w, {key: x.astype(dtype) for key, x in b.items()}
+
+
+def call_mha(x_q, x_kv, w, b, heads, **kwargs):
+    return attnx.multi_head_attention(x_q, x_kv, w["q"], w["k"], w["v"], w["o"], heads, b_q=b["q"],
+                                      b_k=b["k"], b_v=b["v"], b_o=b["o"], **kwargs)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("positions", [None, "rotary", "sinusoidal"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_multi_head_matches_the_literal_layer(heads, kv_heads, positions, causal):
+    rng = np.random.default_rng(40)
+    x_q, x_kv = rng.standard_normal((2, 7, 12)), rng.standard_normal((2, 9, 10))
+    w, b = mha_parameters(rng, 12, 10, heads, kv_heads, d=4, e=3, out=5)
+    pad = np.ones((2, 1, 1, 9), bool)
+    pad[0, ..., 7:] = False
+    got = call_mha(x_q, x_kv, w, b, heads, num_kv_heads=kv_heads, causal=causal, mask=pad, positions=positions)
+    want = literal_mha(x_q, x_kv, w, b, heads, kv_heads, causal=causal, mask=pad, positions=positions)
+    assert got.shape == (2, 7, 5)
+    assert_close(got, want, np.float64, scale=vscale(want))
+
+
+def test_multi_head_per_head_mask_and_self_attention():
+    rng = np.random.default_rng(41)
+    x = rng.standard_normal((3, 8, 6))
+    w, b = mha_parameters(rng, 6, 6, 4, 2, d=3, e=2, out=6)
+    mask = rng.random((3, 4, 8, 8)) < 0.7
+    mask[..., 0] = True
+    got = call_mha(x, None, w, b, 4, num_kv_heads=2, mask=mask)
+    assert_close(got, literal_mha(x, x, w, b, 4, 2, mask=mask), np.float64)
+
+
+@pytest.mark.parametrize("variant, options", [
+    ("linear", dict(causal=True)),
+    ("cosformer", {}),
+    ("block_sparse", dict(layout=np.tril(np.ones((3, 3), bool)), block_size=4)),
+    ("pooled", dict(stride=3)),
+])
+def test_multi_head_variants_equal_the_front_end_per_head(variant, options):
+    rng = np.random.default_rng(42)
+    x = rng.standard_normal((2, 10, 8))
+    w, b = mha_parameters(rng, 8, 8, 4, 4, d=2, e=2, out=8)
+    got = call_mha(x, x, w, b, 4, variant=variant, **options)
+    front = {"linear": attnx.linear_attention, "cosformer": attnx.cosformer_attention,
+             "block_sparse": attnx.block_sparse_attention, "pooled": attnx.pooled_attention}[variant]
+    q, k, v = x @ w["q"] + b["q"], x @ w["k"] + b["k"], x @ w["v"] + b["v"]
+    heads = [front(q[..., 2 * h:2 * h + 2], k[..., 2 * h:2 * h + 2], v[..., 2 * h:2 * h + 2], **options)
+             for h in range(4)]
+    want = np.concatenate(heads, axis=-1) @ w["o"] + b["o"]
+    assert_close(got, want, np.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multi_head_matches_torch_multihead_attention(causal):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(43)
+    E, H, n = 16, 4, 11
+    layer = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    x = rng.standard_normal((2, n, E))
+    pad = np.zeros((2, n), bool)
+    pad[1, 8:] = True  # torch: True = padding
+    causal_mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1) if causal else None
+    tx = torch.from_numpy(x)
+    want, _ = layer(tx, tx, tx, key_padding_mask=torch.from_numpy(pad), attn_mask=causal_mask, need_weights=False)
+    W, B = layer.in_proj_weight.detach().numpy(), layer.in_proj_bias.detach().numpy()
+    got = attnx.multi_head_attention(
+        x, x, W[:E].T, W[E:2 * E].T, W[2 * E:].T, layer.out_proj.weight.detach().numpy().T, H,
+        b_q=B[:E], b_k=B[E:2 * E], b_v=B[2 * E:], b_o=layer.out_proj.bias.detach().numpy(),
+        causal=causal, mask=~pad[:, None, None, :])
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-11, atol=1e-11)
+
+
+def test_multi_head_float32():
+    rng = np.random.default_rng(44)
+    x = rng.standard_normal((2, 9, 8)).astype(np.float32)
+    w, b = mha_parameters(rng, 8, 8, 2, 2, d=4, e=4, out=8, dtype=np.float32)
+    got = call_mha(x, x, w, b, 2, positions="rotary")
+    assert got.dtype == np.float32
+    want = literal_mha(x, x, w, b, 2, 2, positions="rotary")
+    assert_close(got, want, np.float32, scale=vscale(want))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(num_heads=3), ValueError, r"w_q must have shape \(8, 3 \* d\)"),
+    (dict(num_kv_heads=3), ValueError, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
+    (dict(variant="nope"), ValueError, "unknown variant"),
+    (dict(positions="learned"), ValueError, "positions must be"),
+    (dict(w_k=np.ones((8, 6))), ValueError, "w_k must have shape"),
+    (dict(w_o=np.ones((7, 8))), ValueError, "w_o must have shape"),
+    (dict(b_q=np.ones(5)), ValueError, r"b_q must have shape \(8,\)"),
+    (dict(mask=np.ones((2, 3, 5, 5), bool)), ValueError, "head axis"),
+    (dict(return_lse=True), TypeError, "takes no return_lse"),
+])
+def test_multi_head_bad_arguments(change, error, match):
+    rng = np.random.default_rng(45)
+    arguments = dict(x_q=rng.standard_normal((2, 5, 8)), x_kv=None, w_q=np.ones((8, 8)), w_k=np.ones((8, 8)),
+                     w_v=np.ones((8, 8)), w_o=np.ones((8, 8)), num_heads=4)
+    arguments.update(change)
+    with pytest.raises(error, match=match):
+        attnx.multi_head_attention(**arguments)
