@@ -93,7 +93,7 @@ class _BlockPlan:
     """
 
     # the gathered keys and values of one call stay under this many bytes
-    GATHER_BYTES = 64 << 20
+    GATHER_BYTES = 16 << 20
 
     def __init__(self, layout, block_size, lead, n, m, causal, window):
         self.block_size = block_size = _count(block_size, "block_size", 1)
