@@ -46,6 +46,13 @@
  * per-group dQ partials stay small. */
 #define TARGET_ITEMS 8
 
+/* The AVX-512 products (zmm_gemm) where gcc can target them; the CPU is
+ * asked at run time (attnx_mk_width). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#define BWD_HAVE_ZMM 1
+#include "microkernel.h"
+#endif
+
 #define ATTNX_FAMILY_FILE "softmax_backward.c"
 #include "real.h"
 
@@ -53,11 +60,85 @@
 
 #define LOG2E ((REAL)1.44269504088896340736)
 
+#ifdef BWD_HAVE_ZMM
+/* The five products on AVX-512 without BLAS (whose kernels may be chosen
+ * for a lesser CPU: OPENBLAS_CORETYPE), as one register-blocked kernel:
+ *   c (rows, cols) = alpha a b   (or += when accumulate)
+ * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
+ * operand costs nothing, and b (depth, cols) rows b_row apart, cols a whole
+ * number of vectors. Blocks of 8 rows by 2 vectors keep 16 sums in
+ * registers; each step of p loads 2 vectors of b and broadcasts 8 numbers
+ * of a for 16 fused multiply-adds. */
+typedef REAL SFX(zvec) __attribute__((vector_size(64), aligned(sizeof(REAL))));
+#define ZLANES (64 / (ptrdiff_t)sizeof(REAL))
+
+/* one block of ROWS x VECS vectors (constants once inlined) */
+static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_block)(
+    int block_rows, int vecs, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    typedef SFX(zvec) vec;
+    vec sum[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) sum[r][x] = (vec){0};
+    for (ptrdiff_t p = 0; p < depth; p++) {
+        vec b_p[2];
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
+#pragma GCC unroll 8
+        for (int r = 0; r < block_rows; r++) {
+            vec a_rp = (vec){0} + a[r * a_row + p * a_col];
+#pragma GCC unroll 2
+            for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) {
+            vec *c_rx = (vec *)(c + r * c_row + x * ZLANES);
+            *c_rx = accumulate ? *c_rx + alpha * sum[r][x] : alpha * sum[r][x];
+        }
+}
+
+__attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    ptrdiff_t r0 = 0;
+    for (; r0 + 8 <= rows; r0 += 8) {
+        const REAL *a_r = a + r0 * a_row;
+        REAL *c_r = c + r0 * c_row;
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
+            SFX(zmm_block)(8, 2, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
+                           c_r + c0, c_row);
+        if (c0 < cols)
+            SFX(zmm_block)(8, 1, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
+                           c_r + c0, c_row);
+    }
+    for (; r0 < rows; r0++) {
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
+            SFX(zmm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
+                           accumulate, c + r0 * c_row + c0, c_row);
+        if (c0 < cols)
+            SFX(zmm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
+                           accumulate, c + r0 * c_row + c0, c_row);
+    }
+}
+#define ZMM_GEMM SFX(zmm_gemm)
+#endif
+
 /* One thread's working memory. */
 typedef struct {
     REAL *pt, *dpt;        /* (BR, BC) */
     REAL *key_term;        /* (BC) per-key addend of the scores, log2 units; -inf: hidden */
     REAL *col_sum;         /* (BC) sum_i dS_ij (gaussian) */
+    REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for zmm_gemm,
+                            * keys past the block 0; NULL: the products run on BLAS */
 } SFX(bwd_work);
 
 /* The operands of one head, positioned once. */
@@ -203,16 +284,31 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     const REAL *k_j = h->k + j0 * a->k_row, *v_j = h->v + j0 * a->v_row;
     REAL *dk_j = h->dk + j0 * dk_row, *dv_j = h->dv + j0 * dv_row;
 
+    /* with zmm_gemm, the score and dP columns are whole vectors (K^T and
+     * V^T are 0 past the block's keys); only the first `cols` are used */
+#ifdef BWD_HAVE_ZMM
+    const int zmm = w->kt != NULL && !nonfinite;
+    const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
+#else
+    const int zmm = 0;
+#endif
+
     /* pass 1: scores in log2 units, then p */
-    SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
+    if (zmm)
+        ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
+    else
+        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
     if (!SFX(bwd_probabilities)(a, h, w->pt, w->key_term, i0, rows, j0, cols)) {
         if (h->dbias)
             for (ptrdiff_t r = 0; r < rows; r++)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         return;
     }
-    if (!nonfinite) {
+    if (zmm) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
+        ZMM_GEMM(cols, e, rows, 1, w->pt, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
+        ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
+    } else if (!nonfinite) {
         SFX(gemm)(1, 0, cols, e, rows, 1, w->pt, BC, do_i, dout_row, 1, dv_j, dv_row);
         SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
     } else {
@@ -235,7 +331,10 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
-    if (!nonfinite) {
+    if (zmm) {
+        ZMM_GEMM(cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j, dk_row);
+        ZMM_GEMM(rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i, dq_row);
+    } else if (!nonfinite) {
         SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
         SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
     } else {
@@ -243,6 +342,17 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                                          d, scale);
         SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, BC, 1, k_j, a->k_row, rows, cols,
                                          d, scale);
+    }
+}
+
+/* dst (width, BC) <- x (count, width) transposed, columns past count 0 */
+static void SFX(transpose_padded)(REAL *dst, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
+                                  ptrdiff_t width)
+{
+    for (ptrdiff_t c = 0; c < width; c++) {
+        REAL *dst_c = dst + c * BC;
+        for (ptrdiff_t j = 0; j < count; j++) dst_c[j] = x[j * x_row + c];
+        for (ptrdiff_t j = count; j < BC; j++) dst_c[j] = 0;
     }
 }
 
@@ -281,6 +391,10 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             w->col_sum[c] = 0;
         }
         SFX(bwd_key_term)(a, h, w->key_term, j0, cols);
+        if (w->kt) {
+            SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
+            SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
+        }
         int k_bad = SFX(has_nonfinite)(h->k + j0 * a->k_row, cols, a->d, a->k_row) ||
                     SFX(has_nonfinite)(h->v + j0 * a->v_row, cols, a->e, a->v_row);
         ptrdiff_t first, end;
@@ -367,7 +481,13 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
      * thread: the block pair's tiles; per item when groups > 1: dQ */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
-    ptrdiff_t per_head = LINES(2 * n), per_thread = 2 * LINES(BR * BC) + 2 * LINES(BC);
+    /* AVX-512 products where the CPU has them and d, e are whole vectors */
+    int zmm = 0;
+#ifdef BWD_HAVE_ZMM
+    zmm = attnx_mk_width() == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
+#endif
+    ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
+    ptrdiff_t per_head = LINES(2 * n), per_thread = 2 * LINES(BR * BC) + 2 * LINES(BC) + transposed;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
@@ -382,8 +502,10 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
         goto done;
     for (int t = 0; t < threads; t++) {
         REAL *base = tiles + per_thread * t;
+        REAL *kt = base + 2 * BR * BC + 2 * BC;
         works[t] = (SFX(bwd_work)){base, base + BR * BC, base + 2 * BR * BC,
-                                   base + 2 * BR * BC + BC};
+                                   base + 2 * BR * BC + BC, zmm ? kt : NULL,
+                                   zmm ? kt + d * BC : NULL};
     }
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -439,4 +561,8 @@ done:
 }
 
 #undef LOG2E
+#ifdef BWD_HAVE_ZMM
+#undef ZMM_GEMM
+#undef ZLANES
+#endif
 #endif /* REAL */
