@@ -602,3 +602,78 @@ def test_multi_head_bad_arguments(change, error, match):
     arguments.update(change)
     with pytest.raises(error, match=match):
         attnx.multi_head_attention(**arguments)
+
+
+# --------------------------------------------------------------------------
+# FLatten's depthwise convolution term (attnx/_dwc.py)
+# --------------------------------------------------------------------------
+
+from attnx import _dwc  # noqa: E402
+
+
+def loop_dwc(v, weight, grid):
+    """Token by token, channel by channel, offsets by offsets, zero outside."""
+    v = np.asarray(v, np.float64)
+    out = np.zeros(v.shape)
+    kernel = weight.shape[1:]
+    for lead in np.ndindex(*v.shape[:-2]):
+        for t in range(v.shape[-2]):
+            position = np.unravel_index(t, grid)
+            for c in range(v.shape[-1]):
+                total = 0.0
+                for offset in np.ndindex(*kernel):
+                    source = [p + o - (k - 1) // 2 for p, o, k in zip(position, offset, kernel)]
+                    if all(0 <= s < g for s, g in zip(source, grid)):
+                        total += weight[(c,) + offset] * v[lead + (np.ravel_multi_index(source, grid), c)]
+                out[lead + (t, c)] = total
+    return out
+
+
+@pytest.mark.parametrize("spatial, kernel, n", [(None, (3,), 9), (None, (5,), 4), (None, (1,), 3),
+                                                ((3, 4), (3, 3), 12), ((2, 5), (3, 5), 10)])
+def test_depthwise_convolution_matches_the_loop_and_torch(spatial, kernel, n):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(50)
+    v, dout = rng.standard_normal((2, 3, n, 4)), rng.standard_normal((2, 3, n, 4))
+    weight = rng.standard_normal((4,) + kernel)
+    got = _dwc.depthwise_convolution(v, weight, spatial)
+    np.testing.assert_allclose(got, loop_dwc(v, weight, spatial or (n,)), rtol=1e-12, atol=1e-12)
+    # torch: (N, C, L) or (N, C, H, W) with groups = channels, padding (k - 1) / 2
+    tv, tw = torch.tensor(v, requires_grad=True), torch.tensor(weight, requires_grad=True)
+    x = tv.reshape(6, *(spatial or (n,)), 4).movedim(-1, 1)
+    conv = torch.nn.functional.conv1d if spatial is None else torch.nn.functional.conv2d
+    y = conv(x, tw.unsqueeze(1), padding=tuple(k // 2 for k in kernel), groups=4)
+    y = y.movedim(1, -1).reshape(2, 3, n, 4)
+    np.testing.assert_allclose(got, y.detach().numpy(), rtol=1e-12, atol=1e-12)
+    y.backward(torch.from_numpy(dout))
+    dv, dweight = _dwc.depthwise_convolution_backward(dout, v, weight, spatial)
+    np.testing.assert_allclose(dv, tv.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dweight, tw.grad.numpy(), rtol=1e-11, atol=1e-11)
+
+
+def test_add_depthwise_convolution_to_focused_attention():
+    rng = np.random.default_rng(51)
+    q, k, v = (rng.standard_normal((2, 12, 4)) for _ in range(3))
+    weight = rng.standard_normal((4, 3, 3))
+    base = attnx.focused_linear_attention(q, k, v)
+    got = _dwc.add_depthwise_convolution(base, v, weight, spatial=(3, 4))
+    np.testing.assert_allclose(got, base + loop_dwc(v, weight, (3, 4)), rtol=1e-12, atol=1e-12)
+    assert _dwc.add_depthwise_convolution(base, v, None) is base
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((np.ones((5, 4)), np.ones((4, 2))), ValueError, "odd"),
+    ((np.ones((5, 4)), np.ones((3, 3))), ValueError, r"shape \(e, ks\) = \(4, ks\)"),
+    ((np.ones((6, 4)), np.ones((4, 3, 3)), (2, 2)), ValueError, "holds 4 tokens but v has n = 6"),
+    ((np.ones((6, 4)), np.ones((4, 3)), (2, 3)), ValueError, r"shape \(e, kh, kw\)"),
+    ((np.ones((6, 4)), np.ones((4, 3, 3)), (2, -3)), ValueError, "spatial must be"),
+    ((np.ones((6, 4)), np.ones((4, 3), complex)), TypeError, "real numbers"),
+])
+def test_depthwise_convolution_bad_arguments(args, error, match):
+    with pytest.raises(error, match=match):
+        _dwc.depthwise_convolution(*args)
+
+
+def test_add_depthwise_convolution_needs_n_equal_m():
+    with pytest.raises(ValueError, match="n must equal m"):
+        _dwc.add_depthwise_convolution(np.zeros((3, 4)), np.ones((5, 4)), np.ones((4, 3)))
