@@ -192,9 +192,12 @@ class _BlockPlan:
             visible |= query_tokens >= n  # padding rows: discarded, whatever they see
         return None if visible.all() else visible
 
-    def tokens(self, blocks, columns):
+    def tokens(self, blocks, columns, *pairwise):
         """Query tokens (R, bs, 1) and key tokens (R, 1, c * bs) of a call,
-        clipped to the sequences (the padding repeats the last token)."""
+        clipped to the sequences (the padding repeats the last token), for
+        gathering the pairwise arrays given (None, None if there are none)."""
+        if all(x is None for x in pairwise):
+            return None, None
         bs = self.block_size
         query_tokens = np.minimum(blocks[:, None] * bs + np.arange(bs), self.n - 1)[:, :, None]
         key_tokens = np.minimum(columns[:, :, None] * bs + np.arange(bs), self.m - 1).reshape(blocks.size, 1, -1)
@@ -212,9 +215,8 @@ def _as_blocks(x, bs, fill=0, core=2):
         padded = np.full(x.shape[:x.ndim - core] + (blocks * bs,) + tail, fill, dtype=x.dtype)
         padded[(Ellipsis, slice(0, length)) + (slice(None),) * (core - 1)] = x
         x = padded
-    strides = x.strides[:x.ndim - core] + (bs * x.strides[x.ndim - core],) + x.strides[x.ndim - core:]
-    return np.lib.stride_tricks.as_strided(x, x.shape[:x.ndim - core] + (blocks, bs) + tail, strides,
-                                           writeable=x.flags.writeable)
+    # splitting one axis in two is always a view, whatever x's strides
+    return x.reshape(x.shape[:x.ndim - core] + (blocks, bs) + tail)
 
 
 class _BlockTaker:
@@ -351,7 +353,7 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
                     if lse_i is not None:
                         lse_i[..., blocks, :] = -np.inf
                     continue
-                query_tokens, key_tokens = plan.tokens(blocks, columns)
+                query_tokens, key_tokens = plan.tokens(blocks, columns, mask_i, bias_i)
                 computed = _C.softmax_attention(
                     take("q", q_i, blocks), take("k", k_i, columns), take("v", v_i, columns),
                     scale=scale, mask=_combine(_gather(mask_i, query_tokens, key_tokens), call_mask),
@@ -419,7 +421,7 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
             for blocks, columns, call_mask in plan.groups(layout2d, bytes_per_key):
                 if columns is None:
                     continue
-                query_tokens, key_tokens = plan.tokens(blocks, columns)
+                query_tokens, key_tokens = plan.tokens(blocks, columns, mask_i, bias_i)
                 g = softmax_attention_backward(
                     take("dout", dout_i, blocks), take("q", q_i, blocks), take("k", k_i, columns),
                     take("v", v_i, columns), take("out", out_i, blocks), lse_i[..., blocks, :],
