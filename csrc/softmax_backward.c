@@ -9,6 +9,9 @@
  *   dV_j = sum_i p_ij dO_i            (from o_i = sum_j p_ij v_j)
  *   dP_ij = dO_i . v_j
  *   dS_ij = p_ij (dP_ij - D_i)        (the softmax's Jacobian)
+ * With dropout, o_i = sum_j p_ij z_ij v_j where z_ij = keep_ij / (1 - p_drop)
+ * (philox.h regenerates keep): dV_j = sum_i p_ij z_ij dO_i and
+ * dS_ij = p_ij z_ij dP_ij - p_ij D_i.
  *   dQ_i = scale sum_j dS_ij k_j
  *   dK_j = scale sum_i dS_ij q_i + 2 coef (sum_i dS_ij) k_j
  *   dbias_ij = dS_ij
@@ -26,6 +29,7 @@
  *
  * Legend: n queries, m keys, d features, e value features;
  *   pt  (BR, BC)  log2-unit scores, then p, of a query block x key block
+ *   ptd (BR, BC)  p z, the dropped weights (pt itself without dropout)
  *   dpt (BR, BC)  dP, then dS
  */
 #ifndef REAL
@@ -35,6 +39,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "philox.h"
 
 /* Query and key block sizes: the five products of a block pair are
  * (128 x 128) by d or e, big enough for BLAS to run near its peak. */
@@ -139,6 +144,8 @@ typedef struct {
     REAL *col_sum;         /* (BC) sum_i dS_ij (gaussian) */
     REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for zmm_gemm,
                             * keys past the block 0; NULL: the products run on BLAS */
+    REAL *ptd;             /* (BR, BC) with dropout, else pt */
+    unsigned char *keep;   /* (BC) one row's dropout decisions */
 } SFX(bwd_work);
 
 /* The operands of one head, positioned once. */
@@ -149,6 +156,7 @@ typedef struct {
     REAL *row_delta;       /* (n) D_i */
     REAL *row_offset;      /* (n) lse_i - coef |q_i|^2, log2 units; +inf: row sees nothing */
     unsigned char *q_bad;  /* per query block: Q or dO holds inf or NaN */
+    ptrdiff_t index;       /* the head's flat index (the dropout counter's) */
 } SFX(bwd_head);
 
 static int SFX(bias_per_key)(const attnx_softmax_args *a) { return a->bias_row == 0 || a->n == 1; }
@@ -206,9 +214,11 @@ static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff
  * (whatever the score: a hidden NaN must not reach the gradients); returns
  * whether any p is non-zero. */
 static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
-                                            REAL *pt, const REAL *key_term, ptrdiff_t i0,
-                                            ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols)
+                                            SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t rows,
+                                            ptrdiff_t j0, ptrdiff_t cols)
 {
+    REAL *pt = w->pt;
+    const REAL *key_term = w->key_term;
     const REAL neg_inf = -(REAL)INFINITY;
     int per_query_bias = h->bias && !SFX(bias_per_key)(a);
     int per_query_mask = h->mask && !SFX(mask_per_key)(a);
@@ -236,20 +246,28 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
             for (ptrdiff_t c = lo; c < hi; c++)
                 if (!mask_i[c * a->mask_col]) p_r[c] = 0;
         }
+        if (w->ptd != pt) {
+            /* the forward's dropped weights p z, from the same decisions */
+            REAL *pd_r = w->ptd + r * BC, kept = (REAL)(1 / (1 - a->dropout_p));
+            attnx_dropout_row(a->seed, (uint64_t)h->index, (uint64_t)i, (uint64_t)j0, cols,
+                              attnx_dropout_threshold(a->dropout_p), w->keep);
+            for (ptrdiff_t c = 0; c < cols; c++) pd_r[c] = w->keep[c] ? p_r[c] * kept : 0;
+        }
     }
     return any;
 }
 
-/* dpt <- dS = p (dP - D_i), exactly 0 where p is (dP may be anything
- * there, NaN included) */
-static ATTNX_HOT void SFX(bwd_score_grads)(REAL *dpt, const REAL *pt, const REAL *row_delta,
-                                           ptrdiff_t rows, ptrdiff_t cols)
+/* dpt <- dS = pd dP - p D_i (pd = p z, or p without dropout), exactly 0
+ * where p is (dP may be anything there, NaN included) */
+static ATTNX_HOT void SFX(bwd_score_grads)(REAL *dpt, const REAL *pt, const REAL *ptd,
+                                           const REAL *row_delta, ptrdiff_t rows, ptrdiff_t cols)
 {
     for (ptrdiff_t r = 0; r < rows; r++) {
         REAL *ds_r = dpt + r * BC, delta = row_delta[r];
-        const REAL *p_r = pt + r * BC;
+        const REAL *p_r = pt + r * BC, *pd_r = ptd + r * BC;
 #pragma omp simd
-        for (ptrdiff_t c = 0; c < cols; c++) ds_r[c] = p_r[c] == 0 ? 0 : p_r[c] * (ds_r[c] - delta);
+        for (ptrdiff_t c = 0; c < cols; c++)
+            ds_r[c] = p_r[c] == 0 ? 0 : pd_r[c] * ds_r[c] - p_r[c] * delta;
     }
 }
 
@@ -298,7 +316,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
     else
         SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
-    if (!SFX(bwd_probabilities)(a, h, w->pt, w->key_term, i0, rows, j0, cols)) {
+    if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
             for (ptrdiff_t r = 0; r < rows; r++)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
@@ -306,13 +324,13 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     }
     if (zmm) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
-        ZMM_GEMM(cols, e, rows, 1, w->pt, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
+        ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
         ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
     } else if (!nonfinite) {
-        SFX(gemm)(1, 0, cols, e, rows, 1, w->pt, BC, do_i, dout_row, 1, dv_j, dv_row);
+        SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
         SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
     } else {
-        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->pt, 1, BC, do_i, dout_row, cols, rows,
+        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->ptd, 1, BC, do_i, dout_row, cols, rows,
                                          e, 1);
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) {
@@ -323,7 +341,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
             }
     }
     /* pass 2: dS */
-    SFX(bwd_score_grads)(w->dpt, w->pt, h->row_delta + i0, rows, cols);
+    SFX(bwd_score_grads)(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols);
     if (h->dbias)
         for (ptrdiff_t r = 0; r < rows; r++)
             memcpy(h->dbias + (i0 + r) * dbias_row + j0, w->dpt + r * BC, (size_t)cols * sizeof(REAL));
@@ -448,6 +466,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
         .dbias = b->dbias ? (REAL *)((char *)b->dbias + goff[ATTNX_SMB_DBIAS]) : NULL,
         .row_delta = rows_scratch,
         .q_bad = bad_scratch,
+        .index = head,
     };
     if (rows_scratch) h.row_offset = rows_scratch + a->n;
     return h;
@@ -487,14 +506,17 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     zmm = attnx_mk_width() == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
     ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
-    ptrdiff_t per_head = LINES(2 * n), per_thread = 2 * LINES(BR * BC) + 2 * LINES(BC) + transposed;
+    int dropout = a->dropout_p > 0;
+    ptrdiff_t per_head = LINES(2 * n);
+    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
     unsigned char *bad = malloc((size_t)(heads * query_blocks) + 1);
+    unsigned char *keeps = malloc((size_t)(threads * BC));
     SFX(bwd_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
-    if (!bad || !works ||
+    if (!bad || !keeps || !works ||
         posix_memalign((void **)&head_rows, 64, (size_t)(per_head * heads) * sizeof(REAL)) ||
         posix_memalign((void **)&tiles, 64, (size_t)(per_thread * threads) * sizeof(REAL)) ||
         (partial && posix_memalign((void **)&partials, 64,
@@ -505,7 +527,8 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
         REAL *kt = base + 2 * BR * BC + 2 * BC;
         works[t] = (SFX(bwd_work)){base, base + BR * BC, base + 2 * BR * BC,
                                    base + 2 * BR * BC + BC, zmm ? kt : NULL,
-                                   zmm ? kt + d * BC : NULL};
+                                   zmm ? kt + d * BC : NULL, base, keeps + t * BC};
+        if (dropout) works[t].ptd = kt + transposed;
     }
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -553,6 +576,7 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     status = ATTNX_OK;
 done:
     free(bad);
+    free(keeps);
     free(works);
     free(head_rows);
     free(tiles);
