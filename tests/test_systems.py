@@ -677,3 +677,28 @@ def test_depthwise_convolution_bad_arguments(args, error, match):
 def test_add_depthwise_convolution_needs_n_equal_m():
     with pytest.raises(ValueError, match="n must equal m"):
         _dwc.add_depthwise_convolution(np.zeros((3, 4)), np.ones((5, 4)), np.ones((4, 3)))
+
+
+def test_block_sparse_never_reads_blocks_the_layout_leaves_out():
+    # NaN keys and values in blocks no query block names cannot reach the output
+    rng = np.random.default_rng(61)
+    n, bs = 48, 8
+    q, k, v = (rng.standard_normal((2, n, 4)) for _ in range(3))
+    layout = attnx.layouts.local(6, 1)
+    layout[:, 3] = False
+    k[:, 24:32], v[:, 24:32] = np.nan, np.nan
+    out = attnx.block_sparse_attention(q, k, v, layout, bs)
+    assert np.all(np.isfinite(out))
+    want = ref.softmax_attention(q, np.nan_to_num(k), np.nan_to_num(v), mask=expanded_mask(layout, bs, n, n))
+    assert_close(out, want, np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int64, np.bool_])
+def test_block_sparse_dtypes_follow_softmax(dtype):
+    rng = np.random.default_rng(62)
+    q, k, v = ((rng.standard_normal((2, 20, 4)) * 2).astype(dtype) for _ in range(3))
+    layout = rng.random((3, 3)) < 0.6
+    got = attnx.block_sparse_attention(q, k, v, layout, 7)
+    want = attnx.softmax_attention(q, k, v, mask=expanded_mask(layout, 7, 20, 20))
+    assert got.dtype == want.dtype
+    assert_close(got, want.astype(np.float64), np.float16 if dtype == np.float16 else np.float64)
