@@ -702,3 +702,18 @@ def test_block_sparse_dtypes_follow_softmax(dtype):
     want = attnx.softmax_attention(q, k, v, mask=expanded_mask(layout, 7, 20, 20))
     assert got.dtype == want.dtype
     assert_close(got, want.astype(np.float64), np.float16 if dtype == np.float16 else np.float64)
+
+
+def test_block_taker_reads_bands_in_place_and_copies_the_rest():
+    x = np.arange(2 * 6 * 4 * 3, dtype=np.float64).reshape(2, 6, 4, 3)  # (..., nb, bs, c)
+    take = _systems._BlockTaker()
+    band = np.array([[0, 1, 2], [1, 2, 3], [2, 3, 4]])
+    scattered = np.array([[0, 2, 5], [1, 3, 4]])
+    for columns in (band, scattered):
+        got = take("k", x, columns)
+        want = np.concatenate([np.concatenate([x[:, j] for j in row], axis=-2)[:, None] for row in columns], axis=1)
+        np.testing.assert_array_equal(got, want)
+        assert np.shares_memory(got, x) == (columns is band)
+    rows = np.array([1, 2, 3])
+    assert np.shares_memory(take("q", x, rows), x)
+    np.testing.assert_array_equal(take("q", x, np.array([0, 4])), x[:, [0, 4]])
