@@ -3,7 +3,10 @@ softmax attention, in one run (median wall times of interleaved rounds);
 the number of softmax calls each layout takes, and the Python time
 block_sparse_attention adds per call.
 
-    python benchmarks/block_sparse.py [--n 4096,8192] [--block-size 128] [--rounds 5] [--json FILE]
+    python benchmarks/block_sparse.py [--n 4096,8192] [--block-size 128] [--rounds 5] [--out DIR]
+
+Writes DIR/block_sparse.json and DIR/block_sparse.png (time against n for
+each layout beside dense; default DIR benchmarks/results).
 
 Layouts at block size bs (nb = n / bs blocks per side):
 * random: each query block sees its own key block and round(0.1 nb) - 1
@@ -78,7 +81,8 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="directory for block_sparse.json and block_sparse.png")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     results = []
@@ -108,11 +112,36 @@ def main():
     overhead, softmax_us = overhead_per_call_us()
     print(f"Python time block_sparse_attention adds per softmax call: {overhead:.1f} us "
           f"(a 16 x 16 softmax call alone: {softmax_us:.1f} us)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(block_size=args.block_size, heads=args.heads, d=args.d,
-                           threads=attnx.get_num_threads(), results=results,
-                           overhead_per_call_us=overhead), f, indent=1)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "block_sparse.json"), "w") as f:
+        json.dump(dict(block_size=args.block_size, heads=args.heads, d=args.d, threads=attnx.get_num_threads(),
+                       load_average=os.getloadavg()[0], results=results, overhead_per_call_us=overhead), f, indent=1)
+    plot(results, os.path.join(args.out, "block_sparse.png"), args)
+
+
+def plot(results, path, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (times, ratios) = plt.subplots(1, 2, figsize=(10, 4))
+    sizes = sorted({r["n"] for r in results})
+    dense = [next(r["dense_median_s"] for r in results if r["n"] == n) * 1e3 for n in sizes]
+    times.plot(sizes, dense, "k-o", label="dense softmax")
+    for name in dict.fromkeys(r["layout"] for r in results):
+        rows = [r for r in results if r["layout"] == name]
+        times.plot([r["n"] for r in rows], [r["median_s"] * 1e3 for r in rows], "-o", label=f"block-sparse {name}")
+        ratios.plot([r["n"] for r in rows], [r["ratio"] for r in rows], "-o", label=name)
+    times.set(xscale="log", yscale="log", xlabel="n", ylabel="median ms", title="time")
+    ratios.axhline(0.15, color="grey", linestyle=":", label="0.15")
+    ratios.set(xscale="log", xlabel="n", ylabel="block-sparse / dense", title="ratio to dense (same rounds)")
+    for axes in (times, ratios):
+        axes.legend(fontsize=8)
+    figure.suptitle(f"float32, {args.heads} heads, d = {args.d}, block size {args.block_size}, "
+                    f"{attnx.get_num_threads()} threads")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"wrote {path} and block_sparse.json")
 
 
 if __name__ == "__main__":
