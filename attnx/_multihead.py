@@ -3,6 +3,7 @@ positions, any attnx variant, and the output projection."""
 import numpy as np
 
 from . import _C, _linear, _systems
+from ._checks import count
 from ._positions import rotary, sinusoidal_positions
 
 VARIANTS = {
@@ -102,8 +103,8 @@ def multi_head_attention(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, 
     for name, x in (("x_q", x_q), ("x_kv", x_kv)):
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., length, features), got shape {x.shape}")
-    heads = _systems._count(num_heads, "num_heads", 1)
-    kv_heads = heads if num_kv_heads is None else _systems._count(num_kv_heads, "num_kv_heads", 1)
+    heads = count(num_heads, "num_heads", 1)
+    kv_heads = heads if num_kv_heads is None else count(num_kv_heads, "num_kv_heads", 1)
     if heads % kv_heads:
         raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
     group = heads // kv_heads

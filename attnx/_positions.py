@@ -13,6 +13,7 @@ pair ``i`` (of ``d/2``) turns by ``position * base**(-2i/d)``.
 """
 import numpy as np
 
+from ._checks import count
 from ._grad import Gradients, register_vjp
 
 
@@ -30,14 +31,6 @@ def _float_input(x, name):
     raise TypeError(f"{name} must hold real numbers (float, int or bool), got dtype {x.dtype}")
 
 
-def _check_size(value, name, minimum=0):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
-
-
 def _check_base(base):
     try:
         base = float(base)
@@ -52,8 +45,8 @@ def sinusoidal_positions(n, d, base=10000):
     """The Transformer's sinusoidal position table, float64 of shape (n, d):
     ``PE[p, 2i] = sin(p / base**(2i/d))``, ``PE[p, 2i+1] = cos(p / base**(2i/d))``
     (an odd d ends with a sine column)."""
-    n = _check_size(n, "n")
-    d = _check_size(d, "d")
+    n = count(n, "n")
+    d = count(d, "d")
     base = _check_base(base)
     pair = np.arange(d) // 2
     angles = np.arange(n, dtype=np.float64)[:, None] / base ** (2.0 * pair / d)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from . import _C
+from ._checks import count as _count
 from ._grad import Gradients, register_vjp, sum_to_shape
 from ._softmax import _finish, _grad_dtype, softmax_attention_backward
 
@@ -39,14 +40,6 @@ def _check_qkv(q, k, v):
         raise ValueError(f"v (..., m, e) must have as many rows as k (m = {k.shape[-2]}), "
                          f"got shape {v.shape}")
     return q, k, v
-
-
-def _count(value, name, minimum):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
 
 
 # --------------------------------------------------------------------------

@@ -33,15 +33,9 @@ The rules, for query block i and key block j:
 """
 import numpy as np
 
+from ._checks import count as _count
+
 __all__ = ["local", "strided", "fixed", "longformer", "bigbird"]
-
-
-def _count(value, name, minimum=0):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
 
 
 def _offsets(nb):
