@@ -84,12 +84,15 @@ int attnx_softmax_fwd_f64(const attnx_softmax_args *args);
  * of sum(dout * out), with the forward's operands, options, out and lse
  * in fwd. Every gradient operand is per head (no broadcast axes): dq (n, d),
  * dk (m, d), dv (m, e) with row strides, dbias (n, m) rows dbias_row apart.
- * The caller reduces a broadcast input's gradient over its heads. */
-enum { ATTNX_SMB_DOUT, ATTNX_SMB_DQ, ATTNX_SMB_DK, ATTNX_SMB_DV, ATTNX_SMB_DBIAS, ATTNX_SMB_NOPS };
+ * The caller reduces a broadcast input's gradient over its heads.
+ * fwd.offsets has ATTNX_SMB_NOPS columns: the forward's, then these. */
+enum {
+    ATTNX_SMB_DOUT = ATTNX_SM_NOPS, ATTNX_SMB_DQ, ATTNX_SMB_DK, ATTNX_SMB_DV, ATTNX_SMB_DBIAS,
+    ATTNX_SMB_NOPS
+};
 
 typedef struct {
     attnx_softmax_args fwd;            /* out and lse required */
-    const ptrdiff_t *grad_offsets;     /* (heads, ATTNX_SMB_NOPS) byte offsets */
     const void *dout;                  /* (n, e) per head */
     void *dq, *dk, *dv, *dbias;        /* dbias may be NULL */
     ptrdiff_t dout_row, dq_row, dk_row, dv_row, dbias_row;  /* row strides, elements */

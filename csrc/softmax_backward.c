@@ -52,7 +52,8 @@
 #define TARGET_ITEMS 8
 
 /* The AVX-512 products (zmm_gemm) where gcc can target them; the CPU is
- * asked at run time (attnx_mk_width). */
+ * asked at run time (attnx_mk_width), and a backend limit of "plain"
+ * (ATTNX_SOFTMAX_BACKEND, tests) keeps the products on BLAS. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
 #define BWD_HAVE_ZMM 1
 #include "microkernel.h"
@@ -449,8 +450,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
                                        REAL *rows_scratch, unsigned char *bad_scratch)
 {
     const attnx_softmax_args *a = &b->fwd;
-    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
-    const ptrdiff_t *goff = b->grad_offsets + head * ATTNX_SMB_NOPS;
+    const ptrdiff_t *off = a->offsets + head * ATTNX_SMB_NOPS;
     SFX(bwd_head) h = {
         .q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]),
         .k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]),
@@ -459,11 +459,11 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
         .lse = (const REAL *)((const char *)a->lse + off[ATTNX_SM_LSE]),
         .bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL,
         .mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL,
-        .dout = (const REAL *)((const char *)b->dout + goff[ATTNX_SMB_DOUT]),
-        .dq = (REAL *)((char *)b->dq + goff[ATTNX_SMB_DQ]),
-        .dk = (REAL *)((char *)b->dk + goff[ATTNX_SMB_DK]),
-        .dv = (REAL *)((char *)b->dv + goff[ATTNX_SMB_DV]),
-        .dbias = b->dbias ? (REAL *)((char *)b->dbias + goff[ATTNX_SMB_DBIAS]) : NULL,
+        .dout = (const REAL *)((const char *)b->dout + off[ATTNX_SMB_DOUT]),
+        .dq = (REAL *)((char *)b->dq + off[ATTNX_SMB_DQ]),
+        .dk = (REAL *)((char *)b->dk + off[ATTNX_SMB_DK]),
+        .dv = (REAL *)((char *)b->dv + off[ATTNX_SMB_DV]),
+        .dbias = b->dbias ? (REAL *)((char *)b->dbias + off[ATTNX_SMB_DBIAS]) : NULL,
         .row_delta = rows_scratch,
         .q_bad = bad_scratch,
         .index = head,
@@ -503,7 +503,8 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     /* AVX-512 products where the CPU has them and d, e are whole vectors */
     int zmm = 0;
 #ifdef BWD_HAVE_ZMM
-    zmm = attnx_mk_width() == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
+    zmm = attnx_softmax_backend_limit() >= ATTNX_BACKEND_MK && attnx_mk_width() == 16 &&
+          d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
     ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
     int dropout = a->dropout_p > 0;
