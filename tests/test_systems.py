@@ -717,3 +717,18 @@ def test_block_taker_reads_bands_in_place_and_copies_the_rest():
     rows = np.array([1, 2, 3])
     assert np.shares_memory(take("q", x, rows), x)
     np.testing.assert_array_equal(take("q", x, np.array([0, 4])), x[:, [0, 4]])
+
+
+def test_pooled_and_linformer_pass_dropout_to_softmax_and_its_backward():
+    rng = np.random.default_rng(60)
+    q, k, v, dout = (rng.standard_normal((2, 12, 4)) for _ in range(4))
+    E = rng.standard_normal((5, 12)) / 4
+    for front, pooled_k, pooled_v, args in (
+            (attnx.pooled_attention, loop_pool(k, 3, "mean"), loop_pool(v, 3, "mean"), (3,)),
+            (attnx.linformer_attention, E @ k, E @ v, (E,))):
+        out, pullback = attnx.vjp(front, q, k, v, *args, dropout_p=0.4, seed=7)
+        want, lse = attnx.softmax_attention(q, pooled_k, pooled_v, dropout_p=0.4, seed=7, return_lse=True)
+        np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-13)
+        assert not np.allclose(want, attnx.softmax_attention(q, pooled_k, pooled_v))  # something was dropped
+        inner = attnx.softmax_attention_backward(dout, q, pooled_k, pooled_v, want, lse, dropout_p=0.4, seed=7)
+        np.testing.assert_allclose(pullback(dout).q, inner.q, rtol=1e-12, atol=1e-13)
