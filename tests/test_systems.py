@@ -732,3 +732,16 @@ def test_pooled_and_linformer_pass_dropout_to_softmax_and_its_backward():
         assert not np.allclose(want, attnx.softmax_attention(q, pooled_k, pooled_v))  # something was dropped
         inner = attnx.softmax_attention_backward(dout, q, pooled_k, pooled_v, want, lse, dropout_p=0.4, seed=7)
         np.testing.assert_allclose(pullback(dout).q, inner.q, rtol=1e-12, atol=1e-13)
+
+
+def test_multi_head_grouped_query_matches_torch_sdpa_enable_gqa():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(46)
+    x = rng.standard_normal((2, 10, 12))
+    w, b = mha_parameters(rng, 12, 12, 6, 2, d=4, e=5, out=7)
+    got = call_mha(x, x, w, b, 6, num_kv_heads=2, causal=True)
+    project = lambda key, heads, size: torch.from_numpy(x @ w[key] + b[key]).reshape(2, 10, heads, size).transpose(1, 2)
+    heads = torch.nn.functional.scaled_dot_product_attention(
+        project("q", 6, 4), project("k", 2, 4), project("v", 2, 5), is_causal=True, enable_gqa=True)
+    want = heads.transpose(1, 2).reshape(2, 10, 30).numpy() @ w["o"] + b["o"]
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
