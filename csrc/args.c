@@ -563,6 +563,10 @@ int attnx_check_status(int status)
     if (status == ATTNX_OK) return 0;
     if (status == ATTNX_ENOMEM)
         PyErr_NoMemory();
+    else if (status == ATTNX_EINTR) {
+        /* poll_signals ran the handlers, which set the exception */
+        if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    }
     else
         PyErr_Format(PyExc_RuntimeError, "attnx kernel failed with status %d", status);
     return -1;
@@ -1061,4 +1065,27 @@ int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t
     }
     *seed = (uint64_t)value;
     return 0;
+}
+
+/* attnx_interrupt's poll: Python's signal handlers, run with the GIL taken
+ * for the moment; a handler that raises (KeyboardInterrupt) stops the call
+ * and leaves its exception for attnx_check_status. */
+static int poll_signals(void *unused)
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int stop = PyErr_CheckSignals() < 0;
+    PyGILState_Release(gil);
+    return stop;
+}
+
+static unsigned long main_thread_id;
+
+void attnx_interrupt_init(void) { main_thread_id = PyThread_get_thread_ident(); }
+
+attnx_interrupt attnx_interrupt_for_call(void)
+{
+    attnx_interrupt interrupt = {NULL, NULL, 0, 0};
+    /* only the main thread handles signals */
+    if (PyThread_get_thread_ident() == main_thread_id) interrupt.poll = poll_signals;
+    return interrupt;
 }

@@ -229,8 +229,13 @@ attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy
  * [0, 2**64), required when dropout_p > 0) */
 int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t *seed);
 
-/* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM);
- * 0 for ATTNX_OK, else -1. */
+/* The interrupt of a call made now (attnx.h): polled for signals when the
+ * call runs on the main thread (attnx_interrupt_init, at import, records
+ * which one that is). */
+attnx_interrupt attnx_interrupt_for_call(void);
+
+/* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM,
+ * the signal handler's exception for ATTNX_EINTR); 0 for ATTNX_OK, else -1. */
 int attnx_check_status(int status);
 
 #endif

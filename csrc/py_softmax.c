@@ -41,6 +41,7 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
         return NULL;
 
     attnx_call call;
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
     PyObject *ret = NULL;
     attnx_call_init(&call, softmax_params, NPARAMS, ATTNX_SM_NOPS, "dem");
     PyObject *const objs[NPARAMS] = {
@@ -71,6 +72,7 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
         .num_threads = attnx_get_num_threads(),
         .dropout_p = dropout_p,
         .seed = seed,
+        .interrupt = &interrupt,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS

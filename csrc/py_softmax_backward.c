@@ -57,6 +57,7 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
     }
 
     attnx_call call;
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
     attnx_call_init(&call, backward_params, NPARAMS, ATTNX_SMB_NOPS, "dem");
     objs[DQ] = objs[DK] = objs[DV] = Py_None;
     objs[DBIAS] = bias_grad ? Py_None : NULL;
@@ -88,6 +89,7 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
             .num_threads = attnx_get_num_threads(),
             .dropout_p = dropout_p,
             .seed = seed,
+            .interrupt = &interrupt,
         },
         .dout = attnx_data(&call, DOUT),
         .dq = attnx_data(&call, DQ), .dk = attnx_data(&call, DK), .dv = attnx_data(&call, DV),

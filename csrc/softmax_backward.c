@@ -395,14 +395,17 @@ static void SFX(bwd_query_range)(const attnx_band *band, ptrdiff_t n, ptrdiff_t 
     *end = hi < lo ? lo : hi;
 }
 
-/* Work item: key blocks group, group + groups, ... of one head. */
+/* Work item: key blocks group, group + groups, ... of one head; it stops
+ * between key blocks when the call is interrupted (calling_thread: this
+ * thread polls for it). */
 static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *h,
                           SFX(bwd_work) *w, ptrdiff_t group, ptrdiff_t groups, REAL *dq,
-                          ptrdiff_t dq_row)
+                          ptrdiff_t dq_row, int calling_thread)
 {
     const attnx_softmax_args *a = &b->fwd;
     ptrdiff_t key_blocks = (a->m + BC - 1) / BC;
     for (ptrdiff_t kb = group; kb < key_blocks; kb += groups) {
+        if (attnx_interrupted(a->interrupt, calling_thread)) return;
         ptrdiff_t j0 = kb * BC, cols = ATTNX_MIN(BC, a->m - j0);
         for (ptrdiff_t c = 0; c < cols; c++) {
             memset(h->dk + (j0 + c) * b->dk_row, 0, (size_t)a->d * sizeof(REAL));
@@ -557,10 +560,11 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
                 dq_row = d;
                 memset(dq, 0, (size_t)(n * d) * sizeof(REAL));
             }
-            SFX(bwd_item)(b, &h, w, group, groups, dq, dq_row);
+            SFX(bwd_item)(b, &h, w, group, groups, dq, dq_row, omp_get_thread_num() == 0);
         }
-        /* pass 3: the groups' dQ partials, added in group order */
-        if (groups > 1) {
+        /* pass 3: the groups' dQ partials, added in group order (after the
+         * barrier every thread sees the same `stopped`) */
+        if (groups > 1 && !(a->interrupt && a->interrupt->stopped)) {
 #pragma omp for schedule(static)
             for (ptrdiff_t head = 0; head < heads; head++) {
                 SFX(bwd_head) h = SFX(bwd_position)(b, head, NULL, NULL);
@@ -574,7 +578,7 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
             }
         }
     }
-    status = ATTNX_OK;
+    status = a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 done:
     free(bad);
     free(keeps);
