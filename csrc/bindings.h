@@ -8,6 +8,7 @@ PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *
 PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_step(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
+PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
 
 extern const char attnx_softmax_attention_doc[];
@@ -15,5 +16,6 @@ extern const char attnx_gaussian_attention_doc[];
 extern const char attnx_linear_attention_doc[];
 extern const char attnx_linear_step_doc[];
 extern const char attnx_linear_flush_doc[];
+extern const char attnx_linear_attention_backward_doc[];
 
 #endif
