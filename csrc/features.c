@@ -257,10 +257,10 @@ static void SFX(taylor_row_bwd)(const REAL *x, const REAL *f, const REAL *df, pt
 
 /* f = |y| w / |w|, w = y**p, y = relu(x). With s = w / |w| and g = df:
  *   dy = (y / |y|) (g . s) + p y**(p-1) |y| / |w| (g - (g . s) s),
- * invariant to scaling y, so computed on u = y / max(y) like the forward.
- * Entries with y = 0 get 0 (relu's derivative; y**(p-1) may be inf). */
-static void SFX(focused_row_bwd)(const REAL *x, const REAL *f, const REAL *df, ptrdiff_t d,
-                                 double power, REAL *dx)
+ * invariant to scaling y, so computed on u = y / max(y) like the forward
+ * (and from x alone: feat may be a masked key's zero row). Entries with
+ * y = 0 get 0 (relu's derivative; y**(p-1) may be inf). */
+static void SFX(focused_row_bwd)(const REAL *x, const REAL *df, ptrdiff_t d, double power, REAL *dx)
 {
     REAL top = 0;
     for (ptrdiff_t c = 0; c < d; c++) {
@@ -271,23 +271,23 @@ static void SFX(focused_row_bwd)(const REAL *x, const REAL *f, const REAL *df, p
         for (ptrdiff_t c = 0; c < d; c++) dx[c] = 0;
         return;
     }
-    /* |u|, |u**p| and g . s, with s = f / |f| (f is |y| s) */
-    REAL norm_u = 0, norm_w = 0, norm_f = 0, along = 0;
+    /* |u|, |u**p|, and g . s */
+    REAL norm_u = 0, norm_w = 0, along = 0;
     for (ptrdiff_t c = 0; c < d; c++) {
         REAL u = SFX(relu)(x[c]) / top, w = (REAL)pow(u, power);
         norm_u += u * u;
         norm_w += w * w;
-        norm_f += f[c] * f[c];
+        along += df[c] * w;
     }
-    norm_u = sqrt(norm_u), norm_w = sqrt(norm_w), norm_f = sqrt(norm_f);
-    for (ptrdiff_t c = 0; c < d; c++) along += df[c] * f[c] / norm_f;
+    norm_u = sqrt(norm_u), norm_w = sqrt(norm_w);
+    along /= norm_w;
     for (ptrdiff_t c = 0; c < d; c++) {
         REAL u = SFX(relu)(x[c]) / top;
         if (!(x[c] > 0)) {
             dx[c] = x[c] != x[c] ? x[c] : 0;
             continue;
         }
-        REAL s = f[c] / norm_f;
+        REAL s = (REAL)pow(u, power) / norm_w;
         dx[c] = u / norm_u * along +
                 (REAL)(power * pow(u, power - 1)) * norm_u / norm_w * (df[c] - along * s);
     }
@@ -341,7 +341,7 @@ void SFX(attnx_features_bwd)(const attnx_feature_map *fm, int is_key, const REAL
         case ATTNX_FM_ELU: SFX(elu_row_bwd)(x_t, f_t, df_t, d, dx_t); break;
         case ATTNX_FM_RELU: SFX(relu_row_bwd)(x_t, df_t, d, dx_t); break;
         case ATTNX_FM_TAYLOR: SFX(taylor_row_bwd)(x_t, f_t, df_t, d, dx_t); break;
-        case ATTNX_FM_FOCUSED: SFX(focused_row_bwd)(x_t, f_t, df_t, d, fm->power, dx_t); break;
+        case ATTNX_FM_FOCUSED: SFX(focused_row_bwd)(x_t, df_t, d, fm->power, dx_t); break;
         case ATTNX_FM_IDENTITY: memcpy(dx_t, df_t, (size_t)d * sizeof(REAL)); break;
         case ATTNX_FM_COSFORMER:
             SFX(cosformer_row_bwd)(x_t, df_t, d, fm->first_position + pos0 + t, fm->period, dx_t);

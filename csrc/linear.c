@@ -1070,6 +1070,7 @@ typedef struct {
     REAL *zeros;                    /* (max(r, e),) */
     REAL *inv_den, *row_b;          /* (n,), (n,): 1 / D_i and b_i of the head's rows */
     REAL *dW;                       /* (r, d) this thread's projection gradient, or NULL */
+    REAL *prefix;                   /* cumsum: (m + 1) states (r, e) then (r,) */
 } SFX(bscratch);
 
 static size_t SFX(bwd_scratch_size)(const bwd_plan *p)
@@ -1079,6 +1080,7 @@ static size_t SFX(bwd_scratch_size)(const bwd_plan *p)
     size_t size = (size_t)(4 * C * r + 2 * C * e + 3 * C + 2 * C * C + a->d + 3 * r +
                            2 * (r * e + r) + ATTNX_MAX(r, e) + 2 * a->n);
     if (a->dW) size += (size_t)(r * a->d);
+    if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)(r * e + r);
     size_t line = CACHE_LINE / sizeof(REAL);
     return (size + line - 1) / line * line;
 }
@@ -1110,6 +1112,7 @@ static SFX(bscratch) SFX(bscratch_at)(const bwd_plan *p, REAL *block)
     w.inv_den = w.zeros + ATTNX_MAX(r, e);
     w.row_b = w.inv_den + a->n;
     w.dW = a->dW ? w.row_b + a->n : NULL;
+    w.prefix = (a->dW ? w.dW + r * a->d : w.row_b + a->n);
     memset(w.zeros, 0, (size_t)ATTNX_MAX(r, e) * sizeof(REAL));
     return w;
 }
@@ -1335,6 +1338,10 @@ static void SFX(bwd_finish_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdif
         if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(w->dpsi + t * p->r, 0, (size_t)p->r * sizeof(REAL));
     SFX(attnx_features_bwd)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0, w->psi,
                             w->dpsi, w->col_dot, hd->dk + j0 * a->d, a->d, w->dW);
+    /* a removed key's zero psi row is not its features: its derivative
+     * may be anything (NaN for a NaN key), and the key has no gradient */
+    for (ptrdiff_t t = 0; t < cols; t++)
+        if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(hd->dk + (j0 + t) * a->d, 0, (size_t)a->d * sizeof(REAL));
 }
 
 /* keys [j0, j1) that no row of the pass below sees: only the state gradient */
@@ -1448,6 +1455,79 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
     if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, w->dS, e, w->dz);
 }
 
+/* method cumsum, the literal form: every prefix state P_j = (S0, z0) +
+ * the keys [0, j) materialised, each row reading P_{end(i)}; then, in the
+ * same memory, every prefix's gradient G_j = (dS, dz) at P_j: G_m = the
+ * gradient at the returned state plus the rows that read P_m,
+ * G_j = G_{j+1} + the rows that read P_j; key j enters P_{j+1}, so
+ * dpsi_j = G_{j+1} (v_j, 1) and dv_j = psi_j G_{j+1}. */
+static void SFX(bwd_cumsum_head)(const bwd_plan *p, const SFX(bhead) *hd, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t C = p->C, r = p->r, e = a->e, n = a->n, m = a->m, size = r * e + r;
+    const attnx_band *band = &a->band;
+    REAL *prefix = w->prefix;
+    SFX(bwd_load)(p, prefix, prefix + r * e, hd->S0, a->S0_row, hd->z0);
+    for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
+        ptrdiff_t cols = ATTNX_MIN(C, m - j0);
+        SFX(bwd_keys)(p, hd, j0, cols, w);
+        for (ptrdiff_t t = 0; t < cols; t++) {
+            REAL *from = prefix + (j0 + t) * size, *to = from + size;
+            memcpy(to, from, (size_t)size * sizeof(REAL));
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(to + f * e, w->psi[t * r + f], w->values + t * e, e);
+            SFX(axpy)(to + r * e, 1, w->psi + t * r, r);
+        }
+    }
+    /* the rows, each from its prefix */
+    for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+        ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+        SFX(bwd_queries)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            const REAL *P = prefix + ATTNX_MAX(attnx_band_end(band, i0 + t), 0) * size;
+            REAL *num = w->ga + t * e;
+            memset(num, 0, (size_t)e * sizeof(REAL));
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(num, w->phi[t * r + f], P + f * e, e);
+            w->den[t] = SFX(dot)(w->phi + t * r, P + r * e, r);
+        }
+        SFX(bwd_row_factors)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            const REAL *P = prefix + ATTNX_MAX(attnx_band_end(band, i0 + t), 0) * size;
+            for (ptrdiff_t f = 0; f < r; f++)
+                w->dphi[t * r + f] = SFX(dot)(P + f * e, w->ga + t * e, e) + w->gb[t] * P[r * e + f];
+        }
+        SFX(bwd_finish_queries)(p, hd, i0, rows, w);
+    }
+    /* the prefixes' gradients, in the same memory */
+    memset(prefix, 0, (size_t)((m + 1) * size) * sizeof(REAL));
+    SFX(bwd_load)(p, prefix + m * size, prefix + m * size + r * e, hd->dS_in, a->dS_in_row, hd->dz_in);
+    for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+        ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+        SFX(bwd_queries)(p, hd, i0, rows, w);
+        SFX(bwd_row_factors_again)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            REAL *G = prefix + ATTNX_MAX(attnx_band_end(band, i0 + t), 0) * size;
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(G + f * e, w->phi[t * r + f], w->ga + t * e, e);
+            SFX(axpy)(G + r * e, w->gb[t], w->phi + t * r, r);
+        }
+    }
+    for (ptrdiff_t j = m - 1; j >= 0; j--) SFX(axpy)(prefix + j * size, 1, prefix + (j + 1) * size, size);
+    for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
+        ptrdiff_t cols = ATTNX_MIN(C, m - j0);
+        SFX(bwd_keys)(p, hd, j0, cols, w);
+        for (ptrdiff_t t = 0; t < cols; t++) {
+            const REAL *G = prefix + (j0 + t + 1) * size;
+            REAL *dv_t = hd->dv + (j0 + t) * e;
+            memset(dv_t, 0, (size_t)e * sizeof(REAL));
+            for (ptrdiff_t f = 0; f < r; f++) {
+                w->dpsi[t * r + f] = SFX(dot)(G + f * e, w->values + t * e, e) + G[r * e + f];
+                SFX(axpy)(dv_t, w->psi[t * r + f], G + f * e, e);
+            }
+        }
+        SFX(bwd_finish_keys)(p, hd, j0, cols, w);
+    }
+    if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, prefix, e, prefix + r * e);
+}
+
 /* The quadratic form for one head, under any band and mask. */
 static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, const SFX(bscratch) *w)
 {
@@ -1519,6 +1599,11 @@ int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
     double flops = 12.0 * (double)a->heads * (double)(a->n + a->m) * (double)(p.r * (a->e + 1));
     ptrdiff_t threads = ATTNX_MAX(1, ATTNX_MIN(a->num_threads, a->heads));
     if (flops < MIN_PARALLEL_FLOPS) threads = 1;
+    if (a->method == ATTNX_METHOD_CUMSUM) {
+        /* as many heads at once as the prefix states of fit under the limit */
+        size_t prefix_bytes = (size_t)(a->m + 1) * (size_t)(p.r * a->e + p.r) * sizeof(REAL);
+        threads = ATTNX_MIN(threads, (ptrdiff_t)ATTNX_MAX(ATTNX_CUMSUM_LIMIT / prefix_bytes, 1));
+    }
     p.threads = (int)threads;
     size_t per_thread = SFX(bwd_scratch_size)(&p);
     REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
@@ -1532,6 +1617,8 @@ int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
         SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)omp_get_thread_num());
         SFX(bhead) hd = SFX(bhead_at)(a, h);
         if (a->method == ATTNX_METHOD_QUADRATIC) SFX(bwd_quadratic_head)(&p, &hd, &w);
+        else if (a->method == ATTNX_METHOD_CUMSUM && a->features.kind != ATTNX_FM_EFFICIENT)
+            SFX(bwd_cumsum_head)(&p, &hd, &w);
         else SFX(bwd_scan_head)(&p, &hd, &w);
     }
     /* the projection's gradient: the threads' shares, summed in a fixed order */

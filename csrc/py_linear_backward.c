@@ -162,6 +162,20 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         check_shapes(ops, n, m, d, e, r) < 0)
         goto done;
 
+    if (method == ATTNX_METHOD_CUMSUM) {
+        double bytes = ((double)m + 1) * (double)r * ((double)e + 1) * (typenum == NPY_FLOAT ? 4 : 8);
+        if (bytes > (double)ATTNX_CUMSUM_LIMIT) {
+            char message[240];  /* PyErr_Format has no %f */
+            PyOS_snprintf(message, sizeof message,
+                          "method='cumsum' materialises m + 1 = %ld prefix states of r x (e + 1) = "
+                          "%ld x %ld numbers: %.2f GiB per head, above its %.0f GiB limit; use "
+                          "method='chunk'", (long)(m + 1), (long)r, (long)(e + 1),
+                          bytes / (1 << 30), (double)ATTNX_CUMSUM_LIMIT / (1 << 30));
+            PyErr_SetString(PyExc_ValueError, message);
+            goto done;
+        }
+    }
+
     attnx_batch batch;
     if (attnx_broadcast(ops, NOPS, &batch) < 0) goto done;
     npy_intp q_shape[2] = {n, d}, k_shape[2] = {m, d}, v_shape[2] = {m, e}, S_shape[2] = {r, e};
