@@ -1156,27 +1156,37 @@ static int SFX(bwd_key_kept)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t 
 }
 
 /* psi of the keys [j0, j0 + cols) into w->psi (efficient attention:
- * normalised over the keys) and their values into w->values, both with
- * zero rows for keys removed by key_mask (nothing of theirs, not even a
- * NaN value, reaches a gradient) */
-static void SFX(bwd_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0, ptrdiff_t cols,
-                          const SFX(bscratch) *w)
+ * normalised over the keys), with zero rows for keys removed by key_mask,
+ * and the values to use with them: in place, or, when the block has a
+ * removed key, a copy with its row zeroed (nothing of a removed key, not
+ * even a NaN value, reaches a gradient) */
+static SFX(values) SFX(bwd_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0,
+                                 ptrdiff_t cols, const SFX(bscratch) *w)
 {
     const attnx_linear_bwd_args *a = p->a;
     const ptrdiff_t r = p->r, e = a->e;
+    SFX(values) vals = {hd->v + j0 * a->v_row, a->v_row};
+    int removed = 0;
     SFX(attnx_features)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0,
                         p->key_log_scale, w->col_shift, w->psi, NULL);
     for (ptrdiff_t t = 0; t < cols; t++) {
-        REAL *psi_t = w->psi + t * r, *value = w->values + t * e;
+        REAL *psi_t = w->psi + t * r;
         if (!SFX(bwd_key_kept)(p, hd, j0 + t)) {
             memset(psi_t, 0, (size_t)r * sizeof(REAL));
-            memset(value, 0, (size_t)e * sizeof(REAL));
-            continue;
-        }
-        memcpy(value, hd->v + (j0 + t) * a->v_row, (size_t)e * sizeof(REAL));
-        if (a->features.kind == ATTNX_FM_EFFICIENT)
+            removed = 1;
+        } else if (a->features.kind == ATTNX_FM_EFFICIENT) {
             for (ptrdiff_t f = 0; f < r; f++) psi_t[f] *= w->key_norm[f];
+        }
     }
+    if (!removed) return vals;
+    for (ptrdiff_t t = 0; t < cols; t++) {
+        REAL *value = w->values + t * e;
+        if (SFX(bwd_key_kept)(p, hd, j0 + t)) memcpy(value, vals.v + t * vals.v_row, (size_t)e * sizeof(REAL));
+        else memset(value, 0, (size_t)e * sizeof(REAL));
+    }
+    vals.v = w->values;
+    vals.v_row = e;
+    return vals;
 }
 
 static void SFX(bwd_queries)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
@@ -1187,42 +1197,53 @@ static void SFX(bwd_queries)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t 
                         w->phi, w->log_scale);
 }
 
-/* Zero the pairs of the block (rows from i0, keys from j0) that are not
- * visible, in both arrays (dscores may be NULL). The forward also clamps
- * a negative similarity (rounding in taylor's 1 + cos) to 0; its
- * derivative is left as is: 1 + cos has a zero gradient at its minimum. */
-static void SFX(bwd_visible)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
-                             ptrdiff_t j0, ptrdiff_t cols, REAL *scores, REAL *dscores)
+/* Row i of a block from key j0 sees the keys [*lo, *hi) of the block,
+ * where its mask (returned, NULL when none) is True. */
+static const unsigned char *SFX(bwd_row_span)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i,
+                                              ptrdiff_t j0, ptrdiff_t cols, ptrdiff_t *lo,
+                                              ptrdiff_t *hi)
 {
     const attnx_linear_bwd_args *a = p->a;
-    const ptrdiff_t C = p->C;
+    *lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
+    *hi = ATTNX_MAX(ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0, *lo);
+    return hd->mask ? hd->mask + i * a->mask_row + j0 * a->mask_col : NULL;
+}
+
+/* scores = phi psi^T on the block (rows from i0, keys from j0), invisible
+ * pairs zeroed, and with den, den += the row sums. As in the forward, a
+ * negative similarity (rounding in taylor's 1 + cos) is kept at 0; its
+ * derivative is left alone, 1 + cos having a zero gradient at its minimum. */
+static ATTNX_HOT void SFX(bwd_scores)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                      ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
+                                      const SFX(bscratch) *w, REAL *den)
+{
+    const ptrdiff_t C = p->C, r = p->r, mask_col = p->a->mask_col;
+    SFX(gemm)(0, 1, rows, cols, r, 1, w->phi, r, w->psi, r, 0, w->scores, C);
     for (ptrdiff_t t = 0; t < rows; t++) {
-        ptrdiff_t lo = ATTNX_MAX(attnx_band_first(&a->band, i0 + t), j0) - j0;
-        ptrdiff_t hi = ATTNX_MAX(ATTNX_MIN(attnx_band_end(&a->band, i0 + t), j0 + cols) - j0, lo);
-        const unsigned char *mask_ij = hd->mask ? hd->mask + (i0 + t) * a->mask_row + j0 * a->mask_col : NULL;
-        REAL *s = scores ? scores + t * C : NULL, *ds = dscores ? dscores + t * C : NULL;
-        for (ptrdiff_t j = 0; j < cols; j++) {
-            int seen = j >= lo && j < hi && (!mask_ij || mask_ij[j * a->mask_col]);
-            if (s) s[j] = !seen ? 0 : s[j] < 0 ? 0 : s[j];
-            if (ds && !seen) ds[j] = 0;
+        ptrdiff_t lo, hi;
+        const unsigned char *mask_ij = SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        REAL *s = w->scores + t * C, sum = 0;
+        for (ptrdiff_t j = 0; j < lo; j++) s[j] = 0;
+        for (ptrdiff_t j = hi; j < cols; j++) s[j] = 0;
+        if (mask_ij)
+            for (ptrdiff_t j = lo; j < hi; j++) s[j] = mask_ij[j * mask_col] ? s[j] : 0;
+#pragma omp simd reduction(+ : sum)
+        for (ptrdiff_t j = lo; j < hi; j++) {
+            s[j] = s[j] < 0 ? 0 : s[j];
+            sum += s[j];
         }
+        if (den) den[t] += sum;
     }
 }
 
 /* w->ga (rows, e) += scores values, w->den += the row sums: what the key
  * block in w->psi, w->values gives the rows in w->phi */
 static void SFX(bwd_add_block)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
-                               ptrdiff_t j0, ptrdiff_t cols, const SFX(bscratch) *w)
+                               ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals, const SFX(bscratch) *w)
 {
-    const ptrdiff_t C = p->C, r = p->r, e = p->a->e;
-    SFX(gemm)(0, 1, rows, cols, r, 1, w->phi, r, w->psi, r, 0, w->scores, C);
-    SFX(bwd_visible)(p, hd, i0, rows, j0, cols, w->scores, NULL);
-    SFX(gemm)(0, 0, rows, e, cols, 1, w->scores, C, w->values, e, 1, w->ga, e);
-    for (ptrdiff_t t = 0; t < rows; t++) {
-        REAL sum = 0;
-        for (ptrdiff_t j = 0; j < cols; j++) sum += w->scores[t * C + j];
-        w->den[t] += sum;
-    }
+    const ptrdiff_t e = p->a->e;
+    SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, w->den);
+    SFX(gemm)(0, 0, rows, e, cols, 1, w->scores, p->C, vals.v, vals.v_row, 1, w->ga, e);
 }
 
 /* From num (in w->ga) and den of rows [i0, i0 + rows): a (into w->ga), b
@@ -1266,14 +1287,23 @@ static void SFX(bwd_row_factors_again)(const bwd_plan *p, const SFX(bhead) *hd, 
 }
 
 /* dscores = a values^T + b (row-wise), invisible pairs zeroed */
-static void SFX(bwd_dscores)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
-                             ptrdiff_t j0, ptrdiff_t cols, const SFX(bscratch) *w)
+static ATTNX_HOT void SFX(bwd_dscores)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                       ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
+                                       SFX(values) vals, const SFX(bscratch) *w)
 {
-    const ptrdiff_t C = p->C, e = p->a->e;
-    SFX(gemm)(0, 1, rows, cols, e, 1, w->ga, e, w->values, e, 0, w->dscores, C);
-    for (ptrdiff_t t = 0; t < rows; t++)
-        for (ptrdiff_t j = 0; j < cols; j++) w->dscores[t * C + j] += w->gb[t];
-    SFX(bwd_visible)(p, hd, i0, rows, j0, cols, NULL, w->dscores);
+    const ptrdiff_t C = p->C, e = p->a->e, mask_col = p->a->mask_col;
+    SFX(gemm)(0, 1, rows, cols, e, 1, w->ga, e, vals.v, vals.v_row, 0, w->dscores, C);
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        ptrdiff_t lo, hi;
+        const unsigned char *mask_ij = SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        REAL *ds = w->dscores + t * C, b = w->gb[t];
+        for (ptrdiff_t j = 0; j < lo; j++) ds[j] = 0;
+        for (ptrdiff_t j = hi; j < cols; j++) ds[j] = 0;
+#pragma omp simd
+        for (ptrdiff_t j = lo; j < hi; j++) ds[j] += b;
+        if (mask_ij)
+            for (ptrdiff_t j = lo; j < hi; j++) ds[j] = mask_ij[j * mask_col] ? ds[j] : 0;
+    }
 }
 
 /* dphi = a S^T + b z^T for the state (S rows S_row apart, z) */
@@ -1306,11 +1336,11 @@ static void SFX(bwd_dstate_add)(const bwd_plan *p, ptrdiff_t rows, const SFX(bsc
  * rows) from the state gradient (dS rows dS_row apart, dz) that every
  * later row gives it */
 static void SFX(bwd_keys_from_state)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0,
-                                     ptrdiff_t cols, const REAL *dS, ptrdiff_t dS_row,
+                                     ptrdiff_t cols, SFX(values) vals, const REAL *dS, ptrdiff_t dS_row,
                                      const REAL *dz, const SFX(bscratch) *w)
 {
     const ptrdiff_t r = p->r, e = p->a->e;
-    SFX(gemm)(0, 1, cols, r, e, 1, w->values, e, dS, dS_row, 0, w->dpsi, r);
+    SFX(gemm)(0, 1, cols, r, e, 1, vals.v, vals.v_row, dS, dS_row, 0, w->dpsi, r);
     for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(w->dpsi + t * r, 1, dz, r);
     SFX(gemm)(0, 0, cols, e, r, 1, w->psi, r, dS, dS_row, 0, hd->dv + j0 * e, e);
 }
@@ -1319,12 +1349,11 @@ static void SFX(bwd_keys_from_state)(const bwd_plan *p, const SFX(bhead) *hd, pt
  * dpsi += dscores^T phi, dv += scores^T a */
 static void SFX(bwd_keys_from_rows)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
                                     ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
-                                    const SFX(bscratch) *w)
+                                    SFX(values) vals, const SFX(bscratch) *w)
 {
     const ptrdiff_t C = p->C, r = p->r, e = p->a->e;
-    SFX(gemm)(0, 1, rows, cols, r, 1, w->phi, r, w->psi, r, 0, w->scores, C);
-    SFX(bwd_visible)(p, hd, i0, rows, j0, cols, w->scores, NULL);
-    SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, w);
+    SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, NULL);
+    SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, vals, w);
     SFX(gemm)(1, 0, cols, r, rows, 1, w->dscores, C, w->phi, r, 1, w->dpsi, r);
     SFX(gemm)(1, 0, cols, e, rows, 1, w->scores, C, w->ga, e, 1, hd->dv + j0 * e, e);
 }
@@ -1351,17 +1380,18 @@ static void SFX(bwd_keys_state_only)(const bwd_plan *p, const SFX(bhead) *hd, pt
 {
     for (ptrdiff_t b = j0; b < j1; b += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
-        SFX(bwd_keys)(p, hd, b, cols, w);
-        SFX(bwd_keys_from_state)(p, hd, b, cols, dS, dS_row, dz, w);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, b, cols, w);
+        SFX(bwd_keys_from_state)(p, hd, b, cols, vals, dS, dS_row, dz, w);
         SFX(bwd_finish_keys)(p, hd, b, cols, w);
     }
 }
 
 /* S += psi^T values, z += the rows of psi (the block in w) */
-static void SFX(bwd_absorb_block)(const bwd_plan *p, ptrdiff_t cols, const SFX(bscratch) *w)
+static void SFX(bwd_absorb_block)(const bwd_plan *p, ptrdiff_t cols, SFX(values) vals,
+                                  const SFX(bscratch) *w)
 {
     const ptrdiff_t r = p->r, e = p->a->e;
-    SFX(gemm)(1, 0, r, e, cols, 1, w->psi, r, w->values, e, 1, w->S, e);
+    SFX(gemm)(1, 0, r, e, cols, 1, w->psi, r, vals.v, vals.v_row, 1, w->S, e);
     for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(w->z, 1, w->psi + t * r, r);
 }
 
@@ -1400,8 +1430,7 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
     ptrdiff_t first_key = attnx_band_end(band, -1), K = 0;
     for (ptrdiff_t b = 0; b < first_key; b += C) {
         ptrdiff_t cols = ATTNX_MIN(C, first_key - b);
-        SFX(bwd_keys)(p, hd, b, cols, w);
-        SFX(bwd_absorb_block)(p, cols, w);
+        SFX(bwd_absorb_block)(p, cols, SFX(bwd_keys)(p, hd, b, cols, w), w);
     }
     K = first_key;
     for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
@@ -1409,16 +1438,17 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
         SFX(bwd_queries)(p, hd, i0, rows, w);
         SFX(gemm)(0, 0, rows, e, p->r, 1, w->phi, p->r, w->S, e, 0, w->ga, e);
         for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * p->r, w->z, p->r);
+        SFX(values) vals = {NULL, 0};
         if (hi > K) {
-            SFX(bwd_keys)(p, hd, K, hi - K, w);
-            SFX(bwd_add_block)(p, hd, i0, rows, K, hi - K, w);
+            vals = SFX(bwd_keys)(p, hd, K, hi - K, w);
+            SFX(bwd_add_block)(p, hd, i0, rows, K, hi - K, vals, w);
         }
         SFX(bwd_row_factors)(p, hd, i0, rows, w);
         SFX(bwd_dphi_state)(p, rows, w->S, e, w->z, w);
         if (hi > K) {
-            SFX(bwd_dscores)(p, hd, i0, rows, K, hi - K, w);
+            SFX(bwd_dscores)(p, hd, i0, rows, K, hi - K, vals, w);
             SFX(gemm)(0, 0, rows, p->r, hi - K, 1, w->dscores, C, w->psi, p->r, 1, w->dphi, p->r);
-            SFX(bwd_absorb_block)(p, hi - K, w);
+            SFX(bwd_absorb_block)(p, hi - K, vals, w);
             K = hi;
         }
         SFX(bwd_finish_queries)(p, hd, i0, rows, w);
@@ -1442,9 +1472,9 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
             SFX(bwd_queries)(p, hd, i0, rows, w);
             SFX(bwd_row_factors_again)(p, hd, i0, rows, w);
             if (hi > lo) {
-                SFX(bwd_keys)(p, hd, lo, hi - lo, w);
-                SFX(bwd_keys_from_state)(p, hd, lo, hi - lo, w->dS, e, w->dz, w);
-                SFX(bwd_keys_from_rows)(p, hd, i0, rows, lo, hi - lo, w);
+                SFX(values) vals = SFX(bwd_keys)(p, hd, lo, hi - lo, w);
+                SFX(bwd_keys_from_state)(p, hd, lo, hi - lo, vals, w->dS, e, w->dz, w);
+                SFX(bwd_keys_from_rows)(p, hd, i0, rows, lo, hi - lo, vals, w);
                 SFX(bwd_finish_keys)(p, hd, lo, hi - lo, w);
             }
             SFX(bwd_dstate_add)(p, rows, w);
@@ -1470,11 +1500,11 @@ static void SFX(bwd_cumsum_head)(const bwd_plan *p, const SFX(bhead) *hd, const 
     SFX(bwd_load)(p, prefix, prefix + r * e, hd->S0, a->S0_row, hd->z0);
     for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
         ptrdiff_t cols = ATTNX_MIN(C, m - j0);
-        SFX(bwd_keys)(p, hd, j0, cols, w);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
         for (ptrdiff_t t = 0; t < cols; t++) {
             REAL *from = prefix + (j0 + t) * size, *to = from + size;
             memcpy(to, from, (size_t)size * sizeof(REAL));
-            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(to + f * e, w->psi[t * r + f], w->values + t * e, e);
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(to + f * e, w->psi[t * r + f], vals.v + t * vals.v_row, e);
             SFX(axpy)(to + r * e, 1, w->psi + t * r, r);
         }
     }
@@ -1513,13 +1543,13 @@ static void SFX(bwd_cumsum_head)(const bwd_plan *p, const SFX(bhead) *hd, const 
     for (ptrdiff_t j = m - 1; j >= 0; j--) SFX(axpy)(prefix + j * size, 1, prefix + (j + 1) * size, size);
     for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
         ptrdiff_t cols = ATTNX_MIN(C, m - j0);
-        SFX(bwd_keys)(p, hd, j0, cols, w);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
         for (ptrdiff_t t = 0; t < cols; t++) {
             const REAL *G = prefix + (j0 + t + 1) * size;
             REAL *dv_t = hd->dv + (j0 + t) * e;
             memset(dv_t, 0, (size_t)e * sizeof(REAL));
             for (ptrdiff_t f = 0; f < r; f++) {
-                w->dpsi[t * r + f] = SFX(dot)(G + f * e, w->values + t * e, e) + G[r * e + f];
+                w->dpsi[t * r + f] = SFX(dot)(G + f * e, vals.v + t * vals.v_row, e) + G[r * e + f];
                 SFX(axpy)(dv_t, w->psi[t * r + f], G + f * e, e);
             }
         }
@@ -1549,16 +1579,14 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
         }
         for (ptrdiff_t j0 = first; j0 < end; j0 += C) {
             ptrdiff_t cols = ATTNX_MIN(C, end - j0);
-            SFX(bwd_keys)(p, hd, j0, cols, w);
-            SFX(bwd_add_block)(p, hd, i0, rows, j0, cols, w);
+            SFX(bwd_add_block)(p, hd, i0, rows, j0, cols, SFX(bwd_keys)(p, hd, j0, cols, w), w);
         }
         SFX(bwd_row_factors)(p, hd, i0, rows, w);
         if (hd->S0) SFX(bwd_dphi_state)(p, rows, hd->S0, a->S0_row, hd->z0, w);
         else memset(w->dphi, 0, (size_t)(rows * r) * sizeof(REAL));
         for (ptrdiff_t j0 = first; j0 < end; j0 += C) {
             ptrdiff_t cols = ATTNX_MIN(C, end - j0);
-            SFX(bwd_keys)(p, hd, j0, cols, w);
-            SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, w);
+            SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, SFX(bwd_keys)(p, hd, j0, cols, w), w);
             SFX(gemm)(0, 0, rows, r, cols, 1, w->dscores, C, w->psi, r, 1, w->dphi, r);
         }
         SFX(bwd_finish_queries)(p, hd, i0, rows, w);
@@ -1568,9 +1596,9 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
      * holds every key) and every tile of rows that sees them */
     for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
         ptrdiff_t cols = ATTNX_MIN(C, m - j0);
-        SFX(bwd_keys)(p, hd, j0, cols, w);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
         if (hd->dS_in) {
-            SFX(bwd_keys_from_state)(p, hd, j0, cols, hd->dS_in, a->dS_in_row, hd->dz_in, w);
+            SFX(bwd_keys_from_state)(p, hd, j0, cols, vals, hd->dS_in, a->dS_in_row, hd->dz_in, w);
         } else {
             memset(w->dpsi, 0, (size_t)(cols * r) * sizeof(REAL));
             memset(hd->dv + j0 * e, 0, (size_t)(cols * e) * sizeof(REAL));
@@ -1582,7 +1610,7 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
             if (attnx_band_end(band, i0 + rows - 1) <= j0) continue;
             SFX(bwd_queries)(p, hd, i0, rows, w);
             SFX(bwd_row_factors_again)(p, hd, i0, rows, w);
-            SFX(bwd_keys_from_rows)(p, hd, i0, rows, j0, cols, w);
+            SFX(bwd_keys_from_rows)(p, hd, i0, rows, j0, cols, vals, w);
         }
         SFX(bwd_finish_keys)(p, hd, j0, cols, w);
     }

@@ -18,7 +18,7 @@ static const linear_bwd_kernel linear_bwd_kernels[2] = {attnx_linear_bwd_f32, at
 /* Chunk length of the backward's chunk method: its blocks are GEMMs of C
  * rows against r and e columns, and the C x C blocks cost about as much as
  * the state's products at C = r = e = 64. */
-#define DEFAULT_BACKWARD_CHUNK 64
+#define DEFAULT_BACKWARD_CHUNK 32
 
 /* The array arguments, in the order of ops[] below. */
 enum { DOUT, Q, K, V, KEY_MASK, MASK, S0, Z0, DS_IN, DZ_IN, NOPS };
@@ -94,6 +94,30 @@ static int feature_size(int kind, PyObject *projection_obj, npy_intp d, int type
     return 0;
 }
 
+/* The gradient array batch + shape: `given` itself when it is exactly that
+ * (a C-ordered, writeable array of the compute dtype and the broadcast
+ * shape, sharing no memory with the inputs), else a new one, which the
+ * caller reduces and copies into `given`. */
+static PyArrayObject *gradient_array(PyObject *given, const attnx_batch *batch,
+                                     const npy_intp *shape, int typenum, const char *name,
+                                     const attnx_operand *inputs, int n_inputs)
+{
+    if (given != Py_None && PyArray_Check(given)) {
+        PyArrayObject *array = (PyArrayObject *)given;
+        int fits = PyArray_TYPE(array) == typenum && PyArray_IS_C_CONTIGUOUS(array) &&
+                   PyArray_ISWRITEABLE(array) && PyArray_ISALIGNED(array) &&
+                   PyArray_NDIM(array) == batch->ndim + 2;
+        for (int ax = 0; fits && ax < batch->ndim; ax++) fits = PyArray_DIM(array, ax) == batch->shape[ax];
+        for (int ax = 0; fits && ax < 2; ax++) fits = PyArray_DIM(array, batch->ndim + ax) == shape[ax];
+        if (fits) {
+            if (attnx_check_disjoint(array, name, inputs, n_inputs) < 0) return NULL;
+            Py_INCREF(array);
+            return array;
+        }
+    }
+    return attnx_new_array(batch, shape, 2, typenum);
+}
+
 static int convert_optional(attnx_operand *op, PyObject *obj, int typenum, int min_ndim)
 {
     return obj == Py_None ? 0 : attnx_operand_convert(op, obj, typenum, min_ndim, 0);
@@ -102,14 +126,15 @@ static int convert_optional(attnx_operand *op, PyObject *obj, int typenum, int m
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
 {
     PyObject *dout_obj, *q_obj, *k_obj, *v_obj, *causal_obj, *key_mask, *mask, *window_obj,
-        *projection_obj, *S0_obj, *z0_obj, *dS_obj, *dz_obj;
+        *projection_obj, *S0_obj, *z0_obj, *dS_obj, *dz_obj, *dq_obj, *dk_obj, *dv_obj;
     int kind, method, projection_grad;
     Py_ssize_t chunk, offset;
     double eps, power, period;
-    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnp:linear_attention_backward", &dout_obj,
+    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnpOOO:linear_attention_backward", &dout_obj,
                           &q_obj, &k_obj, &v_obj, &kind, &causal_obj, &key_mask, &mask,
                           &window_obj, &method, &chunk, &eps, &power, &period, &projection_obj,
-                          &S0_obj, &z0_obj, &dS_obj, &dz_obj, &offset, &projection_grad))
+                          &S0_obj, &z0_obj, &dS_obj, &dz_obj, &offset, &projection_grad, &dq_obj,
+                          &dk_obj, &dv_obj))
         return NULL;
     if (kind < ATTNX_FM_ELU || kind > ATTNX_FM_EFFICIENT || method < ATTNX_METHOD_CHUNK ||
         method > ATTNX_METHOD_QUADRATIC || chunk < 0 || offset < 0 || !(eps >= 0)) {
@@ -179,9 +204,9 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
     attnx_batch batch;
     if (attnx_broadcast(ops, NOPS, &batch) < 0) goto done;
     npy_intp q_shape[2] = {n, d}, k_shape[2] = {m, d}, v_shape[2] = {m, e}, S_shape[2] = {r, e};
-    if (!(outs[DQ].array = attnx_new_array(&batch, q_shape, 2, typenum)) ||
-        !(outs[DK].array = attnx_new_array(&batch, k_shape, 2, typenum)) ||
-        !(outs[DV].array = attnx_new_array(&batch, v_shape, 2, typenum)))
+    if (!(outs[DQ].array = gradient_array(dq_obj, &batch, q_shape, typenum, "dq", ops, NOPS)) ||
+        !(outs[DK].array = gradient_array(dk_obj, &batch, k_shape, typenum, "dk", ops, NOPS)) ||
+        !(outs[DV].array = gradient_array(dv_obj, &batch, v_shape, typenum, "dv", ops, NOPS)))
         goto done;
     if (ops[S0].array && (!(outs[DS0].array = attnx_new_array(&batch, S_shape, 2, typenum)) ||
                           !(outs[DZ0].array = attnx_new_array(&batch, S_shape, 1, typenum))))
@@ -273,8 +298,9 @@ done:
 }
 
 const char attnx_linear_attention_backward_doc[] = (
-"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad)\n"
+"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad, dq, dk, dv)\n"
 "--\n\n"
 "The kernel behind attnx.linear_attention_backward and the other kernelised\n"
 "backward functions (options already resolved; use those). Returns\n"
-"(dq, dk, dv, dW, dS0, dz0) on the broadcast batch shape.");
+"(dq, dk, dv, dW, dS0, dz0) on the broadcast batch shape; dq, dk, dv are\n"
+"written in place when they have exactly that shape (else None or ignored).");
