@@ -1236,6 +1236,35 @@ static ATTNX_HOT void SFX(bwd_scores)(const bwd_plan *p, const SFX(bhead) *hd, p
     }
 }
 
+/* out (rows, width) += blk B over the block (rows from i0, keys from j0),
+ * blk (rows, cols) rows C apart with its invisible pairs zero, B (cols,
+ * width); with keys_first, out (cols, width) += blk^T B, B (rows, width).
+ * A GEMM, unless B holds inf or NaN: then a loop over the visible pairs
+ * only, since a zeroed pair would still carry 0 * NaN into a row or key
+ * that the non-finite input does not reach. */
+static void SFX(bwd_block_product)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                   ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, int keys_first,
+                                   const REAL *blk, const REAL *B, ptrdiff_t B_row, ptrdiff_t width,
+                                   REAL *out, ptrdiff_t out_row)
+{
+    const ptrdiff_t C = p->C, mask_col = p->a->mask_col;
+    ptrdiff_t inner = keys_first ? rows : cols;
+    if (!SFX(has_nonfinite)(B, inner, width, B_row)) {
+        if (keys_first) SFX(gemm)(1, 0, cols, width, rows, 1, blk, C, B, B_row, 1, out, out_row);
+        else SFX(gemm)(0, 0, rows, width, cols, 1, blk, C, B, B_row, 1, out, out_row);
+        return;
+    }
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        ptrdiff_t lo, hi;
+        const unsigned char *mask_ij = SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        for (ptrdiff_t j = lo; j < hi; j++) {
+            if (mask_ij && !mask_ij[j * mask_col]) continue;
+            if (keys_first) SFX(axpy)(out + j * out_row, blk[t * C + j], B + t * B_row, width);
+            else SFX(axpy)(out + t * out_row, blk[t * C + j], B + j * B_row, width);
+        }
+    }
+}
+
 /* w->ga (rows, e) += scores values, w->den += the row sums: what the key
  * block in w->psi, w->values gives the rows in w->phi */
 static void SFX(bwd_add_block)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
@@ -1243,7 +1272,7 @@ static void SFX(bwd_add_block)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_
 {
     const ptrdiff_t e = p->a->e;
     SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, w->den);
-    SFX(gemm)(0, 0, rows, e, cols, 1, w->scores, p->C, vals.v, vals.v_row, 1, w->ga, e);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 0, w->scores, vals.v, vals.v_row, e, w->ga, e);
 }
 
 /* From num (in w->ga) and den of rows [i0, i0 + rows): a (into w->ga), b
@@ -1351,11 +1380,11 @@ static void SFX(bwd_keys_from_rows)(const bwd_plan *p, const SFX(bhead) *hd, ptr
                                     ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
                                     SFX(values) vals, const SFX(bscratch) *w)
 {
-    const ptrdiff_t C = p->C, r = p->r, e = p->a->e;
+    const ptrdiff_t r = p->r, e = p->a->e;
     SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, NULL);
     SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, vals, w);
-    SFX(gemm)(1, 0, cols, r, rows, 1, w->dscores, C, w->phi, r, 1, w->dpsi, r);
-    SFX(gemm)(1, 0, cols, e, rows, 1, w->scores, C, w->ga, e, 1, hd->dv + j0 * e, e);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->dscores, w->phi, r, r, w->dpsi, r);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->scores, w->ga, e, e, hd->dv + j0 * e, e);
 }
 
 /* dk of the key block from w->dpsi (masked keys: 0) */
@@ -1447,7 +1476,8 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
         SFX(bwd_dphi_state)(p, rows, w->S, e, w->z, w);
         if (hi > K) {
             SFX(bwd_dscores)(p, hd, i0, rows, K, hi - K, vals, w);
-            SFX(gemm)(0, 0, rows, p->r, hi - K, 1, w->dscores, C, w->psi, p->r, 1, w->dphi, p->r);
+            SFX(bwd_block_product)(p, hd, i0, rows, K, hi - K, 0, w->dscores, w->psi, p->r, p->r,
+                                   w->dphi, p->r);
             SFX(bwd_absorb_block)(p, hi - K, vals, w);
             K = hi;
         }
@@ -1587,7 +1617,7 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
         for (ptrdiff_t j0 = first; j0 < end; j0 += C) {
             ptrdiff_t cols = ATTNX_MIN(C, end - j0);
             SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, SFX(bwd_keys)(p, hd, j0, cols, w), w);
-            SFX(gemm)(0, 0, rows, r, cols, 1, w->dscores, C, w->psi, r, 1, w->dphi, r);
+            SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 0, w->dscores, w->psi, r, r, w->dphi, r);
         }
         SFX(bwd_finish_queries)(p, hd, i0, rows, w);
         SFX(bwd_dstate_add)(p, rows, w);  /* every row sees S0 */

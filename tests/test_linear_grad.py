@@ -632,3 +632,24 @@ def test_vjp_with_returned_state():
     want = torch_grads(dout, q, k, v, causal=True, dS=dS, dz=dz)
     for got, ref in zip(g[:3], want[1:4]):
         assert_close(got, ref, F64_TOL)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("method", ["chunk", "quadratic"])
+def test_nan_reaches_only_what_it_affects(which, method):
+    """a NaN at position j of q, k or v (causal): the query rows before j
+    (k, v) or the keys after j (q) depend on nothing it touches, and keep
+    the gradients of the same call with that entry finite"""
+    rng = np.random.default_rng(26)
+    dout, q, k, v = inputs(rng, (1,), 12, 12, 3, 2)
+    j = 5
+    clean = attnx.linear_attention_backward(dout, q, k, v, causal=True, method=method, chunk_size=8)
+    arrays = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
+    arrays[which][0, j, 0] = np.nan
+    g = attnx.linear_attention_backward(dout, arrays["q"], arrays["k"], arrays["v"], causal=True,
+                                        method=method, chunk_size=8)
+    if which == "q":
+        for field in (1, 2):
+            assert_close(g[field][0, j + 1:], clean[field][0, j + 1:], F64_TOL)
+    else:
+        assert_close(g.q[0, :j], clean.q[0, :j], F64_TOL)
