@@ -52,6 +52,14 @@ from ._linear import (
     random_features,
     taylor_attention,
 )
+from ._linear_grad import (
+    cosformer_attention_backward,
+    efficient_attention_backward,
+    focused_linear_attention_backward,
+    linear_attention_backward,
+    performer_attention_backward,
+    taylor_attention_backward,
+)
 
 __version__ = "0.1.0"
 
@@ -66,6 +74,12 @@ __all__ = [
     "taylor_attention",
     "performer_attention",
     "efficient_attention",
+    "linear_attention_backward",
+    "cosformer_attention_backward",
+    "focused_linear_attention_backward",
+    "taylor_attention_backward",
+    "performer_attention_backward",
+    "efficient_attention_backward",
     "random_features",
     "LinearAttentionState",
     "attention_weights",
