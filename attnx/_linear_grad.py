@@ -17,7 +17,7 @@ import numbers
 
 import numpy as np
 
-from . import _C
+from . import _C, _dwc
 from ._grad import Gradients, register_vjp, sum_to_shape
 from ._linear import (
     cosformer_attention,
@@ -214,10 +214,26 @@ def cosformer_attention_backward(dout, q, k, v, *, causal=False, key_mask=None, 
 def focused_linear_attention_backward(dout, q, k, v, p=3, *, causal=False, key_mask=None,
                                       mask=None, window=None, method=None, chunk_size=None,
                                       eps=1e-6, initial_state=None, grad_state=None, dq=None,
-                                      dk=None, dv=None):
+                                      dk=None, dv=None, dwc_weight=None, spatial=None):
     """Gradients of sum(dout * focused_linear_attention(q, k, v, p, ...));
-    the rest as linear_attention_backward."""
-    return _backward("focused", dout, q, k, v, locals())
+    the rest as linear_attention_backward. With dwc_weight, the
+    convolution's share is added to g.v and its weight's gradient is
+    g.projection (the field of a front end's learned weights)."""
+    options = dict(locals())
+    dwc_weight, spatial = options.pop("dwc_weight"), options.pop("spatial")
+    if dwc_weight is None:
+        return _backward("focused", dout, q, k, v, options)
+    if dv is not None:
+        raise ValueError("dv= cannot be combined with dwc_weight: the convolution adds to dv")
+    grads = _backward("focused", dout, q, k, v, options)
+    dout = np.asarray(dout)
+    # v broadcast (e.g. shared by query heads): the convolution ran on the
+    # broadcast values, and its gradient is summed back to v's shape
+    v_full = np.broadcast_to(v, dout.shape[:-2] + np.shape(v)[-2:])
+    dv_conv, dweight = _dwc.depthwise_convolution_backward(dout, v_full, dwc_weight, spatial)
+    dv_conv = sum_to_shape(dv_conv, np.shape(v))
+    return grads._replace(v=grads.v + dv_conv.astype(grads.v.dtype, copy=False),
+                          projection=dweight)
 
 
 def taylor_attention_backward(dout, q, k, v, *, causal=False, key_mask=None, mask=None,
