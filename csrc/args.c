@@ -96,95 +96,8 @@ static int layout_ok(PyArrayObject *array, int core_ndim)
     return 1;
 }
 
-int attnx_operand_convert(attnx_operand *op, PyObject *obj, int typenum, int min_ndim,
-                          int elementwise)
-{
-    int flags = NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED | (elementwise ? NPY_ARRAY_FORCECAST : 0);
-    PyArrayObject *array;
-    if (PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == typenum &&
-        PyArray_ISALIGNED((PyArrayObject *)obj) && PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
-        /* what PyArray_FromAny would return, without its dtype discovery
-         * (a fifth of a decoding step's binding) */
-        array = (PyArrayObject *)obj;
-        Py_INCREF(array);
-    } else {
-        array = (PyArrayObject *)PyArray_FromAny(obj, PyArray_DescrFromType(typenum), 0, 0, flags,
-                                                 NULL);
-    }
-    if (!array) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_Format(PyExc_TypeError, "%s: %S", op->name, value ? value : Py_None);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-        }
-        return -1;
-    }
-    if (PyArray_NDIM(array) < min_ndim) {
-        PyObject *shape = PyObject_GetAttrString((PyObject *)array, "shape");
-        if (shape)
-            PyErr_Format(PyExc_ValueError, "%s must have at least %d dimensions, got shape %R",
-                         op->name, min_ndim, shape);
-        Py_XDECREF(shape);
-        Py_DECREF(array);
-        return -1;
-    }
-    if (elementwise && PyArray_NDIM(array) < op->core_ndim) op->core_ndim = PyArray_NDIM(array);
-    if (!layout_ok(array, elementwise ? 0 : op->core_ndim)) {
-        PyArrayObject *copy = (PyArrayObject *)PyArray_NewCopy(array, NPY_CORDER);
-        Py_DECREF(array);
-        if (!copy) return -1;
-        array = copy;
-    }
-    op->array = array;
-    op->source = obj;
-    return 0;
-}
-
-int attnx_mask_convert(attnx_operand *op, PyObject *obj)
-{
-    PyArrayObject *array = (PyArrayObject *)PyArray_FROM_O(obj);
-    if (!array) return -1;
-    if (PyArray_TYPE(array) != NPY_BOOL) {
-        PyErr_Format(PyExc_TypeError, "%s must be a boolean array (True = may attend), got dtype %R",
-                     op->name, (PyObject *)PyArray_DESCR(array));
-        Py_DECREF(array);
-        return -1;
-    }
-    op->core_ndim = PyArray_NDIM(array) < op->core_ndim ? PyArray_NDIM(array) : op->core_ndim;
-    op->array = array;
-    op->source = obj;
-    return 0;
-}
-
-static npy_intp core_dim(const attnx_operand *op, int axis)
-{
-    int nd = PyArray_NDIM(op->array);
-    return -axis <= op->core_ndim && nd + axis >= 0 ? PyArray_DIM(op->array, nd + axis) : 1;
-}
-
-ptrdiff_t attnx_operand_core_stride(const attnx_operand *op, int axis)
-{
-    int nd = PyArray_NDIM(op->array);
-    if (-axis > op->core_ndim || nd + axis < 0 || PyArray_DIM(op->array, nd + axis) == 1) return 0;
-    return PyArray_STRIDE(op->array, nd + axis);
-}
-
-int attnx_check_core(const attnx_operand *op, int axis, npy_intp size, int broadcast_ok,
-                     const char *what)
-{
-    npy_intp got = core_dim(op, axis);
-    if (got == size || (broadcast_ok && got == 1)) return 0;
-    PyObject *shape = PyObject_GetAttrString((PyObject *)op->array, "shape");
-    if (shape)
-        PyErr_Format(PyExc_ValueError, "%s of shape %R does not match: %s", op->name, shape, what);
-    Py_XDECREF(shape);
-    return -1;
-}
-
-int attnx_broadcast(attnx_operand *ops, int count, attnx_batch *batch)
+/* Broadcast the leading axes of the operands (absent ones skipped). */
+static int attnx_broadcast(const attnx_operand *ops, int count, attnx_batch *batch)
 {
     batch->ndim = 0;
     for (int i = 0; i < count; i++) {
@@ -227,44 +140,6 @@ int attnx_broadcast(attnx_operand *ops, int count, attnx_batch *batch)
         batch->heads *= batch->shape[ax];
     }
     return 0;
-}
-
-ptrdiff_t *attnx_offsets(const attnx_operand *ops, int count, const attnx_batch *batch)
-{
-    if ((size_t)batch->heads > SIZE_MAX / sizeof(ptrdiff_t) / (size_t)(count ? count : 1)) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    ptrdiff_t *offsets = PyMem_RawMalloc(sizeof(ptrdiff_t) * (size_t)count * (size_t)(batch->heads ? batch->heads : 1));
-    if (!offsets) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    /* per operand, per batch axis: the byte stride (0 where broadcast) */
-    ptrdiff_t strides[ATTNX_MAX_OPS][NPY_MAXDIMS];
-    for (int i = 0; i < count; i++) {
-        for (int ax = 0; ax < batch->ndim; ax++) strides[i][ax] = 0;
-        if (!ops[i].array) continue;
-        int lead = PyArray_NDIM(ops[i].array) - ops[i].core_ndim;
-        for (int ax = 0; ax < lead; ax++)
-            if (PyArray_DIM(ops[i].array, ax) != 1)
-                strides[i][batch->ndim - lead + ax] = PyArray_STRIDE(ops[i].array, ax);
-    }
-    npy_intp index[NPY_MAXDIMS] = {0};
-    ptrdiff_t current[ATTNX_MAX_OPS] = {0};
-    for (ptrdiff_t h = 0; h < batch->heads; h++) {
-        for (int i = 0; i < count; i++) offsets[h * count + i] = current[i];
-        /* odometer step over the batch axes, last axis fastest */
-        for (int ax = batch->ndim - 1; ax >= 0; ax--) {
-            if (++index[ax] < batch->shape[ax]) {
-                for (int i = 0; i < count; i++) current[i] += strides[i][ax];
-                break;
-            }
-            index[ax] = 0;
-            for (int i = 0; i < count; i++) current[i] -= strides[i][ax] * (batch->shape[ax] - 1);
-        }
-    }
-    return offsets;
 }
 
 PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailing, int n_trailing,
@@ -325,13 +200,13 @@ PyArrayObject *attnx_new_aligned_array(const attnx_batch *batch, const npy_intp 
     return array;
 }
 
-/* 1 if a and b share an element, 0 if not, -1 with an exception set.
- * Empty or disjoint extents answer at once; interleaved views go to numpy's exact
+/* 1 if a (its extent [a_lo, a_hi) computed once by the caller) and b
+ * share an element, 0 if not, -1 with an exception set. Empty or disjoint
+ * extents answer at once; interleaved views go to numpy's exact
  * np.shares_memory (bounded work; too hard counts as overlapping). */
-static int overlap(PyArrayObject *a, PyArrayObject *b)
+static int overlap(PyArrayObject *a, char *a_lo, char *a_hi, PyArrayObject *b)
 {
-    char *a_lo, *a_hi, *b_lo, *b_hi;
-    memory_extent(a, &a_lo, &a_hi);
+    char *b_lo, *b_hi;
     memory_extent(b, &b_lo, &b_hi);
     if (a_lo == a_hi || b_lo == b_hi || !(a_lo < b_hi && b_lo < a_hi)) return 0;
     PyObject *numpy = PyImport_ImportModule("numpy");
@@ -346,90 +221,6 @@ static int overlap(PyArrayObject *a, PyArrayObject *b)
     int result = PyObject_IsTrue(shares);
     Py_DECREF(shares);
     return result;
-}
-
-int attnx_check_disjoint(PyArrayObject *written, const char *name, const attnx_operand *inputs,
-                         int n_inputs)
-{
-    for (int i = 0; i < n_inputs; i++) {
-        /* the caller's array, not a converted copy of it */
-        PyArrayObject *input = inputs[i].source && PyArray_Check(inputs[i].source)
-                                   ? (PyArrayObject *)inputs[i].source : inputs[i].array;
-        if (!input) continue;
-        int shared = overlap(written, input);
-        if (shared < 0) return -1;
-        if (shared) {
-            PyErr_Format(PyExc_ValueError, "%s must not overlap the input %s", name, inputs[i].name);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batch *batch,
-                 npy_intp rows, npy_intp cols, const attnx_operand *inputs, int n_inputs,
-                 PyArrayObject **result, PyArrayObject **compute_out)
-{
-    npy_intp core[2] = {rows, cols};
-    *result = *compute_out = NULL;
-    if (out_obj && out_obj != Py_None) {
-        if (!PyArray_Check(out_obj)) {
-            PyErr_Format(PyExc_TypeError, "out must be a numpy array, got %s", Py_TYPE(out_obj)->tp_name);
-            return -1;
-        }
-        PyArrayObject *out = (PyArrayObject *)out_obj;
-        if (PyArray_TYPE(out) != dtypes->result) {
-            PyArray_Descr *want = PyArray_DescrFromType(dtypes->result);
-            PyErr_Format(PyExc_TypeError, "out must have dtype %R, got %R", (PyObject *)want,
-                         (PyObject *)PyArray_DESCR(out));
-            Py_DECREF(want);
-            return -1;
-        }
-        int shape_ok = PyArray_NDIM(out) == batch->ndim + 2;
-        for (int ax = 0; shape_ok && ax < batch->ndim; ax++) shape_ok = PyArray_DIM(out, ax) == batch->shape[ax];
-        shape_ok = shape_ok && PyArray_DIM(out, batch->ndim) == rows && PyArray_DIM(out, batch->ndim + 1) == cols;
-        if (!shape_ok) {
-            PyArrayObject *want = attnx_new_array(batch, core, 2, NPY_BOOL);
-            PyObject *want_shape = want ? PyObject_GetAttrString((PyObject *)want, "shape") : NULL;
-            PyObject *got_shape = PyObject_GetAttrString(out_obj, "shape");
-            if (want_shape && got_shape)
-                PyErr_Format(PyExc_ValueError, "out must have shape %R, got %R", want_shape, got_shape);
-            Py_XDECREF(want);
-            Py_XDECREF(want_shape);
-            Py_XDECREF(got_shape);
-            return -1;
-        }
-        if (PyArray_FailUnlessWriteable(out, "out") < 0) return -1;
-        if (!PyArray_ISALIGNED(out) || PyArray_ISBYTESWAPPED(out) || !layout_ok(out, 2)) {
-            PyErr_SetString(PyExc_ValueError,
-                            "out must be aligned, native-endian, with a contiguous last axis and "
-                            "non-overlapping rows");
-            return -1;
-        }
-        if (attnx_check_disjoint(out, "out", inputs, n_inputs) < 0) return -1;
-        Py_INCREF(out);
-        *result = out;
-    } else {
-        *result = attnx_new_array(batch, core, 2, dtypes->result);
-        if (!*result) return -1;
-    }
-    if (dtypes->result == dtypes->compute) {
-        Py_INCREF(*result);
-        *compute_out = *result;
-    } else {
-        *compute_out = attnx_new_array(batch, core, 2, dtypes->compute);
-        if (!*compute_out) {
-            Py_CLEAR(*result);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-int attnx_output_finish(PyArrayObject *result, PyArrayObject *compute_out)
-{
-    if (result == compute_out) return 0;
-    return PyArray_CopyInto(result, compute_out);
 }
 
 int attnx_parse_causal(PyObject *obj, int *causal)
@@ -553,11 +344,6 @@ attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy
     return band;
 }
 
-void attnx_release(attnx_operand *ops, int count)
-{
-    for (int i = 0; i < count; i++) Py_CLEAR(ops[i].array);
-}
-
 int attnx_check_status(int status)
 {
     if (status == ATTNX_OK) return 0;
@@ -665,8 +451,13 @@ static int shape_error(const attnx_call *call, int i, PyArrayObject *array, cons
                        int failed)
 {
     char symbols[64], values[160] = "", origin[96] = "";
-    int all_bound = 1;
-    for (int a = 0; a < core->count; a++) all_bound &= call->size[core->symbol[a] - 'a'] >= 0;
+    int all_bound = 1, explained = 0;  /* the legend explains the front end's symbols */
+    for (int a = 0; a < core->count; a++) {
+        int symbol = core->symbol[a] - 'a';
+        all_bound &= call->size[symbol] >= 0;
+        explained |= call->size[symbol] >= 0 && call->bound_by[symbol] < 0;
+    }
+    const char *legend = explained && call->legend ? call->legend : NULL;
     axes_text(call, core, 0, symbols, sizeof symbols);
     if (all_bound) {
         PyOS_snprintf(values, sizeof values, " = ");
@@ -682,8 +473,7 @@ static int shape_error(const attnx_call *call, int i, PyArrayObject *array, cons
     if (shape)
         PyErr_Format(PyExc_ValueError, "%s has shape %R, expected %s%s%s%s%s%s",
                      call->params[i].name, shape, core->any_broadcast ? "to broadcast to " : "",
-                     symbols, values, origin, call->legend ? "; " : "",
-                     call->legend ? call->legend : "");
+                     symbols, values, origin, legend ? "; " : "", legend ? legend : "");
     Py_XDECREF(shape);
     return -1;
 }
@@ -763,14 +553,32 @@ static int convert_input(attnx_operand *op, int typenum, int flags)
     return 0;
 }
 
-/* ValueError unless `written` shares no element with the arrays of
- * ops[0..count) other than ops[skip] (the caller's arrays, not copies). */
-static int check_disjoint_but(PyArrayObject *written, const char *name, const attnx_operand *ops,
-                              int count, int skip)
+/* ValueError unless `written` shares no element with the arrays of the
+ * call other than param skip's: the caller's arrays, not converted copies.
+ * An output is checked against the inputs and the outputs made before it;
+ * an in-place output, being its input's array, against the inputs only
+ * (the outputs have been checked against that input). */
+static int check_disjoint_but(PyArrayObject *written, const char *name, const attnx_call *call,
+                              int skip, int inputs_only)
 {
-    for (int j = 0; j < count; j++) {
-        if (j == skip) continue;
-        if (attnx_check_disjoint(written, name, &ops[j], 1) < 0) return -1;
+    char *low, *high;
+    memory_extent(written, &low, &high);
+    if (low == high) return 0;  /* empty */
+    for (int j = 0; j < call->count; j++) {
+        const attnx_operand *op = &call->ops[j];
+        int flags = call->params[j].flags;
+        if (j == skip || (flags & ATTNX_IN_PLACE) || (inputs_only && (flags & ATTNX_OUTPUT)))
+            continue;
+        PyArrayObject *other = op->source && PyArray_Check(op->source)
+                                   ? (PyArrayObject *)op->source : op->array;
+        if (!other) continue;
+        int shared = overlap(written, low, high, other);
+        if (shared < 0) return -1;
+        if (shared) {
+            PyErr_Format(PyExc_ValueError, "%s must not overlap %s%s", name,
+                         flags & ATTNX_OUTPUT ? "the output " : "the input ", op->name);
+            return -1;
+        }
     }
     return 0;
 }
@@ -834,7 +642,7 @@ static int check_out(attnx_call *call, int i, PyObject *obj, int typenum, const 
                      "non-overlapping rows", name);
         return -1;
     }
-    return check_disjoint_but(out, name, call->ops, call->count, i);
+    return check_disjoint_but(out, name, call, i, 0);
 }
 
 /* An output written over input `of` (a decoding step's state). */
@@ -864,7 +672,7 @@ static int check_in_place(attnx_call *call, int i, int of)
         Py_XDECREF(want);
         return -1;
     }
-    return check_disjoint_but(array, name, call->ops, call->count, of);
+    return check_disjoint_but(array, name, call, of, 1);
 }
 
 /* Output i: allocated, or the caller's array checked; ops[i] the array
@@ -944,6 +752,58 @@ static int check_output_size(const attnx_call *call, int i)
     return 0;
 }
 
+/* The kernel's offset table: offsets[h * nslots + slot], the byte offset
+ * of head h in the operand of that slot (0 for an absent one). */
+static ptrdiff_t *build_offsets(const attnx_call *call)
+{
+    const attnx_batch *batch = &call->batch;
+    int nslots = call->nslots;
+    size_t heads = (size_t)(batch->heads ? batch->heads : 1);
+    if (heads > SIZE_MAX / sizeof(ptrdiff_t) / (size_t)(nslots ? nslots : 1)) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    ptrdiff_t *offsets = PyMem_RawMalloc(sizeof(ptrdiff_t) * (size_t)nslots * heads);
+    if (!offsets) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (batch->heads == 0) return offsets;  /* no head to run */
+    /* per batch axis, per slot: the byte stride (0 where broadcast or absent) */
+    ptrdiff_t strides[NPY_MAXDIMS][ATTNX_MAX_OPS];
+    for (int ax = 0; ax < batch->ndim; ax++)
+        for (int slot = 0; slot < nslots; slot++) strides[ax][slot] = 0;
+    for (int i = 0; i < call->count; i++) {
+        const attnx_operand *op = &call->ops[i];
+        int slot = call->params[i].slot;
+        if (slot < 0 || !op->array) continue;
+        int lead = PyArray_NDIM(op->array) - op->core_ndim, skip = batch->ndim - lead;
+        for (int ax = 0; ax < lead; ax++)
+            if (PyArray_DIM(op->array, ax) != 1) strides[skip + ax][slot] = PyArray_STRIDE(op->array, ax);
+    }
+    /* the last batch axis as a tight loop (a decoding step's 32 heads),
+     * the others by an odometer over its runs */
+    int last = batch->ndim - 1;
+    npy_intp inner = last >= 0 ? batch->shape[last] : 1, index[NPY_MAXDIMS];
+    ptrdiff_t base[ATTNX_MAX_OPS] = {0}, step[ATTNX_MAX_OPS] = {0};
+    for (int slot = 0; last >= 0 && slot < nslots; slot++) step[slot] = strides[last][slot];
+    for (int ax = 0; ax < last; ax++) index[ax] = 0;
+    for (ptrdiff_t *row = offsets; row < offsets + heads * (size_t)nslots;) {
+        for (npy_intp j = 0; j < inner; j++, row += nslots)
+            for (int slot = 0; slot < nslots; slot++) row[slot] = base[slot] + j * step[slot];
+        for (int ax = last - 1; ax >= 0; ax--) {
+            if (++index[ax] < batch->shape[ax]) {
+                for (int slot = 0; slot < nslots; slot++) base[slot] += strides[ax][slot];
+                break;
+            }
+            index[ax] = 0;
+            for (int slot = 0; slot < nslots; slot++)
+                base[slot] -= strides[ax][slot] * (batch->shape[ax] - 1);
+        }
+    }
+    return offsets;
+}
+
 int attnx_bind(attnx_call *call, PyObject *const *objs)
 {
     const attnx_param *params = call->params;
@@ -963,6 +823,21 @@ int attnx_bind(attnx_call *call, PyObject *const *objs)
         int flags = params[i].flags;
         PyObject *obj = objs[i];
         if ((flags & ATTNX_OUTPUT) || !obj || obj == Py_None) continue;
+        if ((flags & ATTNX_EXACT_DTYPE) &&
+            !(PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == call->dtypes.compute)) {
+            PyArray_Descr *want = PyArray_DescrFromType(call->dtypes.compute);
+            if (PyArray_Check(obj))
+                PyErr_Format(PyExc_TypeError,
+                             "%s must have dtype %R, the dtype this call computes in, got %R",
+                             params[i].name, (PyObject *)want,
+                             (PyObject *)PyArray_DESCR((PyArrayObject *)obj));
+            else
+                PyErr_Format(PyExc_TypeError,
+                             "%s must be a numpy array of dtype %R, the dtype this call computes "
+                             "in, got %s", params[i].name, (PyObject *)want, Py_TYPE(obj)->tp_name);
+            Py_DECREF(want);
+            return -1;
+        }
         if (!(flags & (ATTNX_COMPUTE | ATTNX_BOOL)) &&
             !(PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == call->dtypes.compute)) {
             attnx_dtypes own;  /* only to refuse complex, object, string... */
@@ -995,10 +870,7 @@ int attnx_bind(attnx_call *call, PyObject *const *objs)
     for (int i = 0; i < count; i++)
         if ((params[i].flags & ATTNX_OUTPUT) && objs[i] && make_output(call, i, objs[i]) < 0) return -1;
     /* 6. the kernel's offset table */
-    attnx_operand table[ATTNX_MAX_OPS] = {{NULL}};
-    for (int i = 0; i < count; i++)
-        if (params[i].slot >= 0) table[params[i].slot] = call->ops[i];
-    call->offsets = attnx_offsets(table, call->nslots, &call->batch);
+    call->offsets = build_offsets(call);
     return call->offsets ? 0 : -1;
 }
 

@@ -38,7 +38,8 @@
  * (..., n, d); "n|1 m|1" may also have 1 (or no axis) where it broadcasts
  * against n and m. A symbol is bound by the first param that has it (in
  * table order) at a size other than a broadcast 1, or beforehand by the
- * front end (attnx_call_set, attnx_call_derive).
+ * front end (attnx_call_set, attnx_call_derive; call->legend then says
+ * what they are in the messages that show them).
  *
  * Example, the softmax forward (py_softmax.c):
  *
@@ -82,6 +83,8 @@ enum {
                                     contiguous with a row stride BLAS takes (copied once
                                     where it is not) */
     ATTNX_BOOL = 1 << 2,         /* a boolean mask, read through any strides */
+    ATTNX_EXACT_DTYPE = 1 << 8,  /* already an array of the compute dtype, never cast
+                                    (TypeError): a state carried from a call of that dtype */
     /* outputs (objs[i] NULL: not wanted, None: allocated, an array: out=) */
     ATTNX_OUTPUT = 1 << 3,
     ATTNX_RESULT_DTYPE = 1 << 4, /* the caller's dtype (float16 in, float16 out, computed
@@ -184,11 +187,6 @@ void attnx_call_release(attnx_call *call);
 int attnx_resolve_dtypes(PyObject *const *objs, const char *const *names, int count,
                          attnx_dtypes *dtypes);
 
-/* ValueError unless `written` shares no element with the inputs (the
- * caller's arrays, not converted copies; NULL entries skipped). */
-int attnx_check_disjoint(PyArrayObject *written, const char *name, const attnx_operand *inputs,
-                         int n_inputs);
-
 /* A new C-ordered array batch + (trailing...) */
 PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailing, int n_trailing,
                                int typenum);
@@ -201,21 +199,6 @@ PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailin
 #define ATTNX_ALIGN 64
 PyArrayObject *attnx_new_aligned_array(const attnx_batch *batch, const npy_intp *trailing,
                                        int n_trailing, int typenum);
-
-/* Being replaced by attnx_bind (py_linear.c still uses them). */
-int attnx_operand_convert(attnx_operand *op, PyObject *obj, int typenum, int min_ndim,
-                          int elementwise);
-int attnx_mask_convert(attnx_operand *op, PyObject *obj);
-int attnx_check_core(const attnx_operand *op, int axis, npy_intp size, int broadcast_ok,
-                     const char *what);
-ptrdiff_t attnx_operand_core_stride(const attnx_operand *op, int axis);
-int attnx_broadcast(attnx_operand *ops, int count, attnx_batch *batch);
-ptrdiff_t *attnx_offsets(const attnx_operand *ops, int count, const attnx_batch *batch);
-int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batch *batch,
-                 npy_intp rows, npy_intp cols, const attnx_operand *inputs, int n_inputs,
-                 PyArrayObject **result, PyArrayObject **compute_out);
-int attnx_output_finish(PyArrayObject *result, PyArrayObject *compute_out);
-void attnx_release(attnx_operand *ops, int count);
 
 /* Options shared by the front ends. */
 int attnx_parse_causal(PyObject *obj, int *causal);  /* 0 none, 1 lower right, 2 upper left */

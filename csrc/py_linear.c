@@ -174,17 +174,18 @@ static npy_intp fixed_feature_size(int kind, npy_intp d)
     return kind == ATTNX_FM_TAYLOR ? d + 1 : kind == ATTNX_FM_COSFORMER ? 2 * d : d;
 }
 
-/* r, and the projection W (r, d) of favor converted to the compute dtype */
-static int feature_size(const linear_options *o, PyObject *projection_obj, npy_intp d,
-                        int typenum, PyArrayObject **projection, npy_intp *r)
+/* The features r: bound before the arrays are, so that the state's
+ * shape is checked against them; fixed_feature_size(d) of every map but
+ * favor, whose r is the rows of its projection W (r, d). */
+static int feature_size(const linear_options *o, PyObject *projection_obj, attnx_call *call)
 {
-    *projection = NULL;
     if (o->kind != ATTNX_FM_FAVOR) {
         if (projection_obj != Py_None) {
             PyErr_SetString(PyExc_ValueError, "projection= is only used by feature_map='favor'");
             return -1;
         }
-        *r = fixed_feature_size(o->kind, d);
+        npy_intp mul = o->kind == ATTNX_FM_COSFORMER ? 2 : 1, add = o->kind == ATTNX_FM_TAYLOR;
+        attnx_call_derive(call, 'r', 'd', mul, add);
         return 0;
     }
     if (projection_obj == Py_None) {
@@ -196,21 +197,39 @@ static int feature_size(const linear_options *o, PyObject *projection_obj, npy_i
     const char *const name[] = {"projection"};
     attnx_dtypes real;  /* only to refuse complex and object projections */
     if (attnx_resolve_dtypes(&projection_obj, name, 1, &real) < 0) return -1;
-    *projection = (PyArrayObject *)PyArray_FROM_OTF(projection_obj, typenum,
+    PyArrayObject *projection = (PyArrayObject *)PyArray_FROM_O(projection_obj);  /* no copy */
+    if (!projection) return -1;
+    int status = 0;
+    if (PyArray_NDIM(projection) != 2) {
+        PyObject *shape = PyObject_GetAttrString((PyObject *)projection, "shape");
+        if (shape) PyErr_Format(PyExc_ValueError, "projection must have shape (r, d), got %R", shape);
+        Py_XDECREF(shape);
+        status = -1;
+    } else {
+        attnx_call_set(call, 'r', PyArray_DIM(projection, 0));
+    }
+    Py_DECREF(projection);
+    return status;
+}
+
+/* favor's projection W (r, d) in the compute dtype, C order */
+static int projection_convert(PyObject *projection_obj, const attnx_call *call,
+                              PyArrayObject **projection)
+{
+    npy_intp r = attnx_size(call, 'r'), d = attnx_size(call, 'd');
+    *projection = (PyArrayObject *)PyArray_FROM_OTF(projection_obj, call->dtypes.compute,
                                                     NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
                                                     NPY_ARRAY_FORCECAST);
     if (!*projection) return -1;
-    if (PyArray_NDIM(*projection) != 2 || PyArray_DIM(*projection, 1) != d) {
-        PyObject *shape = PyObject_GetAttrString((PyObject *)*projection, "shape");
-        if (shape)
-            PyErr_Format(PyExc_ValueError, "projection must have shape (r, d) = (r, %ld), got %R",
-                         (long)d, shape);
-        Py_XDECREF(shape);
-        Py_CLEAR(*projection);
-        return -1;
-    }
-    *r = PyArray_DIM(*projection, 0);
-    return 0;
+    if (PyArray_DIM(*projection, 1) == d) return 0;
+    PyObject *shape = PyObject_GetAttrString((PyObject *)*projection, "shape");
+    if (shape)
+        PyErr_Format(PyExc_ValueError,
+                     "projection has shape %R, expected (r, d) = (%ld, %ld) (d from q)", shape,
+                     (long)r, (long)d);
+    Py_XDECREF(shape);
+    Py_CLEAR(*projection);
+    return -1;
 }
 
 /* The attributes of a LinearAttentionState, interned once: a decoding
@@ -244,48 +263,30 @@ int attnx_linear_names_init(void)
  * 8 and 16 keys, against 11.0 us for the RNN step that writes S each time. */
 #define HELD_KEYS 8
 
-/* initial_state: its S (..., r, e) and z (..., r) as operands, its offset;
+/* initial_state: its S (new references; NULL for None), z and offset;
  * S through the property, or, for a step (own), the array behind it */
-static int state_convert(PyObject *state, int own, int typenum, attnx_operand *S, attnx_operand *z,
-                         npy_intp *offset)
+static int state_get(PyObject *state, int own, PyObject **S, PyObject **z, npy_intp *offset)
 {
+    *S = *z = NULL;
     *offset = 0;
     if (state == Py_None) return 0;
-    PyObject *S_obj = PyObject_GetAttr(state, own ? name_own_S : name_S);
-    PyObject *z_obj = S_obj ? PyObject_GetAttr(state, name_z) : NULL;
-    PyObject *offset_obj = z_obj ? PyObject_GetAttr(state, name_offset) : NULL;
-    int status = -1;
+    *S = PyObject_GetAttr(state, own ? name_own_S : name_S);
+    *z = *S ? PyObject_GetAttr(state, name_z) : NULL;
+    PyObject *offset_obj = *z ? PyObject_GetAttr(state, name_offset) : NULL;
     if (!offset_obj) {
         PyErr_Format(PyExc_TypeError,
                      "initial_state must be the state a call with return_state=True returned "
                      "(with S, z and offset), got %s", Py_TYPE(state)->tp_name);
-        goto done;
-    }
-    PyObject *const arrays[2] = {S_obj, z_obj};
-    for (int i = 0; i < 2; i++) {
-        if (!PyArray_Check(arrays[i]) || PyArray_TYPE((PyArrayObject *)arrays[i]) != typenum) {
-            PyArray_Descr *want = PyArray_DescrFromType(typenum);
-            PyErr_Format(PyExc_TypeError,
-                         "initial_state.%s must be a numpy array of dtype %R, the dtype this call "
-                         "computes in; the state comes from a call of another dtype",
-                         i ? "z" : "S", (PyObject *)want);
-            Py_DECREF(want);
-            goto done;
-        }
+        return -1;
     }
     *offset = PyLong_Check(offset_obj) ? PyLong_AsSsize_t(offset_obj) : -1;
+    int status = 0;
     if (*offset < 0) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "initial_state.offset must be an int >= 0, got %R", offset_obj);
-        goto done;
+        status = -1;
     }
-    if (attnx_operand_convert(S, S_obj, typenum, 2, 0) == 0 &&
-        attnx_operand_convert(z, z_obj, typenum, 1, 0) == 0)
-        status = 0;
-done:
-    Py_XDECREF(S_obj);
-    Py_XDECREF(z_obj);
-    Py_XDECREF(offset_obj);
+    Py_DECREF(offset_obj);
     return status;
 }
 
@@ -446,10 +447,15 @@ static int trailing_shape(PyObject *obj, npy_intp *rows, npy_intp *cols)
 /* method='cumsum' (never a default) holds m + 1 prefix states of
  * r x (e + 1) numbers per head: refused on the shapes alone, before an
  * input is converted (a broadcast view of a huge n would be copied). */
-static int check_cumsum_size(const linear_options *o, PyObject *k_obj, PyObject *v_obj,
-                             PyObject *projection_obj, int typenum)
+static int check_cumsum_size(const linear_options *o, PyObject *q_obj, PyObject *k_obj,
+                             PyObject *v_obj, PyObject *projection_obj)
 {
     if (o->method != ATTNX_METHOD_CUMSUM) return 0;
+    PyObject *const objs[] = {q_obj, k_obj, v_obj};
+    const char *const names[] = {"q", "k", "v"};
+    attnx_dtypes dtypes;
+    if (attnx_resolve_dtypes(objs, names, 3, &dtypes) < 0) return -1;
+    int typenum = dtypes.compute;
     npy_intp m, d, e, r = 0, unused;
     if (trailing_shape(k_obj, &unused, &d) < 0 || trailing_shape(v_obj, &m, &e) < 0) return -1;
     if (o->kind != ATTNX_FM_FAVOR) r = fixed_feature_size(o->kind, d);
@@ -466,43 +472,30 @@ static int check_cumsum_size(const linear_options *o, PyObject *k_obj, PyObject 
     return -1;
 }
 
-/* The array arguments, in the order of ops[] below. */
-enum { Q, K, V, KEY_MASK, MASK, S0, Z0, NOPS };
-
-/* attnx_check_core, its message formatted (from up to two sizes) only when
- * the check fails: a decoding step should not pay for printf. */
-static int check_core(const attnx_operand *op, int axis, npy_intp size, int broadcast_ok,
-                      const char *format, npy_intp x, npy_intp y)
-{
-    if (!op->array || attnx_check_core(op, axis, size, broadcast_ok, "") == 0) return 0;
-    PyErr_Clear();
-    char what[200];
-    PyOS_snprintf(what, sizeof what, format, (long)x, (long)y);
-    return attnx_check_core(op, axis, size, broadcast_ok, what);
+/* The array arguments. A decoding step (state.step) writes the new state
+ * over the old: S_OUT, Z_OUT are S0, Z0 themselves, which attnx_bind
+ * checks (ATTNX_IN_PLACE): the very arrays the kernel uses (no converted
+ * copy), writeable, C-ordered (the kernel writes S_out rows e apart), of
+ * the call's batch shape (a broadcast state would receive several heads'
+ * updates), disjoint from every input. The kernel reads each entry of S0,
+ * z0 before it writes that entry of S_out, z_out (attnx.h). A carried
+ * state is never cast (ATTNX_EXACT_DTYPE): it comes from a call of the
+ * same dtype. */
+enum { Q, K, V, KEY_MASK, MASK, S0, Z0, OUT, S_OUT, Z_OUT, NPARAMS };
+#define LINEAR_PARAMS(state, state_out) {                                              \
+    [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_LIN_Q},                                      \
+    [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_LIN_K},                                      \
+    [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_LIN_V},                                      \
+    [KEY_MASK] = {"key_mask", "m|1", ATTNX_BOOL, ATTNX_LIN_KEY_MASK},                    \
+    [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_LIN_MASK},                            \
+    [S0] = {state ".S", "r e", ATTNX_EXACT_DTYPE, ATTNX_LIN_S0},                          \
+    [Z0] = {state ".z", "r", ATTNX_EXACT_DTYPE, ATTNX_LIN_Z0},                            \
+    [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_LIN_OUT},            \
+    [S_OUT] = {state ".S", "r e", ATTNX_OUTPUT | (state_out), ATTNX_LIN_S_OUT},           \
+    [Z_OUT] = {state ".z", "r", ATTNX_OUTPUT | (state_out), ATTNX_LIN_Z_OUT},             \
 }
-
-/* Every operand's core sizes against q (n, d), k (m, d), v (m, e) and the
- * r features of the map. */
-static int check_shapes(const attnx_operand *ops, npy_intp n, npy_intp m, npy_intp d, npy_intp e,
-                        npy_intp r)
-{
-    npy_intp m_k = PyArray_DIM(ops[K].array, PyArray_NDIM(ops[K].array) - 2);
-    const char *state = "expected (..., r, e) = (..., %ld, %ld): r features of this feature map, "
-                        "e value features";
-    if (check_core(&ops[K], -1, d, 0, "expected (..., m, d) with d = %ld from q (..., n, d)", d, 0) < 0 ||
-        check_core(&ops[V], -2, m_k, 0, "expected (..., m, e) with m = %ld keys from k (..., m, d)", m_k, 0) < 0 ||
-        check_core(&ops[KEY_MASK], -1, m, 1, "expected a boolean (..., m) with m = %ld keys", m, 0) < 0 ||
-        check_core(&ops[MASK], -1, m, 1, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", n, m) < 0 ||
-        check_core(&ops[MASK], -2, n, 1, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", n, m) < 0 ||
-        check_core(&ops[S0], -2, r, 0, state, r, e) < 0 || check_core(&ops[S0], -1, e, 0, state, r, e) < 0 ||
-        check_core(&ops[Z0], -1, r, 0, state, r, e) < 0)
-        return -1;
-    if (d > INT_MAX || e > INT_MAX || m > INT_MAX || r > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "q, k, v: feature sizes and m must be below 2**31");
-        return -1;
-    }
-    return 0;
-}
+static const attnx_param linear_params[NPARAMS] = LINEAR_PARAMS("initial_state", ATTNX_ALIGNED);
+static const attnx_param step_params[NPARAMS] = LINEAR_PARAMS("state", ATTNX_IN_PLACE);
 
 /* One call's arguments, as Python passed them. */
 typedef struct {
@@ -513,152 +506,66 @@ typedef struct {
     int in_place;  /* a decoding step: initial_state's own S, z receive the new state */
 } linear_call;
 
-/* A decoding step writes into the state's arrays, so they must be the very
- * arrays the kernel uses (no converted copy), writeable, C-ordered (the
- * kernel writes S_out rows e apart), with the call's batch shape (a
- * broadcast state would receive several heads' updates), and disjoint from
- * each other and from every input. */
-static int check_in_place(attnx_operand *ops, int nops, int s0, int z0, const attnx_batch *batch)
-{
-    for (int i = s0; i <= z0; i++) {
-        PyArrayObject *array = ops[i].array;
-        if ((PyObject *)array != ops[i].source || !PyArray_IS_C_CONTIGUOUS(array) ||
-            !PyArray_ISWRITEABLE(array)) {
-            PyErr_Format(PyExc_ValueError,
-                         "step() updates the state in place: %s must be a writeable, C-contiguous "
-                         "array of the computing dtype (the state's own array, as returned by "
-                         "return_state=True)", ops[i].name);
-            return -1;
-        }
-        int core = ops[i].core_ndim, same = PyArray_NDIM(array) - core == batch->ndim;
-        for (int ax = 0; same && ax < batch->ndim; ax++) same = PyArray_DIM(array, ax) == batch->shape[ax];
-        if (!same) {
-            PyObject *shape = PyObject_GetAttrString((PyObject *)array, "shape");
-            PyArrayObject *want = attnx_new_array(batch, NULL, 0, NPY_BOOL);
-            PyObject *want_shape = want ? PyObject_GetAttrString((PyObject *)want, "shape") : NULL;
-            if (shape && want_shape)
-                PyErr_Format(PyExc_ValueError,
-                             "step(): q, k, v broadcast to the batch shape %R, but %s has shape %R; "
-                             "a state updated in place keeps its batch shape", want_shape,
-                             ops[i].name, shape);
-            Py_XDECREF(shape);
-            Py_XDECREF(want);
-            Py_XDECREF(want_shape);
-            return -1;
-        }
-        /* each state array against every other operand (z against S too) */
-        PyObject *source = ops[i].source;
-        ops[i].source = NULL;
-        PyArrayObject *saved = ops[i].array;
-        ops[i].array = NULL;
-        int status = attnx_check_disjoint(saved, ops[i].name, ops, nops);
-        ops[i].array = saved;
-        ops[i].source = source;
-        if (status < 0) return -1;
-    }
-    return 0;
-}
-
 static PyObject *run_linear(const linear_call *c)
 {
-    attnx_operand ops[NOPS] = {
-        [Q] = {"q", NULL, 2}, [K] = {"k", NULL, 2}, [V] = {"v", NULL, 2},
-        [KEY_MASK] = {"key_mask", NULL, 1}, [MASK] = {"mask", NULL, 2},
-        [S0] = {"initial_state.S", NULL, 2}, [Z0] = {"initial_state.z", NULL, 1},
-    };
-    attnx_operand outs[3] = {{"out", NULL, 2}, {"S", NULL, 2}, {"z", NULL, 1}};
-    PyObject *q_obj = c->q, *k_obj = c->k, *v_obj = c->v, *key_mask = c->key_mask,
-             *mask = c->mask, *projection_obj = c->projection, *initial_state = c->initial_state;
-    int return_state = c->return_state;
-    PyArrayObject *result = NULL, *projection = NULL;
-    ptrdiff_t *offsets = NULL;
-    PyObject *ret = NULL;
+    PyObject *initial_state = c->initial_state, *S_obj = NULL, *z_obj = NULL, *ret = NULL;
+    PyArrayObject *projection = NULL;
     linear_options o;
-    if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
-                      c->eps, c->p, c->M, initial_state, return_state, &o) < 0)
-        return NULL;
-
-    PyObject *const dtype_objs[] = {q_obj, k_obj, v_obj};
-    const char *const dtype_names[] = {"q", "k", "v"};
-    attnx_dtypes dtypes;
+    attnx_call call;
     npy_intp offset;
-    if (attnx_resolve_dtypes(dtype_objs, dtype_names, 3, &dtypes) < 0 ||
-        check_cumsum_size(&o, k_obj, v_obj, projection_obj, dtypes.compute) < 0)
-        return NULL;
-    if (attnx_operand_convert(&ops[Q], q_obj, dtypes.compute, 2, 0) < 0 ||
-        attnx_operand_convert(&ops[K], k_obj, dtypes.compute, 2, 0) < 0 ||
-        attnx_operand_convert(&ops[V], v_obj, dtypes.compute, 2, 0) < 0 ||
-        (key_mask != Py_None && attnx_mask_convert(&ops[KEY_MASK], key_mask) < 0) ||
-        (mask != Py_None && attnx_mask_convert(&ops[MASK], mask) < 0) ||
-        state_convert(initial_state, c->in_place, dtypes.compute, &ops[S0], &ops[Z0], &offset) < 0)
+    attnx_call_init(&call, c->in_place ? step_params : linear_params, NPARAMS, ATTNX_LIN_NOPS,
+                    "demr");
+    call.legend = "r: the features of this feature map";
+    if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
+                      c->eps, c->p, c->M, initial_state, c->return_state, &o) < 0 ||
+        check_cumsum_size(&o, c->q, c->k, c->v, c->projection) < 0 ||
+        feature_size(&o, c->projection, &call) < 0 ||
+        state_get(initial_state, c->in_place, &S_obj, &z_obj, &offset) < 0)
         goto done;
+    PyObject *const objs[NPARAMS] = {
+        [Q] = c->q, [K] = c->k, [V] = c->v, [KEY_MASK] = c->key_mask, [MASK] = c->mask,
+        [S0] = S_obj, [Z0] = z_obj, [OUT] = c->out,
+        [S_OUT] = c->in_place ? S_obj : c->return_state ? Py_None : NULL,
+        [Z_OUT] = c->in_place ? z_obj : c->return_state ? Py_None : NULL,
+    };
+    if (attnx_bind(&call, objs) < 0) goto done;
 
-    int nd_q = PyArray_NDIM(ops[Q].array), nd_v = PyArray_NDIM(ops[V].array);
-    npy_intp n = PyArray_DIM(ops[Q].array, nd_q - 2), d = PyArray_DIM(ops[Q].array, nd_q - 1);
-    npy_intp m = PyArray_DIM(ops[V].array, nd_v - 2), e = PyArray_DIM(ops[V].array, nd_v - 1), r;
-    if (feature_size(&o, projection_obj, d, dtypes.compute, &projection, &r) < 0 ||
-        check_shapes(ops, n, m, d, e, r) < 0)
+    npy_intp n = attnx_size(&call, 'n'), m = attnx_size(&call, 'm'), d = attnx_size(&call, 'd'),
+             e = attnx_size(&call, 'e'), r = attnx_size(&call, 'r');
+    if (o.kind == ATTNX_FM_FAVOR && projection_convert(c->projection, &call, &projection) < 0)
         goto done;
     if (o.kind == ATTNX_FM_IDENTITY &&
-        (check_nonnegative(&ops[Q]) < 0 || check_nonnegative(&ops[K]) < 0))
+        (check_nonnegative(&call.ops[Q]) < 0 || check_nonnegative(&call.ops[K]) < 0))
         goto done;
-    if (resolve_method(&o, ops[MASK].array != NULL, n) < 0 || check_period(&o, n, m, offset) < 0)
+    if (resolve_method(&o, call.ops[MASK].array != NULL, n) < 0 || check_period(&o, n, m, offset) < 0)
         goto done;
-
-    attnx_batch batch;
-    if (attnx_broadcast(ops, NOPS, &batch) < 0) goto done;
-    if (c->in_place && check_in_place(ops, NOPS, S0, Z0, &batch) < 0) goto done;
-    PyArrayObject *compute_out;
-    if (attnx_output(c->out, &dtypes, &batch, n, e, ops, NOPS, &result, &compute_out) < 0) goto done;
     attnx_pending pending = {NULL};
     int deferred = c->in_place && n == 1 && m == 1 && o.method == ATTNX_METHOD_RECURRENT;
-    if (c->in_place && (held_keys_get(initial_state, ops[S0].array, &pending) < 0 ||
-                        (deferred ? hold_keys(initial_state, &batch, r, e, dtypes.compute, &pending)
-                                  : held_keys_flush(initial_state, ops[S0].array, &pending)) < 0))
+    PyArrayObject *S0_array = call.ops[S0].array;
+    if (c->in_place &&
+        (held_keys_get(initial_state, S0_array, &pending) < 0 ||
+         (deferred ? hold_keys(initial_state, &call.batch, r, e, call.dtypes.compute, &pending)
+                   : held_keys_flush(initial_state, S0_array, &pending)) < 0))
         goto done;
     if (!deferred) pending.psi = NULL;
-    outs[0].array = compute_out;
-    npy_intp state_shape[2] = {r, e};
-    if (c->in_place) {
-        /* the kernel reads each entry of S0, z0 before it writes that entry
-         * of S_out, z_out (attnx.h), so the state can be its own output */
-        outs[1].array = ops[S0].array;
-        outs[2].array = ops[Z0].array;
-        Py_INCREF(outs[1].array);
-        Py_INCREF(outs[2].array);
-    } else if (return_state &&
-               (!(outs[1].array = attnx_new_aligned_array(&batch, state_shape, 2, dtypes.compute)) ||
-                !(outs[2].array = attnx_new_aligned_array(&batch, state_shape, 1, dtypes.compute))))
-        goto done;
-
-    /* operand order of the kernel's offset table */
-    attnx_operand table[ATTNX_LIN_NOPS] = {
-        [ATTNX_LIN_Q] = ops[Q], [ATTNX_LIN_K] = ops[K], [ATTNX_LIN_V] = ops[V],
-        [ATTNX_LIN_OUT] = outs[0], [ATTNX_LIN_KEY_MASK] = ops[KEY_MASK], [ATTNX_LIN_MASK] = ops[MASK],
-        [ATTNX_LIN_S0] = ops[S0], [ATTNX_LIN_Z0] = ops[Z0],
-        [ATTNX_LIN_S_OUT] = outs[1], [ATTNX_LIN_Z_OUT] = outs[2],
-    };
-    if (!(offsets = attnx_offsets(table, ATTNX_LIN_NOPS, &batch))) goto done;
 
     /* a chunk longer than the sequence is the sequence */
     npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : default_chunk(o.method, r);
     if (chunk > longest) chunk = longest > 0 ? longest : 1;
     attnx_linear_args kargs = {
-        .n = n, .m = m, .d = d, .e = e, .heads = batch.heads, .offsets = offsets,
-        .q = PyArray_DATA(ops[Q].array), .k = PyArray_DATA(ops[K].array),
-        .v = PyArray_DATA(ops[V].array), .out = PyArray_DATA(compute_out),
-        .key_mask = ops[KEY_MASK].array ? PyArray_DATA(ops[KEY_MASK].array) : NULL,
-        .mask = ops[MASK].array ? PyArray_DATA(ops[MASK].array) : NULL,
-        .S0 = ops[S0].array ? PyArray_DATA(ops[S0].array) : NULL,
-        .z0 = ops[Z0].array ? PyArray_DATA(ops[Z0].array) : NULL,
-        .S_out = outs[1].array ? PyArray_DATA(outs[1].array) : NULL,
-        .z_out = outs[2].array ? PyArray_DATA(outs[2].array) : NULL,
-        .q_row = attnx_row_stride(ops[Q].array), .k_row = attnx_row_stride(ops[K].array),
-        .v_row = attnx_row_stride(ops[V].array), .out_row = attnx_row_stride(compute_out),
-        .S0_row = ops[S0].array ? attnx_row_stride(ops[S0].array) : e,
-        .key_mask_col = ops[KEY_MASK].array ? attnx_operand_core_stride(&ops[KEY_MASK], -1) : 0,
-        .mask_row = ops[MASK].array ? attnx_operand_core_stride(&ops[MASK], -2) : 0,
-        .mask_col = ops[MASK].array ? attnx_operand_core_stride(&ops[MASK], -1) : 0,
+        .n = n, .m = m, .d = d, .e = e, .heads = call.batch.heads, .offsets = call.offsets,
+        .q = attnx_data(&call, Q), .k = attnx_data(&call, K), .v = attnx_data(&call, V),
+        .out = attnx_data(&call, OUT),
+        .key_mask = attnx_data(&call, KEY_MASK), .mask = attnx_data(&call, MASK),
+        .S0 = attnx_data(&call, S0), .z0 = attnx_data(&call, Z0),
+        .S_out = attnx_data(&call, S_OUT), .z_out = attnx_data(&call, Z_OUT),
+        .q_row = attnx_row_stride(call.ops[Q].array), .k_row = attnx_row_stride(call.ops[K].array),
+        .v_row = attnx_row_stride(call.ops[V].array),
+        .out_row = attnx_row_stride(call.ops[OUT].array),
+        .S0_row = S0_array ? attnx_row_stride(S0_array) : e,
+        .key_mask_col = attnx_core_stride(&call, KEY_MASK, -1),
+        .mask_row = attnx_core_stride(&call, MASK, -2),
+        .mask_col = attnx_core_stride(&call, MASK, -1),
         .features = {.kind = o.kind, .d = d, .r = r, .power = o.power,
                      .projection = projection ? PyArray_DATA(projection) : NULL,
                      .period = o.period, .first_position = offset},
@@ -674,29 +581,29 @@ static PyObject *run_linear(const linear_call *c)
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = linear_kernels[dtypes.compute == NPY_DOUBLE](&kargs);
+    status = linear_kernels[call.dtypes.compute == NPY_DOUBLE](&kargs);
     Py_END_ALLOW_THREADS
-    if (attnx_check_status(status) < 0) goto done;
-    if (attnx_output_finish(result, compute_out) < 0) goto done;
+    if (attnx_check_status(status) < 0 || attnx_finish(&call) < 0) goto done;
+    PyObject *result = (PyObject *)call.results[OUT];
     if (c->in_place) {
         if (set_int_attr(initial_state, name_offset, (Py_ssize_t)(offset + m)) == 0 &&
             (!deferred || set_int_attr(initial_state, name_tick,
                                        attnx_pending_next(pending.tick, HELD_KEYS)) == 0)) {
-            ret = (PyObject *)result;
+            ret = result;
             Py_INCREF(ret);
         }
-    } else if (return_state)
-        ret = Py_BuildValue("OOOn", result, outs[1].array, outs[2].array, (Py_ssize_t)(offset + m));
+    } else if (c->return_state)
+        ret = Py_BuildValue("OOOn", result, call.results[S_OUT], call.results[Z_OUT],
+                            (Py_ssize_t)(offset + m));
     else {
-        ret = (PyObject *)result;
+        ret = result;
         Py_INCREF(ret);
     }
 done:
-    PyMem_RawFree(offsets);
-    Py_XDECREF(result);
+    attnx_call_release(&call);
     Py_XDECREF(projection);
-    attnx_release(outs, 3);
-    attnx_release(ops, NOPS);
+    Py_XDECREF(S_obj);
+    Py_XDECREF(z_obj);
     return ret;
 }
 
