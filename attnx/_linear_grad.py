@@ -75,24 +75,16 @@ def _grad_dtype(x, compute):
 def _deliver(grad, x, given, name):
     """grad (on the broadcast shape) reduced to the shape of x, in x's
     dtype, written into `given` when the caller passed one"""
-    if grad is given:
-        return given
     shape = np.shape(x)
     grad = sum_to_shape(grad, shape)
     grad = grad.astype(_grad_dtype(x, grad.dtype), copy=False)
-    if given is None or grad is given:  # written in place by the kernel
+    if given is None:
         return grad
     if not isinstance(given, np.ndarray) or given.shape != grad.shape or given.dtype != grad.dtype:
         raise ValueError(f"{name} must be a numpy array of shape {grad.shape} and dtype "
                          f"{grad.dtype}")
     np.copyto(given, grad)
     return given
-
-
-def _in_place(given, x):
-    """`given` for the kernel to write into, when it has its input's shape
-    (the kernel also wants the broadcast shape and the compute dtype)"""
-    return given if isinstance(given, np.ndarray) and given.shape == np.shape(x) else None
 
 
 def _backward(front, dout, q, k, v, a):
@@ -169,8 +161,7 @@ def _backward(front, dout, q, k, v, a):
 
     dq, dk, dv, dW, dS0, dz0 = _C.linear_attention_backward(
         dout, q, k, v, kind, causal, a.get("key_mask"), mask, window, method, chunk, eps, power,
-        period, projection, S0, z0, dS_in, dz_in, offset, projection_grad,
-        *(_in_place(a.get(name), x) for name, x in (("dq", q), ("dk", k), ("dv", v))))
+        period, projection, S0, z0, dS_in, dz_in, offset, projection_grad)
     state = None
     if S0 is not None:
         state = (sum_to_shape(dS0, np.shape(S0)), sum_to_shape(dz0, np.shape(z0)))

@@ -395,6 +395,8 @@ void attnx_call_init(attnx_call *call, const attnx_param *params, int count, int
         call->size[s] = -1;
         call->bound_by[s] = -1;
     }
+    /* a description longer than the tables is refused by attnx_bind */
+    if (count > ATTNX_MAX_OPS) call->count = count = 0;
     for (int i = 0; i < count; i++) {
         call->ops[i] = (attnx_operand){params[i].name, NULL, 0, NULL};
         call->results[i] = NULL;
@@ -808,6 +810,11 @@ int attnx_bind(attnx_call *call, PyObject *const *objs)
 {
     const attnx_param *params = call->params;
     int count = call->count;
+    if (count == 0) {
+        PyErr_SetString(PyExc_SystemError, "attnx: a call description with more than "
+                                           "ATTNX_MAX_OPS arrays (args.h)");
+        return -1;
+    }
     /* 1. the compute dtype */
     PyObject *promoted[ATTNX_MAX_OPS] = {NULL};
     const char *promoted_names[ATTNX_MAX_OPS] = {NULL};
