@@ -97,7 +97,7 @@ static int layout_ok(PyArrayObject *array, int core_ndim)
 }
 
 /* Broadcast the leading axes of the operands (absent ones skipped). */
-static int attnx_broadcast(const attnx_operand *ops, int count, attnx_batch *batch)
+static int broadcast_batch(const attnx_operand *ops, int count, attnx_batch *batch)
 {
     batch->ndim = 0;
     for (int i = 0; i < count; i++) {
@@ -521,8 +521,8 @@ static int view_input(attnx_call *call, int i, PyObject *obj)
     return 0;
 }
 
-/* Can BLAS read the core matrix in place? (above) -- the input converted
- * to typenum, copied once where its layout needs it. */
+/* Input op converted to typenum where its dtype or alignment differs,
+ * and copied once where BLAS cannot read it in place (layout_ok). */
 static int convert_input(attnx_operand *op, int typenum, int flags)
 {
     if (flags & ATTNX_BOOL) return 0;
@@ -770,7 +770,10 @@ static ptrdiff_t *build_offsets(const attnx_call *call)
         PyErr_NoMemory();
         return NULL;
     }
-    if (batch->heads == 0) return offsets;  /* no head to run */
+    if (batch->heads <= 1) {  /* no head to run, or one at offset 0 everywhere */
+        for (int slot = 0; slot < nslots; slot++) offsets[slot] = 0;
+        return offsets;
+    }
     /* per batch axis, per slot: the byte stride (0 where broadcast or absent) */
     ptrdiff_t strides[NPY_MAXDIMS][ATTNX_MAX_OPS];
     for (int ax = 0; ax < batch->ndim; ax++)
@@ -866,7 +869,7 @@ int attnx_bind(attnx_call *call, PyObject *const *objs)
                      (Py_ssize_t)size, listed);
         return -1;
     }
-    if (attnx_broadcast(call->ops, count, &call->batch) < 0) return -1;
+    if (broadcast_batch(call->ops, count, &call->batch) < 0) return -1;
     for (int i = 0; i < count; i++)
         if ((params[i].flags & ATTNX_OUTPUT) && objs[i] && check_output_size(call, i) < 0) return -1;
     /* 4. the inputs converted */

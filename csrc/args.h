@@ -90,7 +90,8 @@ enum {
     ATTNX_RESULT_DTYPE = 1 << 4, /* the caller's dtype (float16 in, float16 out, computed
                                     in a float32 scratch); otherwise the compute dtype */
     ATTNX_ALIGNED = 1 << 5,      /* allocated ATTNX_ALIGN-byte aligned */
-    ATTNX_ZEROED = 1 << 6,       /* allocated filled with zeros (accumulated into) */
+    ATTNX_ZEROED = 1 << 6,       /* zeros before the kernel runs, the caller's out= too
+                                    (an output the kernel accumulates into) */
     ATTNX_IN_PLACE = 1 << 7,     /* objs[i] is also an input that this output overwrites:
                                     it must be that input's own array (no converted copy),
                                     writeable, C-contiguous, of the batch shape, and
@@ -113,8 +114,8 @@ typedef struct {
     PyObject *source;      /* borrowed: what the caller passed (out= must not overlap it) */
 } attnx_operand;
 
-/* A result type for computing: float32 or float64; out_typenum is what the
- * caller gets back (float16 in, float16 out). */
+/* The dtype kernels compute in (float32 or float64) and the one the caller
+ * gets back (result: float16 in, float16 out). */
 typedef struct {
     int compute;
     int result;

@@ -95,3 +95,54 @@ def test_huge_broadcast_sizes_refused_before_any_copy():
                                  ("softmax e", "e", "v"), ("softmax d", "d", "q")):
         assert re.search(r"ValueError: %s: %s = 2147483649 is too large: the kernels take "
                          r"d, e, m below 2\*\*31$" % (source, symbol), lines[name]), out
+
+
+def test_linear_core_shape_messages():
+    q, k, v = _qkv(n=4, m=4)
+    assert _message(attnx.linear_attention, q, k[..., :2], v) == (
+        "k has shape (2, 4, 2), expected (..., m, d) = (..., 4, 3) (d from q)")
+    assert _message(attnx.linear_attention, q, k, v, key_mask=np.ones((2, 5), bool)) == (
+        "key_mask has shape (2, 5), expected to broadcast to (..., m) = (..., 4) (m from k)")
+    assert _message(attnx.performer_attention, q, k, v, projection=np.ones((5, 4))) == (
+        "projection has shape (5, 4), expected (r, d) = (5, 3) (d from q)")
+
+
+def test_state_messages_name_the_array_and_its_own_expected_shape():
+    q, k, v = _qkv(n=4, m=4)
+    _, state = attnx.linear_attention(q, k, v, causal=True, return_state=True)
+    legend = "; r: the features of this feature map"
+    # z of the wrong size names z's own shape (it used to name S's (..., r, e))
+    wrong_z = attnx.LinearAttentionState(state.S, state.z[..., :2], state.offset)
+    assert _message(attnx.linear_attention, q, k, v, causal=True, initial_state=wrong_z) == (
+        "initial_state.z has shape (2, 2), expected (..., r) = (..., 3)" + legend)
+    # r of another feature map (taylor: d + 1)
+    assert _message(attnx.linear_attention, q, k, v, causal=True, initial_state=state,
+                    feature_map="taylor") == (
+        "initial_state.S has shape (2, 3, 2), expected (..., r, e) = (..., 4, 2)" + legend)
+    assert _message(attnx.linear_attention, q, k, v[..., :1], causal=True,
+                    initial_state=state) == (
+        "initial_state.S has shape (2, 3, 2), expected (..., r, e) = (..., 3, 1) (e from v)"
+        + legend)
+    assert _message(attnx.linear_attention, *(x.astype(np.float32) for x in (q, k, v)),
+                    causal=True, initial_state=state, error=TypeError) == (
+        "initial_state.S must have dtype dtype('float32'), the dtype this call computes in, "
+        "got dtype('float64')")
+    # the same through state.step, which names the state it updates
+    state.z = state.z[..., :2].copy()
+    assert _message(state.step, q[:, :1], k[:, :1], v[:, :1]) == (
+        "state.z has shape (2, 2), expected (..., r) = (..., 3)" + legend)
+
+
+def test_linear_huge_broadcast_sizes_refused_before_any_copy():
+    calls = """{
+        "linear m": lambda: attnx.linear_attention(q[:, :3], k[:, :3], v),
+        "causal m": lambda: attnx.linear_attention(q[:, :3], k[:, :3], v, causal=True),
+        "linear e": lambda: attnx.linear_attention(q[:, :3], k[:5, :3], wide),
+    }"""
+    out = run_isolated(HUGE_BROADCAST.replace("{CALLS}", calls))
+    lines = {" ".join(line.split(" ")[:2]): line for line in out.splitlines()}
+    assert len(lines) == 3, out
+    for name, symbol, source in (("linear m", "m", "k"), ("causal m", "m", "k"),
+                                 ("linear e", "e", "v")):
+        assert re.search(r"ValueError: %s: %s = 2147483649 is too large: the kernels take "
+                         r"d, e, m, r below 2\*\*31$" % (source, symbol), lines[name]), out
