@@ -77,6 +77,24 @@ typedef struct {
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);
 int attnx_softmax_fwd_f64(const attnx_softmax_args *args);
 
+/* Its gradient (softmax_backward.c): dq, dk, dv (and dbias when not NULL)
+ * of sum(dout * out), with the forward's operands, options, out and lse
+ * in fwd. Every gradient operand is per head (no broadcast axes): dq (n, d),
+ * dk (m, d), dv (m, e) with row strides, dbias (n, m) rows dbias_row apart.
+ * The caller reduces a broadcast input's gradient over its heads. */
+enum { ATTNX_SMB_DOUT, ATTNX_SMB_DQ, ATTNX_SMB_DK, ATTNX_SMB_DV, ATTNX_SMB_DBIAS, ATTNX_SMB_NOPS };
+
+typedef struct {
+    attnx_softmax_args fwd;            /* out and lse required */
+    const ptrdiff_t *grad_offsets;     /* (heads, ATTNX_SMB_NOPS) byte offsets */
+    const void *dout;                  /* (n, e) per head */
+    void *dq, *dk, *dv, *dbias;        /* dbias may be NULL */
+    ptrdiff_t dout_row, dq_row, dk_row, dv_row, dbias_row;  /* row strides, elements */
+} attnx_softmax_bwd_args;
+
+int attnx_softmax_bwd_f32(const attnx_softmax_bwd_args *args);
+int attnx_softmax_bwd_f64(const attnx_softmax_bwd_args *args);
+
 /* ------------------------------------------------------------------------
  * Kernelised (linear) attention over non-negative features (linear.c).
  *   out_i = phi(q_i) S / max(phi(q_i) . z, eps),

@@ -59,6 +59,7 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     KW_METHOD("softmax_attention", attnx_py_softmax_attention, attnx_softmax_attention_doc),
     KW_METHOD("gaussian_attention", attnx_py_gaussian_attention, attnx_gaussian_attention_doc),
+    {"softmax_backward", attnx_py_softmax_backward, METH_VARARGS, attnx_softmax_backward_doc},
     {"linear_attention", attnx_py_linear_attention, METH_VARARGS, attnx_linear_attention_doc},
     {"linear_step", attnx_py_linear_step, METH_VARARGS, attnx_linear_step_doc},
     {"linear_flush", attnx_py_linear_flush, METH_O, attnx_linear_flush_doc},
