@@ -203,8 +203,9 @@ def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
                 variant: str, param: Optional[float], causal: str, window: Optional[List[int]],
                 dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """Softmax (variant "softmax", param = scale) or gaussian (param =
-    sigma) attention: returns out (..., n, e) in q's dtype and lse
-    (..., n) in the dtype computed in."""
+    sigma) attention: returns out (..., n, e) and lse (..., n) in the dtype
+    computed in (float32 for half inputs: the callers round out to the
+    input dtype, and the backward reads the unrounded out)."""
     forward, _ = _softmax_kernels(variant)
     dtype = _compute_dtype(q.dtype)
     shape = _batch_shape(q, k, v, mask, bias)
@@ -215,14 +216,15 @@ def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
         args += (param,)
     _, lse = forward(*args, mask=_np(mask), bias=_np(bias, dtype), out=out.numpy(),
                      return_lse=True, **options)
-    return out.to(q.dtype), torch.from_numpy(lse)
+    return out, torch.from_numpy(lse)
 
 
 @_softmax_op.register_fake
 def _(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     shape = _batch_shape(q, k, v, mask, bias)
-    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]))
-    lse = q.new_empty(shape + (q.shape[-2],), dtype=_compute_dtype(q.dtype))
+    dtype = _compute_dtype(q.dtype)
+    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    lse = q.new_empty(shape + (q.shape[-2],), dtype=dtype)
     return out, lse
 
 
@@ -322,6 +324,7 @@ def _softmax_call(variant, q, k, v, param, causal, mask, bias, window, dropout_p
         q, k, v, mask, bias, variant, None if param is None else float(param),
         _encode_causal(causal), _encode_window(window), float(dropout_p),
         _seed_tensor(dropout_p, seed))
+    out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -372,7 +375,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out = torch.ops.attnx.softmax_attention(
         query, key, value, mask, bias, "softmax", None if scale is None else float(scale),
         "upper_left" if is_causal else "none", None, float(dropout_p),
-        _seed_tensor(dropout_p, None))[0]
+        _seed_tensor(dropout_p, None))[0].to(query.dtype)
     return out.flatten(-4, -3) if groups > 1 else out
 
 
