@@ -19,10 +19,12 @@
   (meta) implementations and autograd formulas, so ``torch.compile``
   traces them without graph breaks; the backward is attnx's own (the
   ``*_backward`` functions), itself an operator.
-* float32 and float64 tensors are read in place (through ``.numpy()``
-  when the last axis is contiguous) and the results are written in place
-  into tensors torch allocates; bfloat16 and float16 tensors are converted
-  to float32 once, computed, and converted back, gradients included.
+* float32 and float64 tensors are read in place (through ``.numpy()``;
+  attnx reads any strides whose last axis is contiguous) and the results
+  and gradients are written in place into tensors torch allocates;
+  bfloat16 and float16 tensors are converted to float32 once on the way
+  in (autograd saves those copies) and the results once on the way out;
+  their gradients likewise reach the caller in the input dtype.
   CUDA tensors raise ValueError.
 * A mask constant along the query axis (size 1 there, or an expanded
   padding mask with stride 0) is read as key padding, O(m) not O(n m).
@@ -279,6 +281,23 @@ def _softmax_backward(ctx, dout, dlse):
 _softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
+def _in_compute_dtype(*tensors):
+    """Half-precision tensors converted to float32, the one conversion on
+    the way in (differentiable: their gradients are converted back once by
+    autograd); others as they are."""
+    return [t.to(torch.float32) if t is not None and t.dtype in _HALF else t for t in tensors]
+
+
+def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
+    """The softmax operator on tensors of any supported dtype: (out in q's
+    dtype, lse in the computing dtype)."""
+    dtype = q.dtype
+    q, k, v, bias = _in_compute_dtype(q, k, v, bias)
+    out, lse = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
+                                                 window, dropout_p, seed)
+    return out.to(dtype), lse
+
+
 def _split_mask(mask, n, name="mask"):
     """A bool mask goes to attnx as mask, a float one as bias; a mask
     constant along the queries is passed as its (..., 1, m) view (a float
@@ -320,11 +339,10 @@ def _softmax_call(variant, q, k, v, param, causal, mask, bias, window, dropout_p
         mask = _key_padding_view(mask, n)
     if bias is not None:
         _, bias = _split_mask(bias, n, "bias")
-    out, lse = torch.ops.attnx.softmax_attention(
+    out, lse = _softmax_apply(
         q, k, v, mask, bias, variant, None if param is None else float(param),
         _encode_causal(causal), _encode_window(window), float(dropout_p),
         _seed_tensor(dropout_p, seed))
-    out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -372,10 +390,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query = query.unflatten(-3, (kv_heads, groups))
         key, value = key.unsqueeze(-3), value.unsqueeze(-3)
         mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
-    out = torch.ops.attnx.softmax_attention(
+    out = _softmax_apply(
         query, key, value, mask, bias, "softmax", None if scale is None else float(scale),
         "upper_left" if is_causal else "none", None, float(dropout_p),
-        _seed_tensor(dropout_p, None))[0].to(query.dtype)
+        _seed_tensor(dropout_p, None))[0]
     return out.flatten(-4, -3) if groups > 1 else out
 
 
@@ -520,10 +538,12 @@ def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None,
         feature_map = "identity"
     if projection is not None:
         _check_tensor("projection", projection)
+    dtype = q.dtype
+    q, k, v, projection = _in_compute_dtype(q, k, v, projection)
     return torch.ops.attnx.linear_attention(
         q, k, v, key_mask, mask, projection, front, feature_map, _encode_causal(causal),
         _encode_window(window), method, chunk_size, float(eps), float(p),
-        None if M is None else float(M))
+        None if M is None else float(M)).to(dtype)
 
 
 def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
@@ -652,9 +672,9 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
         key, value = key.unsqueeze(2), value.unsqueeze(2)
         mask, bias = (None if t is None else t.unflatten(1, (kv_heads, groups)) if t.shape[1] == heads
                       else t.unsqueeze(2) for t in (mask, bias))
-    out = torch.ops.attnx.softmax_attention(
+    out = _softmax_apply(
         query, key, value, mask, bias, "softmax", None if scaling is None else float(scaling), causal,
-        None, float(dropout), _seed_tensor(dropout, None))[0].to(query.dtype)
+        None, float(dropout), _seed_tensor(dropout, None))[0]
     out = out.reshape(batch, heads, n, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
