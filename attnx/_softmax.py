@@ -36,18 +36,19 @@ def _finish(grad, x, name, given):
     return given
 
 
-def _backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, bias_grad,
-              dq, dk, dv):
+def _backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed,
+              bias_grad, dq, dk, dv):
     grad_q, grad_k, grad_v, grad_bias = _C.softmax_backward(
-        dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, bool(bias_grad))
+        dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed,
+        bool(bias_grad))
     return Gradients(q=_finish(grad_q, q, "dq", dq), k=_finish(grad_k, k, "dk", dk),
                      v=_finish(grad_v, v, "dv", dv),
                      bias=None if grad_bias is None else _finish(grad_bias, bias, "dbias", None))
 
 
 def softmax_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, mask=None,
-                               bias=None, window=None, bias_grad=False, dq=None, dk=None,
-                               dv=None):
+                               bias=None, window=None, dropout_p=0.0, seed=None, bias_grad=False,
+                               dq=None, dk=None, dv=None):
     """Gradients of ``sum(dout * softmax_attention(q, k, v, ...))``.
 
     ``out`` and ``lse`` are the forward's results
@@ -59,19 +60,20 @@ def softmax_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=Fa
     gradients. Computed FlashAttention-2 style: the probabilities are
     recomputed tile by tile from ``lse``; no n x m matrix is held (except
     the gradient of a bias when asked for, which has the bias's size).
-    Rows that see no key get zero gradients."""
-    return _backward(dout, q, k, v, out, lse, scale, None, causal, mask, bias, window, bias_grad,
-                     dq, dk, dv)
+    Rows that see no key get zero gradients. ``dropout_p``, ``seed``: the
+    forward's dropout, whose mask is regenerated from the seed."""
+    return _backward(dout, q, k, v, out, lse, scale, None, causal, mask, bias, window, dropout_p,
+                     seed, bias_grad, dq, dk, dv)
 
 
 def gaussian_attention_backward(dout, q, k, v, out, lse, sigma=1.0, *, causal=False, mask=None,
-                                bias=None, window=None, bias_grad=False, dq=None, dk=None,
-                                dv=None):
+                                bias=None, window=None, dropout_p=0.0, seed=None,
+                                bias_grad=False, dq=None, dk=None, dv=None):
     """Gradients of ``sum(dout * gaussian_attention(q, k, v, sigma, ...))``;
     as :func:`softmax_attention_backward`, with the forward's ``out`` and
     ``lse`` (the lse of the scores ``-|q_i - k_j|^2 / (2 sigma^2) + bias``)."""
-    return _backward(dout, q, k, v, out, lse, None, sigma, causal, mask, bias, window, bias_grad,
-                     dq, dk, dv)
+    return _backward(dout, q, k, v, out, lse, None, sigma, causal, mask, bias, window, dropout_p,
+                     seed, bias_grad, dq, dk, dv)
 
 
 def _vjp_rule(forward, backward):

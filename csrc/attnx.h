@@ -72,6 +72,9 @@ typedef struct {
     double key_sqnorm_coef;            /* gaussian attention: -1/(2 sigma^2) */
     attnx_band band;
     int num_threads;
+    double dropout_p;                  /* in [0, 1): weights dropped (philox.h) and the
+                                          kept ones scaled by 1 / (1 - dropout_p) */
+    uint64_t seed;                     /* of the dropout mask */
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);
@@ -237,12 +240,21 @@ void attnx_linear_flush_f64(void *S, const attnx_pending *pending, ptrdiff_t hea
 
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
-/* whether float32 softmax attention may use AMX where the CPU has it
- * (amx.h); attnx_set_amx returns the setting it replaces */
-int attnx_amx_enabled(void);
-int attnx_set_amx(int enabled);
+/* The softmax backends, each able to do all the ones before it: plain C +
+ * BLAS, the micro-kernels (AVX-512, AVX2), AMX (float32). A call takes the
+ * best its CPU and shape allow, up to the limit (AMX unless
+ * ATTNX_SOFTMAX_BACKEND or ATTNX_AMX=0 said otherwise at import, or a test
+ * set it). attnx_set_softmax_backend_limit returns the limit it replaces;
+ * the names are those of ATTNX_SOFTMAX_BACKEND, and a name that is none of
+ * them gives -1. */
+enum { ATTNX_BACKEND_PLAIN, ATTNX_BACKEND_MK, ATTNX_BACKEND_AMX, ATTNX_BACKENDS };
+int attnx_softmax_backend_limit(void);
+int attnx_set_softmax_backend_limit(int limit);
+int attnx_softmax_backend_from_name(const char *name);
+const char *attnx_softmax_backend_name(int backend);
 void attnx_set_num_threads(int num_threads);
-void attnx_blas_init(void);
+/* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
+int attnx_runtime_init(void);
 const char *attnx_blas_name(void);
 const char *attnx_simd_level(void);
 

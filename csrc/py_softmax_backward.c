@@ -29,15 +29,19 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
         [DQ] = {"dq", NULL, 2}, [DK] = {"dk", NULL, 2}, [DV] = {"dv", NULL, 2},
         [DBIAS] = {"dbias", NULL, 2},
     };
-    PyObject *objs[NOPS], *scale_obj, *sigma_obj, *causal_obj, *window_obj, *ret = NULL;
+    PyObject *objs[NOPS], *scale_obj, *sigma_obj, *causal_obj, *window_obj, *dropout_obj,
+             *seed_obj, *ret = NULL;
     ptrdiff_t *offsets = NULL, *grad_offsets = NULL;
     int bias_grad, causal, has_left, has_right;
     npy_intp left, right;
-    double scale = 0, sigma = 0;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOp:softmax_backward", &objs[DOUT], &objs[Q],
+    double scale = 0, sigma = 0, dropout_p;
+    uint64_t seed;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOp:softmax_backward", &objs[DOUT], &objs[Q],
                           &objs[K], &objs[V], &objs[OUT], &objs[LSE], &scale_obj, &sigma_obj,
-                          &causal_obj, &objs[MASK], &objs[BIAS], &window_obj, &bias_grad))
+                          &causal_obj, &objs[MASK], &objs[BIAS], &window_obj, &dropout_obj,
+                          &seed_obj, &bias_grad))
         return NULL;
+    if (attnx_parse_dropout(dropout_obj, seed_obj, &dropout_p, &seed) < 0) return NULL;
     if (attnx_parse_causal(causal_obj, &causal) < 0 ||
         attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0)
         return NULL;
@@ -132,6 +136,8 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
             .key_sqnorm_coef = gaussian ? -1 / (2 * sigma * sigma) : 0,
             .band = attnx_make_band(n, m, causal, has_left, left, has_right, right),
             .num_threads = attnx_get_num_threads(),
+            .dropout_p = dropout_p,
+            .seed = seed,
         },
         .grad_offsets = grad_offsets,
         .dout = PyArray_DATA(ops[DOUT].array),
@@ -158,7 +164,7 @@ done:
 }
 
 const char attnx_softmax_backward_doc[] = (
-"softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, bias_grad)\n"
+"softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed, bias_grad)\n"
 "--\n\n"
 "Private: per-head gradients (dq, dk, dv, dbias or None) of softmax or gaussian\n"
 "attention over the broadcast batch; see attnx.softmax_attention_backward.");

@@ -9,6 +9,9 @@
  *   dV_j = sum_i p_ij dO_i            (from o_i = sum_j p_ij v_j)
  *   dP_ij = dO_i . v_j
  *   dS_ij = p_ij (dP_ij - D_i)        (the softmax's Jacobian)
+ * With dropout, o_i = sum_j p_ij z_ij v_j where z_ij = keep_ij / (1 - p_drop)
+ * (philox.h regenerates keep): dV_j = sum_i p_ij z_ij dO_i and
+ * dS_ij = p_ij z_ij dP_ij - p_ij D_i.
  *   dQ_i = scale sum_j dS_ij k_j
  *   dK_j = scale sum_i dS_ij q_i + 2 coef (sum_i dS_ij) k_j
  *   dbias_ij = dS_ij
@@ -26,6 +29,7 @@
  *
  * Legend: n queries, m keys, d features, e value features;
  *   pt  (BR, BC)  log2-unit scores, then p, of a query block x key block
+ *   ptd (BR, BC)  p z, the dropped weights (pt itself without dropout)
  *   dpt (BR, BC)  dP, then dS
  */
 #ifndef REAL
@@ -35,6 +39,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "philox.h"
 
 /* Query and key block sizes: the five products of a block pair are
  * (128 x 128) by d or e, big enough for BLAS to run near its peak. */
@@ -46,6 +51,13 @@
  * per-group dQ partials stay small. */
 #define TARGET_ITEMS 8
 
+/* The AVX-512 products (zmm_gemm) where gcc can target them; the CPU is
+ * asked at run time (attnx_mk_width). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#define BWD_HAVE_ZMM 1
+#include "microkernel.h"
+#endif
+
 #define ATTNX_FAMILY_FILE "softmax_backward.c"
 #include "real.h"
 
@@ -53,11 +65,87 @@
 
 #define LOG2E ((REAL)1.44269504088896340736)
 
+#ifdef BWD_HAVE_ZMM
+/* The five products on AVX-512 without BLAS (whose kernels may be chosen
+ * for a lesser CPU: OPENBLAS_CORETYPE), as one register-blocked kernel:
+ *   c (rows, cols) = alpha a b   (or += when accumulate)
+ * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
+ * operand costs nothing, and b (depth, cols) rows b_row apart, cols a whole
+ * number of vectors. Blocks of 8 rows by 2 vectors keep 16 sums in
+ * registers; each step of p loads 2 vectors of b and broadcasts 8 numbers
+ * of a for 16 fused multiply-adds. */
+typedef REAL SFX(zvec) __attribute__((vector_size(64), aligned(sizeof(REAL))));
+#define ZLANES (64 / (ptrdiff_t)sizeof(REAL))
+
+/* one block of ROWS x VECS vectors (constants once inlined) */
+static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_block)(
+    int block_rows, int vecs, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    typedef SFX(zvec) vec;
+    vec sum[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) sum[r][x] = (vec){0};
+    for (ptrdiff_t p = 0; p < depth; p++) {
+        vec b_p[2];
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
+#pragma GCC unroll 8
+        for (int r = 0; r < block_rows; r++) {
+            vec a_rp = (vec){0} + a[r * a_row + p * a_col];
+#pragma GCC unroll 2
+            for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) {
+            vec *c_rx = (vec *)(c + r * c_row + x * ZLANES);
+            *c_rx = accumulate ? *c_rx + alpha * sum[r][x] : alpha * sum[r][x];
+        }
+}
+
+__attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    ptrdiff_t r0 = 0;
+    for (; r0 + 8 <= rows; r0 += 8) {
+        const REAL *a_r = a + r0 * a_row;
+        REAL *c_r = c + r0 * c_row;
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
+            SFX(zmm_block)(8, 2, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
+                           c_r + c0, c_row);
+        if (c0 < cols)
+            SFX(zmm_block)(8, 1, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
+                           c_r + c0, c_row);
+    }
+    for (; r0 < rows; r0++) {
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
+            SFX(zmm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
+                           accumulate, c + r0 * c_row + c0, c_row);
+        if (c0 < cols)
+            SFX(zmm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
+                           accumulate, c + r0 * c_row + c0, c_row);
+    }
+}
+#define ZMM_GEMM SFX(zmm_gemm)
+#endif
+
 /* One thread's working memory. */
 typedef struct {
     REAL *pt, *dpt;        /* (BR, BC) */
     REAL *key_term;        /* (BC) per-key addend of the scores, log2 units; -inf: hidden */
     REAL *col_sum;         /* (BC) sum_i dS_ij (gaussian) */
+    REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for zmm_gemm,
+                            * keys past the block 0; NULL: the products run on BLAS */
+    REAL *ptd;             /* (BR, BC) with dropout, else pt */
+    unsigned char *keep;   /* (BC) one row's dropout decisions */
 } SFX(bwd_work);
 
 /* The operands of one head, positioned once. */
@@ -68,6 +156,7 @@ typedef struct {
     REAL *row_delta;       /* (n) D_i */
     REAL *row_offset;      /* (n) lse_i - coef |q_i|^2, log2 units; +inf: row sees nothing */
     unsigned char *q_bad;  /* per query block: Q or dO holds inf or NaN */
+    ptrdiff_t index;       /* the head's flat index (the dropout counter's) */
 } SFX(bwd_head);
 
 static int SFX(bias_per_key)(const attnx_softmax_args *a) { return a->bias_row == 0 || a->n == 1; }
@@ -125,9 +214,11 @@ static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff
  * (whatever the score: a hidden NaN must not reach the gradients); returns
  * whether any p is non-zero. */
 static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
-                                            REAL *pt, const REAL *key_term, ptrdiff_t i0,
-                                            ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols)
+                                            SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t rows,
+                                            ptrdiff_t j0, ptrdiff_t cols)
 {
+    REAL *pt = w->pt;
+    const REAL *key_term = w->key_term;
     const REAL neg_inf = -(REAL)INFINITY;
     int per_query_bias = h->bias && !SFX(bias_per_key)(a);
     int per_query_mask = h->mask && !SFX(mask_per_key)(a);
@@ -155,20 +246,28 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
             for (ptrdiff_t c = lo; c < hi; c++)
                 if (!mask_i[c * a->mask_col]) p_r[c] = 0;
         }
+        if (w->ptd != pt) {
+            /* the forward's dropped weights p z, from the same decisions */
+            REAL *pd_r = w->ptd + r * BC, kept = (REAL)(1 / (1 - a->dropout_p));
+            attnx_dropout_row(a->seed, (uint64_t)h->index, (uint64_t)i, (uint64_t)j0, cols,
+                              attnx_dropout_threshold(a->dropout_p), w->keep);
+            for (ptrdiff_t c = 0; c < cols; c++) pd_r[c] = w->keep[c] ? p_r[c] * kept : 0;
+        }
     }
     return any;
 }
 
-/* dpt <- dS = p (dP - D_i), exactly 0 where p is (dP may be anything
- * there, NaN included) */
-static ATTNX_HOT void SFX(bwd_score_grads)(REAL *dpt, const REAL *pt, const REAL *row_delta,
-                                           ptrdiff_t rows, ptrdiff_t cols)
+/* dpt <- dS = pd dP - p D_i (pd = p z, or p without dropout), exactly 0
+ * where p is (dP may be anything there, NaN included) */
+static ATTNX_HOT void SFX(bwd_score_grads)(REAL *dpt, const REAL *pt, const REAL *ptd,
+                                           const REAL *row_delta, ptrdiff_t rows, ptrdiff_t cols)
 {
     for (ptrdiff_t r = 0; r < rows; r++) {
         REAL *ds_r = dpt + r * BC, delta = row_delta[r];
-        const REAL *p_r = pt + r * BC;
+        const REAL *p_r = pt + r * BC, *pd_r = ptd + r * BC;
 #pragma omp simd
-        for (ptrdiff_t c = 0; c < cols; c++) ds_r[c] = p_r[c] == 0 ? 0 : p_r[c] * (ds_r[c] - delta);
+        for (ptrdiff_t c = 0; c < cols; c++)
+            ds_r[c] = p_r[c] == 0 ? 0 : pd_r[c] * ds_r[c] - p_r[c] * delta;
     }
 }
 
@@ -203,20 +302,35 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     const REAL *k_j = h->k + j0 * a->k_row, *v_j = h->v + j0 * a->v_row;
     REAL *dk_j = h->dk + j0 * dk_row, *dv_j = h->dv + j0 * dv_row;
 
+    /* with zmm_gemm, the score and dP columns are whole vectors (K^T and
+     * V^T are 0 past the block's keys); only the first `cols` are used */
+#ifdef BWD_HAVE_ZMM
+    const int zmm = w->kt != NULL && !nonfinite;
+    const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
+#else
+    const int zmm = 0;
+#endif
+
     /* pass 1: scores in log2 units, then p */
-    SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
-    if (!SFX(bwd_probabilities)(a, h, w->pt, w->key_term, i0, rows, j0, cols)) {
+    if (zmm)
+        ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
+    else
+        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
+    if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
             for (ptrdiff_t r = 0; r < rows; r++)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         return;
     }
-    if (!nonfinite) {
+    if (zmm) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
-        SFX(gemm)(1, 0, cols, e, rows, 1, w->pt, BC, do_i, dout_row, 1, dv_j, dv_row);
+        ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
+        ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
+    } else if (!nonfinite) {
+        SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
         SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
     } else {
-        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->pt, 1, BC, do_i, dout_row, cols, rows,
+        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->ptd, 1, BC, do_i, dout_row, cols, rows,
                                          e, 1);
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) {
@@ -227,7 +341,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
             }
     }
     /* pass 2: dS */
-    SFX(bwd_score_grads)(w->dpt, w->pt, h->row_delta + i0, rows, cols);
+    SFX(bwd_score_grads)(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols);
     if (h->dbias)
         for (ptrdiff_t r = 0; r < rows; r++)
             memcpy(h->dbias + (i0 + r) * dbias_row + j0, w->dpt + r * BC, (size_t)cols * sizeof(REAL));
@@ -235,7 +349,10 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
-    if (!nonfinite) {
+    if (zmm) {
+        ZMM_GEMM(cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j, dk_row);
+        ZMM_GEMM(rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i, dq_row);
+    } else if (!nonfinite) {
         SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
         SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
     } else {
@@ -243,6 +360,17 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                                          d, scale);
         SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, BC, 1, k_j, a->k_row, rows, cols,
                                          d, scale);
+    }
+}
+
+/* dst (width, BC) <- x (count, width) transposed, columns past count 0 */
+static void SFX(transpose_padded)(REAL *dst, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
+                                  ptrdiff_t width)
+{
+    for (ptrdiff_t c = 0; c < width; c++) {
+        REAL *dst_c = dst + c * BC;
+        for (ptrdiff_t j = 0; j < count; j++) dst_c[j] = x[j * x_row + c];
+        for (ptrdiff_t j = count; j < BC; j++) dst_c[j] = 0;
     }
 }
 
@@ -281,6 +409,10 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             w->col_sum[c] = 0;
         }
         SFX(bwd_key_term)(a, h, w->key_term, j0, cols);
+        if (w->kt) {
+            SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
+            SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
+        }
         int k_bad = SFX(has_nonfinite)(h->k + j0 * a->k_row, cols, a->d, a->k_row) ||
                     SFX(has_nonfinite)(h->v + j0 * a->v_row, cols, a->e, a->v_row);
         ptrdiff_t first, end;
@@ -334,6 +466,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
         .dbias = b->dbias ? (REAL *)((char *)b->dbias + goff[ATTNX_SMB_DBIAS]) : NULL,
         .row_delta = rows_scratch,
         .q_bad = bad_scratch,
+        .index = head,
     };
     if (rows_scratch) h.row_offset = rows_scratch + a->n;
     return h;
@@ -367,14 +500,23 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
      * thread: the block pair's tiles; per item when groups > 1: dQ */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
-    ptrdiff_t per_head = LINES(2 * n), per_thread = 2 * LINES(BR * BC) + 2 * LINES(BC);
+    /* AVX-512 products where the CPU has them and d, e are whole vectors */
+    int zmm = 0;
+#ifdef BWD_HAVE_ZMM
+    zmm = attnx_mk_width() == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
+#endif
+    ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
+    int dropout = a->dropout_p > 0;
+    ptrdiff_t per_head = LINES(2 * n);
+    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
     unsigned char *bad = malloc((size_t)(heads * query_blocks) + 1);
+    unsigned char *keeps = malloc((size_t)(threads * BC));
     SFX(bwd_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
-    if (!bad || !works ||
+    if (!bad || !keeps || !works ||
         posix_memalign((void **)&head_rows, 64, (size_t)(per_head * heads) * sizeof(REAL)) ||
         posix_memalign((void **)&tiles, 64, (size_t)(per_thread * threads) * sizeof(REAL)) ||
         (partial && posix_memalign((void **)&partials, 64,
@@ -382,8 +524,11 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
         goto done;
     for (int t = 0; t < threads; t++) {
         REAL *base = tiles + per_thread * t;
+        REAL *kt = base + 2 * BR * BC + 2 * BC;
         works[t] = (SFX(bwd_work)){base, base + BR * BC, base + 2 * BR * BC,
-                                   base + 2 * BR * BC + BC};
+                                   base + 2 * BR * BC + BC, zmm ? kt : NULL,
+                                   zmm ? kt + d * BC : NULL, base, keeps + t * BC};
+        if (dropout) works[t].ptd = kt + transposed;
     }
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -431,6 +576,7 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     status = ATTNX_OK;
 done:
     free(bad);
+    free(keeps);
     free(works);
     free(head_rows);
     free(tiles);
@@ -439,4 +585,8 @@ done:
 }
 
 #undef LOG2E
+#ifdef BWD_HAVE_ZMM
+#undef ZMM_GEMM
+#undef ZLANES
+#endif
 #endif /* REAL */
