@@ -212,6 +212,9 @@ def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     dtype = _compute_dtype(q.dtype)
     shape = _batch_shape(q, k, v, mask, bias)
     out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    if out.numel() == 0 or k.shape[-2] == 0:
+        # no query, or no key (zeros, lse -inf), or nothing to hold
+        return out.zero_(), torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
     options = _softmax_options(variant, param, causal, window, dropout_p, seed)
     args = (_np(q, dtype), _np(k, dtype), _np(v, dtype))
     if variant == "gaussian":
@@ -242,6 +245,10 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     if backward is None:
         raise NotImplementedError(f"this attnx has no {variant}_attention_backward")
     dtype = _compute_dtype(q.dtype)
+    if dout.numel() == 0 or k.shape[-2] == 0:
+        # no output, or one that is constantly zero: every gradient is zero
+        dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
+        return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
     grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
     args = tuple(_np(t, dtype) for t in (dout, q, k, v, out)) + (lse.numpy(),)
     if variant == "gaussian":
@@ -443,6 +450,8 @@ def _linear_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], mask
     if key_mask is not None:
         shape = torch.broadcast_shapes(shape, key_mask.shape[:-1])
     out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    if out.numel() == 0 or k.shape[-2] == 0:
+        return out.zero_().to(q.dtype)
     _linear.FRONT_ENDS[front](_np(q, dtype), _np(k, dtype), _np(v, dtype), out=out.numpy(),
                               **options)
     return out.to(q.dtype)
@@ -470,6 +479,9 @@ def _linear_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask:
     if backward is None:
         raise NotImplementedError(f"this attnx has no {_BACKWARD_NAMES[front]}")
     dtype = _compute_dtype(q.dtype)
+    if dout.numel() == 0 or k.shape[-2] == 0:
+        dprojection = torch.zeros_like(projection) if projection_grad else q.new_empty((0,))
+        return (*(torch.zeros_like(t) for t in (q, k, v)), dprojection)
     options = _linear_options(front, feature_map, causal, key_mask, mask, window, method,
                               chunk_size, eps, projection, p, M, dtype)
     if projection_grad:

@@ -11,7 +11,9 @@ stride 0), in float32 and bfloat16. One call is q, k, v -> out, then the
 gradients of sum(dout * out) by torch.autograd.grad. Competitors are timed
 interleaved (benchmarks/harness.py); medians per call and the ratio
 torch / attnx (above 1: attnx is faster) are printed. Both use the
-machine's threads (attnx's OpenMP pool, torch's intra-op pool).
+machine's threads (attnx's OpenMP pool, torch's intra-op pool) unless
+--threads sets both. On a machine shared with other work, every parallel
+region waits for its slowest thread; --threads 1 measures without that.
 """
 import argparse
 import os
@@ -59,7 +61,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds, 5 s budget per case")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, help="threads for both attnx and torch "
+                        "(default: each library's own default, all cores)")
+    parser.add_argument("--cases", help="only the cases whose name contains this text")
     args = parser.parse_args()
+    if args.threads:
+        attnx.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     settings = harness.Settings(max_rounds=5, budget_s=5.0) if args.quick else harness.Settings()
     print(f"attnx {attnx.__version__}: {attnx.get_num_threads()} threads; torch {torch.__version__}: "
           f"{torch.get_num_threads()} threads")
@@ -67,6 +75,8 @@ def main():
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name, shape, causal, lengths in cases():
+            if args.cases and args.cases not in name:
+                continue
             q, k, v, dout, mask = inputs(shape, lengths, dtype)
             calls = {"torch": fwd_bwd(F.scaled_dot_product_attention, q, k, v, dout, mask, causal),
                      "attnx": fwd_bwd(at.scaled_dot_product_attention, q, k, v, dout, mask, causal)}

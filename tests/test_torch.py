@@ -73,15 +73,16 @@ def _masks(B, H, n, m, dtype):
     }
 
 
-def torch_sdpa_mask_and_causal(q, k, v, mask, is_causal):
+def torch_sdpa_mask_and_causal(q, k, v, mask, is_causal, scale=None):
     """torch's SDPA with both a mask and is_causal (which torch computes
     as their intersection without grad, and refuses with grad)."""
     if mask is None or not is_causal:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
     causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     if mask.dtype == torch.bool:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask & causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.masked_fill(~causal, float("-inf")))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask & causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.masked_fill(~causal, float("-inf")),
+                                          scale=scale)
 
 
 MASK_KINDS = list(_masks(1, 1, 1, 1, torch.float64))
@@ -496,3 +497,52 @@ def test_sdpa_dropout_repeatable_and_differentiable():
     np.testing.assert_allclose(out.detach().numpy(), weights @ v.detach().numpy(), rtol=1e-12, atol=1e-14)
     assert torch.autograd.gradcheck(lambda q, k, v: at.softmax_attention(q, k, v, dropout_p=0.4, seed=5),
                                     (q, k, v))
+
+
+# ------------------------------------------------------------- properties
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 3), H=st.integers(1, 3), n=st.integers(1, 12), m=st.integers(1, 12),
+       d=st.integers(1, 9), e=st.integers(1, 6), is_causal=st.booleans(),
+       mask_kind=st.sampled_from(["none", "padding", "full", "float", "float padding"]),
+       scale=st.one_of(st.none(), st.floats(0.05, 2.0)), seed=st.integers(0, 2**16))
+def test_sdpa_matches_torch_property(B, H, n, m, d, e, is_causal, mask_kind, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, s, f, generator=g, dtype=torch.float64).requires_grad_()
+               for s, f in ((n, d), (m, d), (m, e)))
+    mask = {"none": None,
+            "padding": (torch.rand(B, 1, 1, m, generator=g) > 0.3).expand(B, 1, n, m),
+            "full": torch.rand(B, H, n, m, generator=g) > 0.3,
+            "float": torch.randn(H, n, m, generator=g, dtype=torch.float64),
+            "float padding": torch.randn(B, 1, 1, m, generator=g, dtype=torch.float64)}[mask_kind]
+    inputs = [q, k, v]
+    if mask is not None and mask.is_floating_point():
+        mask.requires_grad_()
+        inputs.append(mask)
+    dout = torch.randn(B, H, n, e, generator=g, dtype=torch.float64)
+    ours, ga = grads_of(lambda: at.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale), inputs, dout)
+    if mask is not None and is_causal:
+        ref, gb = grads_of(lambda: torch_sdpa_mask_and_causal(q, k, v, mask, True, scale), inputs, dout)
+    else:
+        ref, gb = grads_of(lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale), inputs, dout)
+    assert_close(ours, ref, torch.float64)
+    for a, b in zip(ga, gb):
+        assert_close(a, b, torch.float64)
+
+
+def test_empty_inputs():
+    q, k, v = randn(2, 0, 4), randn(2, 5, 4), randn(2, 5, 3)
+    out = at.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 0, 3)
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k))
+    q, k, v = randn(2, 4, 4), randn(2, 0, 4), randn(2, 0, 3)
+    out = at.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, torch.zeros(2, 4, 3, dtype=torch.float64))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
