@@ -486,10 +486,12 @@ def _linear_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask:
                               chunk_size, eps, projection, p, M, dtype)
     if projection_grad:
         options["projection_grad"] = True
-    g = backward(*(_np(t, dtype) for t in (dout, q, k, v)), **options)
+    grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
+    g = backward(*(_np(t, dtype) for t in (dout, q, k, v)), dq=grads[0].numpy(),
+                 dk=grads[1].numpy(), dv=grads[2].numpy(), **options)
     dprojection = (_from_numpy(g.projection, projection.dtype) if projection_grad
                    else q.new_empty((0,)))
-    return _from_numpy(g.q, q.dtype), _from_numpy(g.k, k.dtype), _from_numpy(g.v, v.dtype), dprojection
+    return (*(grad.to(t.dtype) for grad, t in zip(grads, (q, k, v))), dprojection)
 
 
 @_linear_backward_op.register_fake

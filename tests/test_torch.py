@@ -410,9 +410,10 @@ def test_cosformer_front_end_matches_reference():
     n = 7
     q, k, v = randn(2, n, 4), randn(2, n, 4), randn(2, n, 3)
     dout = randn(2, n, 3, grad=False, seed=32)
-    positions = torch.cos(math.pi / 2 * (torch.arange(n)[:, None] - torch.arange(n)[None, :]) / n)
+    t = torch.arange(n, dtype=torch.float64)
+    positions = torch.cos(math.pi / 2 * (t[:, None] - t[None, :]) / n)
     ours, ga = grads_of(lambda: at.cosformer_attention(q, k, v, causal=True), [q, k, v], dout)
-    ref, gb = grads_of(lambda: linear_reference(q, k, v, F.relu, True, positions=positions.double()),
+    ref, gb = grads_of(lambda: linear_reference(q, k, v, F.relu, True, positions=positions),
                        [q, k, v], dout)
     assert_close(ours, ref, torch.float64)
     for a, b in zip(ga, gb):
@@ -546,3 +547,32 @@ def test_empty_inputs():
     assert torch.equal(out, torch.zeros(2, 4, 3, dtype=torch.float64))
     out.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+W_FIXED = torch.from_numpy(attnx.random_features(6, 3, seed=1))
+
+
+@pytest.mark.parametrize("name,call", [
+    ("linear_attention_backward", lambda q, k, v: at.linear_attention(q, k, v, feature_map="relu")),
+    ("linear_attention_backward",
+     lambda q, k, v: at.linear_attention(q, k, v, causal=True, mask=torch.rand(5, 5, generator=torch.Generator().manual_seed(0)) > 0.3)),
+    ("linear_attention_backward", lambda q, k, v: at.linear_attention(q, k, v, feature_map="softmax", window=(2, 0))),
+    ("cosformer_attention_backward", lambda q, k, v: at.cosformer_attention(q, k, v, M=9)),
+    ("focused_linear_attention_backward", lambda q, k, v: at.focused_linear_attention(q, k, v, p=2, causal=True)),
+    ("taylor_attention_backward", lambda q, k, v: at.taylor_attention(q, k, v, causal=True)),
+    ("performer_attention_backward", lambda q, k, v: at.performer_attention(q, k, v, W_FIXED, causal=True)),
+    ("efficient_attention_backward", lambda q, k, v: at.efficient_attention(q, k, v)),
+    ("linear_attention_backward", lambda q, k, v: at.attention_weights(q, k, "linear")),
+])
+def test_linear_family_gradcheck(name, call):
+    if not hasattr(attnx, name):
+        pytest.skip(f"needs attnx.{name} (not built yet)")
+    q, k, v = randn(2, 5, 3, seed=1), randn(2, 5, 3, seed=2), randn(2, 5, 2, seed=3)
+    assert torch.autograd.gradcheck(call, (q, k, v))
+
+
+@needs_backward("performer_attention_backward")
+def test_performer_projection_gets_its_gradient():
+    q, k, v = randn(2, 5, 3, seed=1), randn(2, 5, 3, seed=2), randn(2, 5, 2, seed=3)
+    W = W_FIXED.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda W: at.performer_attention(q, k, v, W), (W,))
