@@ -159,8 +159,9 @@ def test_encoder_without_padding_and_float32(tmp_path, kernel_calls):
     ids, _ = left_padded_batch()
     config = bert_config()
     torch.manual_seed(0)
-    reference = transformers.BertModel._from_config(config, attn_implementation="sdpa").eval()
-    ours = transformers.BertModel._from_config(config, attn_implementation="attnx").eval()
+    reference = transformers.AutoModel.from_config(config, attn_implementation="sdpa").eval()
+    ours = transformers.AutoModel.from_config(config, attn_implementation="attnx").eval()
+    assert isinstance(ours, transformers.BertModel)
     ours.load_state_dict(reference.state_dict())
     got = ours(ids).last_hidden_state
     assert {c for c in kernel_calls} == {(None, False, None)}
@@ -185,3 +186,29 @@ def test_other_patterns_fall_back_to_a_full_mask(tmp_path):
     bidirectional = at._transformers_mask(2, 5, 5, mask_function=masking_utils.bidirectional_mask_function,
                                           attention_mask=padding)
     assert bidirectional.shape == (2, 1, 5, 5) and bidirectional.stride(-2) == 0
+
+
+def test_decoder_in_bfloat16_trains(kernel_calls):
+    """bfloat16 weights end to end: outputs and gradients in bfloat16, within
+    bfloat16 rounding of the same model run through torch's SDPA."""
+    ids, mask = left_padded_batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM._from_config(llama_config(), attn_implementation="sdpa")
+    reference = reference.to(torch.bfloat16)
+    ours = transformers.LlamaForCausalLM._from_config(llama_config(), attn_implementation="attnx")
+    ours = ours.to(torch.bfloat16)
+    ours.load_state_dict(reference.state_dict())
+    out = ours(ids, attention_mask=mask, labels=labels)
+    assert out.logits.dtype == torch.bfloat16
+    grads = parameter_grads(ours, out.loss)
+    assert kernel_calls and all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads.values())
+    ref = _without_spy(lambda: reference(ids, attention_mask=mask, labels=labels))
+    ref_grads = parameter_grads(reference, ref.loss)
+    valid = mask.bool()
+    torch.testing.assert_close(out.logits[valid].float(), ref.logits[valid].float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=0.01, atol=0.01)
+    for name in grads:
+        scale = ref_grads[name].float().abs().max()
+        torch.testing.assert_close(grads[name].float(), ref_grads[name].float(), rtol=0.1,
+                                   atol=0.05 * scale.item(), msg=name)
