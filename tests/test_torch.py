@@ -576,3 +576,26 @@ def test_performer_projection_gets_its_gradient():
     q, k, v = randn(2, 5, 3, seed=1), randn(2, 5, 3, seed=2), randn(2, 5, 2, seed=3)
     W = W_FIXED.clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda W: at.performer_attention(q, k, v, W), (W,))
+
+
+def test_strided_tensors_read_in_place_and_output_written_in_place(monkeypatch):
+    seen = {}
+    real = attnx.softmax_attention
+
+    def spy(q, k, v, **kwargs):
+        seen["pointers"] = [a.__array_interface__["data"][0] for a in (q, k, v)]
+        seen["out"] = kwargs["out"].__array_interface__["data"][0]
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attnx, "softmax_attention", spy)
+    B, n, H, d = 2, 9, 3, 8
+    qkv = randn(B, n, 3, H, d, dtype=torch.float32)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)       # (B, H, n, d) views, last axis contiguous
+    out = at.scaled_dot_product_attention(q, k, v)
+    assert seen["pointers"] == [t.data_ptr() for t in (q, k, v)]
+    assert seen["out"] == out.data_ptr()
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=2e-5, atol=2e-6)
+    # a non-contiguous last axis is copied (by attnx) and still right
+    qt = randn(B, H, d, n, dtype=torch.float32).transpose(-1, -2)
+    torch.testing.assert_close(at.scaled_dot_product_attention(qt, k, v),
+                               F.scaled_dot_product_attention(qt, k, v), rtol=2e-5, atol=2e-6)
