@@ -212,3 +212,15 @@ def test_decoder_in_bfloat16_trains(kernel_calls):
         scale = ref_grads[name].float().abs().max()
         torch.testing.assert_close(grads[name].float(), ref_grads[name].float(), rtol=0.1,
                                    atol=0.05 * scale.item(), msg=name)
+
+
+def test_encoder_compiles_without_graph_breaks(kernel_calls):
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(bert_config(), attn_implementation="attnx").eval()
+    ids, mask = left_padded_batch()
+    mask = mask.flip(-1)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).last_hidden_state
+        got = compiled(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
