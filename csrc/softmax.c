@@ -10,7 +10,7 @@
  * Memory is one scores tile per thread, and the packed keys and values of
  * a head: nothing grows with n * m.
  *
- * Backends (softmax_internal.h), chosen once per call (choose_backend) by
+ * Backends (softmax_internal.h), chosen once per call (softmax_choose_backend) by
  * what the CPU has: float32 on AMX (softmax_amx.c) where it can, else the
  * AVX-512 or AVX2 micro-kernels (softmax_mk.c) for float32 and float64,
  * else BLAS and plain loops (here). AMX walks a query tile block of 32
@@ -36,6 +36,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "philox.h"
 #include "softmax_internal.h"
 
 /* Below this many queries, packing every key costs more than the
@@ -43,17 +44,7 @@
  * the micro-kernels from 48): BLAS or plain loops instead. */
 #define MK_MIN_ROWS 48
 
-/* The items [next, end) of one thread's share of the work. */
-typedef struct {
-    ptrdiff_t next, end;
-} item_range;
-
-/* The next work item for thread `self`: its own share's first one left, or,
- * when its share is done, another share's last one; -1 when none is left.
- * A thread slowed by other work on its core then does not hold up the
- * call, and a head's query tiles still mostly go to one thread, which packs
- * the head's keys and values once. */
-static ptrdiff_t claim_item(item_range *shares, int threads, int self)
+ptrdiff_t softmax_claim_item(item_range *shares, int threads, int self)
 {
     ptrdiff_t item = -1;
 #pragma omp critical(attnx_softmax_claim)
@@ -77,8 +68,8 @@ static ptrdiff_t claim_item(item_range *shares, int threads, int self)
 
 /* bias[j] = coef * |x_j|^2 over rows x_j (gaussian attention's -|k_j|^2 /
  * (2 sigma^2), and the query's own term of its lse) */
-static ATTNX_HOT void SFX(sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_t x_row,
-                                        ptrdiff_t count, ptrdiff_t d, REAL coef)
+ATTNX_HOT void SFX(softmax_sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_t x_row,
+                                         ptrdiff_t count, ptrdiff_t d, REAL coef)
 {
     for (ptrdiff_t j = 0; j < count; j++) {
         const REAL *x_j = rows_x + j * x_row;
@@ -96,7 +87,7 @@ void SFX(softmax_fill_key_term)(const attnx_softmax_args *a, REAL *key_term, con
                                 ptrdiff_t cols, ptrdiff_t padded)
 {
     if (a->key_sqnorm_coef != 0)
-        SFX(sqnorm_terms)(key_term, k + j0 * a->k_row, a->k_row, cols, a->d,
+        SFX(softmax_sqnorm_terms)(key_term, k + j0 * a->k_row, a->k_row, cols, a->d,
                           (REAL)a->key_sqnorm_coef);
     else
         for (ptrdiff_t j = 0; j < cols; j++) key_term[j] = 0;
@@ -297,7 +288,6 @@ static void SFX(plain_finish_tile)(const SFX(softmax_backend) *be, const attnx_s
 }
 
 static const SFX(softmax_backend) SFX(softmax_plain) = {
-    .name = "plain",
     .width = 0,
     .mk = NULL,
     .q_tile = Q_TILE,
@@ -317,6 +307,21 @@ static const SFX(softmax_backend) SFX(softmax_plain) = {
 /* ------------------------------------------------------------------------
  * The driver */
 
+/* Dropout: the weights of the tile's rows that the Philox decisions of
+ * (seed, head, i, j) drop are set to 0 before P V; the rows' sums (and
+ * so lse) keep them, and finish scales what is kept by 1 / (1 - p). */
+static void SFX(softmax_drop)(const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w)
+{
+    unsigned char keep[KEY_TILE];
+    uint32_t threshold = attnx_dropout_threshold(a->dropout_p);
+    for (ptrdiff_t r = 0; r < t->rows; r++) {
+        attnx_dropout_row(a->seed, (uint64_t)w->head, (uint64_t)(t->i0 + r), (uint64_t)t->j0,
+                          t->cols, threshold, keep);
+        for (ptrdiff_t j = 0; j < t->cols; j++)
+            if (!keep[j]) w->st[j * w->st_ld + r] = 0;
+    }
+}
+
 void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
                                   const mk_tile *t, SFX(tile_work) *w, const REAL *q,
                                   const REAL *k, const REAL *v, REAL *out, const REAL *bias,
@@ -332,6 +337,7 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
         /* a strip of the micro-kernels runs over all its lanes */
         be->softmax_strip(w, r0, kb > 1 ? r0 + strip : r1, lo, hi);
     }
+    if (a->dropout_p > 0) SFX(softmax_drop)(a, t, w);
     be->add_pv(be, a, t, w, out, v);
 }
 
@@ -339,8 +345,9 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
  * whole groups of a panel's width (the P V kernel's columns) and the tiles
  * have rows enough to pay for packing the keys; AMX on top for float32,
  * where the keys' operands (all of the head's) need not be kept to a
- * window; none past the limit a test or ATTNX_SOFTMAX_BACKEND sets. */
-static const SFX(softmax_backend) *SFX(choose_backend)(const attnx_softmax_args *a)
+ * window and no dropout (which its walk by blocks does not apply); none
+ * past the limit a test or ATTNX_SOFTMAX_BACKEND sets. */
+const SFX(softmax_backend) *SFX(softmax_choose_backend)(const attnx_softmax_args *a)
 {
     int limit = attnx_softmax_backend_limit();
     int cpu_width = limit >= ATTNX_BACKEND_MK ? attnx_mk_width() : 0;
@@ -348,7 +355,7 @@ static const SFX(softmax_backend) *SFX(choose_backend)(const attnx_softmax_args 
         return &SFX(softmax_plain);
 #if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
     if (cpu_width == 16 && limit >= ATTNX_BACKEND_AMX && attnx_amx_usable() &&
-        !(a->band.has_lo && a->band.has_hi))
+        !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
         return &softmax_amx_f32;
 #endif
 #ifdef MK_HAVE_X86
@@ -376,6 +383,7 @@ static void SFX(softmax_tile)(const SFX(softmax_backend) *be, const attnx_softma
         w->row_max[r] = -(REAL)INFINITY;
         w->row_sum[r] = 0;
     }
+    w->head = head;
 
     /* the keys any row of the tile can see; from a panel's start (the keys
      * before the band are hidden like any other) */
@@ -398,16 +406,18 @@ static void SFX(softmax_tile)(const SFX(softmax_backend) *be, const attnx_softma
         be->key_tile(be, a, &tile, w, q, k, v, out, bias, mask, scale2, per_query);
     }
 
-    /* normalise; a row that saw nothing has row_sum 0 and gives 0 */
-    REAL *inverse_sum = w->shift;
-    for (ptrdiff_t r = 0; r < rows; r++) inverse_sum[r] = w->row_sum[r] == 0 ? 0 : 1 / w->row_sum[r];
+    /* normalise (and scale up what dropout kept); a row that saw nothing
+     * has row_sum 0 and gives 0 */
+    REAL *inverse_sum = w->shift, kept = (REAL)(1 / (1 - a->dropout_p));
+    for (ptrdiff_t r = 0; r < rows; r++)
+        inverse_sum[r] = w->row_sum[r] == 0 ? 0 : kept / w->row_sum[r];
     be->finish_tile(be, a, w, out, rows, inverse_sum);
 
     if (!a->lse) return;
     REAL *lse = (REAL *)((char *)a->lse + off[ATTNX_SM_LSE]) + i0;
     if (a->key_sqnorm_coef != 0)
         /* gaussian: lse of the true scores, -|q_i - k_j|^2 / (2 sigma^2) */
-        SFX(sqnorm_terms)(lse, q, a->q_row, rows, a->d, (REAL)a->key_sqnorm_coef);
+        SFX(softmax_sqnorm_terms)(lse, q, a->q_row, rows, a->d, (REAL)a->key_sqnorm_coef);
     for (ptrdiff_t r = 0; r < rows; r++) {
         REAL row_sum = w->row_sum[r], query_term = a->key_sqnorm_coef != 0 ? lse[r] : 0;
         lse[r] = row_sum == 0 ? -(REAL)INFINITY
@@ -427,7 +437,7 @@ static void SFX(item_tile)(const SFX(softmax_backend) *be, const attnx_softmax_a
 
 int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
 {
-    const SFX(softmax_backend) *be = SFX(choose_backend)(a);
+    const SFX(softmax_backend) *be = SFX(softmax_choose_backend)(a);
     softmax_plan plan = {.q_tile = be->q_tile};
     plan.q_tiles = (a->n + plan.q_tile - 1) / plan.q_tile;
     ptrdiff_t work = a->heads * plan.q_tiles;
@@ -476,7 +486,7 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     if (be->setup && (status = be->setup(be, a, &plan, works, &memory)) != ATTNX_OK) goto done;
 
     /* each thread a share of consecutive items, whole heads when they split
-     * evenly, then what is left of the others' (claim_item). One thread
+     * evenly, then what is left of the others' (softmax_claim_item). One thread
      * runs on the caller: a parallel region of one costs about 0.2 us, a
      * tenth of a tiny call. */
     if (threads == 1) {
@@ -487,7 +497,7 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
 #pragma omp parallel num_threads(threads)
         {
             int self = omp_get_thread_num();
-            for (ptrdiff_t item; (item = claim_item(shares, threads, self)) >= 0;)
+            for (ptrdiff_t item; (item = softmax_claim_item(shares, threads, self)) >= 0;)
                 SFX(item_tile)(be, a, item, &plan, &works[self]);
         }
     }

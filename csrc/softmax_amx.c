@@ -184,7 +184,6 @@ static int amx_setup(const softmax_backend_f32 *be, const attnx_softmax_args *a,
 }
 
 const softmax_backend_f32 softmax_amx_f32 = {
-    .name = "amx",
     .width = 16,
     .mk = NULL, /* its own kernels, amx.h */
     .q_tile = AMX_Q_TILE,

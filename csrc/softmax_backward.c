@@ -52,7 +52,8 @@
 #define TARGET_ITEMS 8
 
 /* The AVX-512 products (zmm_gemm) where gcc can target them; the CPU is
- * asked at run time (attnx_mk_width). */
+ * asked at run time (attnx_mk_width), and a backend limit of "plain"
+ * (ATTNX_SOFTMAX_BACKEND, tests) keeps the products on BLAS. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
 #define BWD_HAVE_ZMM 1
 #include "microkernel.h"
@@ -503,7 +504,8 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     /* AVX-512 products where the CPU has them and d, e are whole vectors */
     int zmm = 0;
 #ifdef BWD_HAVE_ZMM
-    zmm = attnx_mk_width() == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
+    zmm = attnx_softmax_backend_limit() >= ATTNX_BACKEND_MK && attnx_mk_width() == 16 &&
+          d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
     ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
     int dropout = a->dropout_p > 0;

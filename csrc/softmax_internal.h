@@ -44,6 +44,19 @@ typedef struct {
     int threads;
 } softmax_plan;
 
+/* The items [next, end) of one thread's share of the work. */
+typedef struct {
+    ptrdiff_t next, end;
+} item_range;
+
+/* softmax.c: the next work item for thread `self`: its own share's first
+ * one left, or, when its share is done, another share's last one; -1 when
+ * none is left. A thread slowed by other work on its core then does not
+ * hold up the call, and a head's query tiles still mostly go to one
+ * thread, which packs the head's keys and values once. */
+ptrdiff_t softmax_claim_item(item_range *shares, int threads, int self)
+    __attribute__((visibility("hidden")));
+
 /* count numbers of `size` bytes rounded up to whole cache lines: each
  * part of a thread's scratch starts on its own line */
 static inline ptrdiff_t softmax_lines(ptrdiff_t count, ptrdiff_t size)
@@ -85,6 +98,7 @@ typedef struct {
     REAL *correction;   /* 2^(old max - new max), to rescale the output */
     REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum;
                                * at the tile's end, shift holds the rows' 1 / sum */
+    ptrdiff_t head;           /* the tile's head, flat index (dropout's counter) */
     unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
     const void *v_seen;       /* the values v_state describes */
     /* the backend's own, set by its setup (plain: none) */
@@ -108,7 +122,6 @@ typedef struct {
 typedef struct SFX(softmax_backend) SFX(softmax_backend);
 typedef struct SFX(mk_kernels) SFX(mk_kernels);
 struct SFX(softmax_backend) {
-    const char *name;      /* as ATTNX_SOFTMAX_BACKEND names it: plain, mk, amx */
     int width;             /* the micro-kernels' instruction set (attnx_mk_width), 0 none */
     const SFX(mk_kernels) *mk;  /* the micro-kernels of that width (softmax_mk.c), or NULL */
     ptrdiff_t q_tile;      /* query rows per tile */
@@ -142,7 +155,12 @@ struct SFX(softmax_backend) {
 /* Not exported from the module: calls between the files stay direct. */
 #pragma GCC visibility push(hidden)
 
-/* softmax.c: the steps every backend shares */
+/* softmax.c: the backend of a call, and the steps every backend shares */
+const SFX(softmax_backend) *SFX(softmax_choose_backend)(const attnx_softmax_args *a);
+/* bias[j] = coef * |x_j|^2 over rows x_j (gaussian attention's -|k_j|^2 /
+ * (2 sigma^2), and the query's own term of its lse) */
+void SFX(softmax_sqnorm_terms)(REAL *bias, const REAL *rows_x, ptrdiff_t x_row, ptrdiff_t count,
+                               ptrdiff_t d, REAL coef);
 
 /* key_term[j] for the tile's keys [j0, j0 + cols), in log2 units: the
  * gaussian term, a per-key bias, -inf for a key its mask removes; 0 in the

@@ -271,7 +271,6 @@ static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff
 #endif
 
 const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
-    .name = "mk",
     .width = 16,
     .mk = &SFX(mk_avx512),
     .q_tile = Q_TILE,
@@ -293,7 +292,6 @@ const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
 };
 
 const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
-    .name = "mk",
     .width = 8,
     .mk = &SFX(mk_avx2),
     .q_tile = Q_TILE,

@@ -66,3 +66,42 @@ def gaussian_attention_grads(dout, q, k, v, sigma=1.0, causal=False, mask=None, 
     dq = (np.matmul(d_logits, k) - row_sums * q) / sigma**2
     dk = (np.matmul(np.swapaxes(d_logits, -1, -2), q) - col_sums * k) / sigma**2
     return dq, dk, dv, d_logits
+
+
+# --------------------------------------------------------------------------
+# Dropout: Philox4x32-10 keep decisions of (seed, head, i, j)
+# --------------------------------------------------------------------------
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_MASK32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 of Salmon et al. (SC 2011) on uint64 arrays holding
+    32-bit words: counter (4, ...) and key (2,) -> (4, ...)."""
+    c0, c1, c2, c3 = (np.asarray(word, dtype=np.uint64) for word in counter)
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    for round_index in range(10):
+        if round_index:
+            k0 = (k0 + np.uint64(_PHILOX_W[0])) & np.uint64(_MASK32)
+            k1 = (k1 + np.uint64(_PHILOX_W[1])) & np.uint64(_MASK32)
+        p0 = np.uint64(_PHILOX_M[0]) * c0
+        p1 = np.uint64(_PHILOX_M[1]) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & np.uint64(_MASK32),
+                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & np.uint64(_MASK32))
+    return np.stack([c0, c1, c2, c3])
+
+
+def dropout_keep(seed, p, lead, n, m):
+    """The keep mask (lead + (n, m)) of attention dropout: weight (head, i, j)
+    is kept when word j % 4 of Philox(counter = (i, j // 4, head low, head
+    high), key = (seed low, seed high)) is at least floor(p 2^32); head is
+    the flat C-order index of the leading axes."""
+    heads = int(np.prod(lead, dtype=np.int64))
+    head, i, j = np.meshgrid(np.arange(heads, dtype=np.uint64), np.arange(n, dtype=np.uint64),
+                             np.arange(m, dtype=np.uint64), indexing="ij")
+    words = philox4x32_10((i, j // np.uint64(4), head & np.uint64(_MASK32), head >> np.uint64(32)),
+                          (seed & _MASK32, seed >> 32))
+    word = np.take_along_axis(words, (j % np.uint64(4)).astype(np.int64)[None], axis=0)[0]
+    return (word >= np.uint64(int(p * 2**32))).reshape(tuple(lead) + (n, m))

@@ -17,7 +17,6 @@ a wide margin for a correct kernel.
 """
 
 import concurrent.futures
-import contextlib
 import math
 import os
 import subprocess
@@ -33,7 +32,7 @@ import attnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
-                     mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
+                     mixed_dtype_qkv, qkv, run_isolated, softmax_backend, tol, vscale)
 
 HYP = hypothesis_settings(60)
 
@@ -1098,17 +1097,6 @@ AMX_USABLE = attnx._C.build_info()["amx"]
 BACKENDS_HERE = attnx._C.build_info()["softmax_backends"]
 
 
-@contextlib.contextmanager
-def softmax_backend(name):
-    """Calls inside use at most backend `name` (plain C + BLAS, the
-    micro-kernels, AMX), as ATTNX_SOFTMAX_BACKEND=name would have them."""
-    before = attnx._C._set_softmax_backend(name)
-    try:
-        yield name
-    finally:
-        attnx._C._set_softmax_backend(before)
-
-
 @pytest.fixture(params=["plain", "mk", "amx"])
 def kernels(request):
     """Run a test on every softmax backend this CPU has: plain C + BLAS,
@@ -1327,6 +1315,28 @@ def test_softmax_backend_names():
     assert "plain" in BACKENDS_HERE
     cpu = attnx._C.build_info()["simd"]
     assert ("mk" in BACKENDS_HERE) == (not cpu.startswith("baseline"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_backend_setting_reaches_the_kernel(dtype):
+    """Each backend this CPU has computes the same call in its own order of
+    operations (BLAS, micro-kernels, AMX products): the results all match
+    the reference but no two are the same bits, so the setting does choose
+    the kernel that runs, and the tests above do run each one."""
+    rng = np.random.default_rng(67)
+    q, k, v = qkv(rng, (2,), 300, 300, 64, 64, dtype)
+    want = ref_softmax(q, k, v, causal=True)
+    results = {}
+    for name in BACKENDS_HERE:
+        if name == "amx" and dtype == np.float64:
+            continue                                    # float64 has no AMX backend
+        with softmax_backend(name):
+            results[name] = attnx.softmax_attention(q, k, v, causal=True)
+        assert_close(results[name], want, dtype, vscale(v), err_msg=name)
+    names = sorted(results)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            assert not np.array_equal(results[first], results[second]), (first, second)
 
 
 @pytest.mark.parametrize("setting,limit", [("ATTNX_SOFTMAX_BACKEND=plain", "plain"),

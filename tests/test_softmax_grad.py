@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnx
-from helpers import hypothesis_settings, run_isolated  # noqa: F401
-from reference_grad import gaussian_attention_grads, reduce_to, softmax_attention_grads
+import reference as ref
+from helpers import hypothesis_settings, softmax_backend
+from reference_grad import (dropout_keep, gaussian_attention_grads, philox4x32_10, reduce_to,
+                            softmax_attention_grads)
 
 # float32 gradients are compared relative to the largest reference entry
 RTOL = {np.float32: 5e-5, np.float64: 1e-10}
@@ -345,3 +347,107 @@ def test_property_masked_keys_get_zero_and_permutations(n, m, seed, causal):
         np.testing.assert_allclose(g_b.q[b], g_s.q, rtol=1e-12, atol=1e-14)
         dk_sum[0] += g_s.k
     np.testing.assert_allclose(g_b.k, dk_sum, rtol=1e-9, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# Both backward product paths: the AVX-512 kernel and BLAS
+# --------------------------------------------------------------------------
+
+BACKENDS_HERE = [name for name in ("plain", "mk")
+                 if name in attnx._C.build_info()["softmax_backends"]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grads_on_every_backend(backend, dtype, causal):
+    rng = np.random.default_rng(16)
+    q, k, v = inputs(rng, (2, 200, 32), (2, 300, 32), (2, 300, 16), dtype)
+    with softmax_backend(backend):
+        check_softmax(q, k, v, dtype, rng, causal=causal, mask=rng.random((1, 300)) < 0.8)
+
+
+# --------------------------------------------------------------------------
+# Dropout
+# --------------------------------------------------------------------------
+
+def test_philox_reference_known_answers():
+    # the published known-answer vectors of Philox4x32-10 (Random123)
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+             ((0xffffffff,) * 4, (0xffffffff,) * 2, (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+             ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+              (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1))]
+    for counter, key, want in cases:
+        assert tuple(int(w) for w in philox4x32_10(counter, key)) == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_forward_and_weights_match_reference(backend, dtype, p):
+    rng = np.random.default_rng(17)
+    seed = 2**40 + 12345
+    q, k, v = inputs(rng, (2, 3, 150, 16), (2, 3, 290, 16), (2, 3, 290, 16), dtype)
+    keep = dropout_keep(seed, p, (2, 3), 150, 290)
+    with softmax_backend(backend):
+        for causal in (False, True):
+            w = ref.softmax_weights(q, k, causal=causal)
+            want = np.matmul(w * keep / (1 - p), v.astype(np.float64))
+            out, lse = attnx.softmax_attention(q, k, v, causal=causal, dropout_p=p, seed=seed,
+                                               return_lse=True)
+            assert_grad_close(out, want, dtype, "out")
+            # lse is that of the undropped weights
+            _, lse0 = attnx.softmax_attention(q, k, v, causal=causal, return_lse=True)
+            np.testing.assert_array_equal(lse, lse0)
+            weights = attnx.attention_weights(q, k, causal=causal, dropout_p=p, seed=seed)
+            assert_grad_close(weights, w * keep / (1 - p), dtype, "weights")
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_gradients_match_reference(backend, dtype):
+    rng = np.random.default_rng(18)
+    p, seed = 0.25, 7
+    q, k, v = inputs(rng, (2, 2, 170, 32), (2, 1, 260, 32), (2, 1, 260, 16), dtype)
+    keep = dropout_keep(seed, p, (2, 2), 170, 260)
+    with softmax_backend(backend):
+        out, lse = attnx.softmax_attention(q, k, v, causal=True, dropout_p=p, seed=seed,
+                                           return_lse=True)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        g = attnx.softmax_attention_backward(dout, q, k, v, out, lse, causal=True, dropout_p=p,
+                                             seed=seed)
+        out_v, pullback = attnx.vjp(attnx.softmax_attention, q, k, v, causal=True, dropout_p=p,
+                                    seed=seed)
+        np.testing.assert_array_equal(out_v, out)
+        np.testing.assert_array_equal(pullback(dout).q, g.q)
+    dq, dk, dv, _ = softmax_attention_grads(dout, q, k, v, causal=True, dropout_keep=keep,
+                                            dropout_p=p)
+    assert_grad_close(g.q, dq, dtype, "q")
+    assert_grad_close(g.k, reduce_to(dk, k.shape), dtype, "k")
+    assert_grad_close(g.v, reduce_to(dv, v.shape), dtype, "v")
+
+
+def test_dropout_keeps_about_one_minus_p():
+    rng = np.random.default_rng(19)
+    q, k = inputs(rng, (4, 300, 8), (4, 300, 8), (4, 300, 8), np.float64)[:2]
+    weights = attnx.attention_weights(q, k, dropout_p=0.3, seed=3)
+    kept = np.mean(weights != 0)
+    # 360000 Bernoulli(0.7) draws: 5 standard deviations are 0.004
+    assert abs(kept - 0.7) < 0.004
+    other = attnx.attention_weights(q, k, dropout_p=0.3, seed=4)
+    assert np.mean((weights != 0) == (other != 0)) < 0.65
+
+
+def test_dropout_options_are_checked():
+    q = np.ones((1, 4, 4))
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="dropout_p must be in"):
+            attnx.softmax_attention(q, q, q, dropout_p=bad, seed=0)
+    with pytest.raises(ValueError, match="needs seed"):
+        attnx.softmax_attention(q, q, q, dropout_p=0.5)
+    with pytest.raises(ValueError, match="seed must be in"):
+        attnx.gaussian_attention(q, q, q, dropout_p=0.5, seed=-1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        attnx.softmax_attention(q, q, q, dropout_p=0.5, seed=1.5)
+    np.testing.assert_array_equal(attnx.softmax_attention(q, q, q, dropout_p=0.0),
+                                  attnx.softmax_attention(q, q, q))
