@@ -224,3 +224,31 @@ def test_encoder_compiles_without_graph_breaks(kernel_calls):
         want = model(ids, attention_mask=mask).last_hidden_state
         got = compiled(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_decoder_attention_dropout_in_training(kernel_calls):
+    """Attention dropout runs in attnx (seeded from torch's generator):
+    repeatable under torch.manual_seed, absent in eval mode."""
+    config = llama_config()
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="attnx").double()
+    ids, mask = left_padded_batch()
+    model.train()
+    torch.manual_seed(5)
+    first = model(ids, attention_mask=mask).logits
+    torch.manual_seed(5)
+    second = model(ids, attention_mask=mask).logits
+    torch.manual_seed(6)
+    third = model(ids, attention_mask=mask).logits
+    assert torch.equal(first, second) and not torch.allclose(first, third)
+    first.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).logits
+        want = _without_spy(lambda: transformers.LlamaForCausalLM._from_config(
+            config, attn_implementation="sdpa").double().eval())
+        want.load_state_dict(model.state_dict())
+        want_logits = _without_spy(lambda: want(ids, attention_mask=mask).logits)
+    torch.testing.assert_close(plain, want_logits, **TOL)
