@@ -335,8 +335,8 @@ def _seed_tensor(dropout_p, seed):
 
 
 def _softmax_call(variant, q, k, v, param, causal, mask, bias, window, dropout_p, seed,
-                  return_lse, names=("q", "k", "v")):
-    _check_inputs(names, q, k, v)
+                  return_lse):
+    _check_inputs(("q", "k", "v"), q, k, v)
     n = q.shape[-2]
     if mask is not None:
         _check_tensor("mask", mask)
@@ -345,6 +345,9 @@ def _softmax_call(variant, q, k, v, param, causal, mask, bias, window, dropout_p
                             "give additive float masks as bias=")
         mask = _key_padding_view(mask, n)
     if bias is not None:
+        _check_tensor("bias", bias)
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be floating point, got dtype {bias.dtype}")
         _, bias = _split_mask(bias, n, "bias")
     out, lse = _softmax_apply(
         q, k, v, mask, bias, variant, None if param is None else float(param),
@@ -684,8 +687,7 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
         groups = heads // kv_heads
         query = query.unflatten(1, (kv_heads, groups))
         key, value = key.unsqueeze(2), value.unsqueeze(2)
-        mask, bias = (None if t is None else t.unflatten(1, (kv_heads, groups)) if t.shape[1] == heads
-                      else t.unsqueeze(2) for t in (mask, bias))
+        mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
     out = _softmax_apply(
         query, key, value, mask, bias, "softmax", None if scaling is None else float(scaling), causal,
         None, float(dropout), _seed_tensor(dropout, None))[0]

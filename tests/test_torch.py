@@ -599,3 +599,11 @@ def test_strided_tensors_read_in_place_and_output_written_in_place(monkeypatch):
     qt = randn(B, H, d, n, dtype=torch.float32).transpose(-1, -2)
     torch.testing.assert_close(at.scaled_dot_product_attention(qt, k, v),
                                F.scaled_dot_product_attention(qt, k, v), rtol=2e-5, atol=2e-6)
+
+
+def test_bool_bias_is_refused():
+    q = randn(2, 4, 8, grad=False)
+    with pytest.raises(TypeError, match="bias must be floating point"):
+        at.softmax_attention(q, q, q, bias=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be bool"):
+        at.softmax_attention(q, q, q, mask=torch.ones(4, 4, dtype=torch.float64))
