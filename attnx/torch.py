@@ -33,6 +33,7 @@
 """
 import inspect
 import math
+import warnings
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -665,8 +666,9 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
     if kwargs.get("softcap") is not None:
         raise ValueError("attnx attention does not support softcap")
     if kwargs.get("output_attentions", False):
-        raise ValueError("attnx attention does not return the attention weights; use "
-                         "attn_implementation='eager' for output_attentions=True")
+        warnings.warn("attnx attention does not return the attention weights (None is returned "
+                      "for them); use attn_implementation='eager' for output_attentions=True",
+                      stacklevel=2)
     batch, heads, n, _ = query.shape
     kv_heads = key.shape[1]
     if is_causal is None:
