@@ -427,12 +427,14 @@ _BACKWARD_NAMES = {
     "performer": "performer_attention_backward",
     "efficient": "efficient_attention_backward",
 }
-_PARAMETERS = {front: set(inspect.signature(fn).parameters) for front, fn in _linear.FRONT_ENDS.items()}
+_PARAMETERS = {front: set(inspect.signature(fn).parameters)
+               for front, fn in _linear.FRONT_ENDS.items()}
 
 
 def _linear_options(front, feature_map, causal, key_mask, mask, window, method, chunk_size, eps,
                     projection, p, M, dtype):
-    given = {"feature_map": feature_map, "causal": _decode_causal(causal), "key_mask": _np(key_mask),
+    given = {"feature_map": feature_map, "causal": _decode_causal(causal),
+             "key_mask": _np(key_mask),
              "mask": _np(mask), "window": _decode_window(window), "method": method,
              "chunk_size": chunk_size, "eps": eps, "projection": _np(projection, dtype),
              "p": p if p is None or p != int(p) else int(p),
@@ -608,7 +610,8 @@ def performer_attention(q, k, v, projection=None, num_features=None, seed=None, 
             num_features = max(1, round(d * math.log(d))) if d > 0 else 1
         projection = torch.from_numpy(attnx.random_features(num_features, d, seed=seed))
     elif num_features is not None and projection.shape[0] != num_features:
-        raise ValueError(f"projection has {projection.shape[0]} rows but num_features={num_features}")
+        raise ValueError(f"projection has {projection.shape[0]} rows but "
+                         f"num_features={num_features}")
     elif seed is not None:
         raise ValueError("performer_attention: give projection= or seed= (to draw one), not both")
     return _linear_call("performer", q, k, v, "favor", causal, key_mask, mask, window, method,
@@ -691,8 +694,8 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
         key, value = key.unsqueeze(2), value.unsqueeze(2)
         mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
     out = _softmax_apply(
-        query, key, value, mask, bias, "softmax", None if scaling is None else float(scaling), causal,
-        None, float(dropout), _seed_tensor(dropout, None))[0]
+        query, key, value, mask, bias, "softmax", None if scaling is None else float(scaling),
+        causal, None, float(dropout), _seed_tensor(dropout, None))[0]
     out = out.reshape(batch, heads, n, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
