@@ -483,6 +483,8 @@ def test_callable_feature_map_forward_and_errors():
         at.linear_attention(q, k, v, feature_map=lambda x: x[..., 0])
     with pytest.raises(TypeError, match="torch.Tensor"):
         at.linear_attention(q, k, v, feature_map=lambda x: x.numpy())
+    with pytest.raises(ValueError, match="non-negative"):
+        at.linear_attention(q, k, v, feature_map=lambda x: x - 10)
 
 
 @needs_dropout
