@@ -3,6 +3,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <string.h>
 
 static int is_supported_kind(char kind) { return kind == 'f' || kind == 'i' || kind == 'u' || kind == 'b'; }
 
@@ -164,7 +165,7 @@ static npy_intp core_dim(const attnx_operand *op, int axis)
     return -axis <= op->core_ndim && nd + axis >= 0 ? PyArray_DIM(op->array, nd + axis) : 1;
 }
 
-ptrdiff_t attnx_core_stride(const attnx_operand *op, int axis)
+ptrdiff_t attnx_operand_core_stride(const attnx_operand *op, int axis)
 {
     int nd = PyArray_NDIM(op->array);
     if (-axis > op->core_ndim || nd + axis < 0 || PyArray_DIM(op->array, nd + axis) == 1) return 0;
@@ -562,9 +563,471 @@ int attnx_check_status(int status)
     if (status == ATTNX_OK) return 0;
     if (status == ATTNX_ENOMEM)
         PyErr_NoMemory();
+    else if (status == ATTNX_EINTR) {
+        /* poll_signals ran the handlers, which set the exception */
+        if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    }
     else
         PyErr_Format(PyExc_RuntimeError, "attnx kernel failed with status %d", status);
     return -1;
+}
+
+/* ------------------------------------------------------------------------
+ * The call description (args.h). */
+
+/* A param's core axes, parsed from its description. */
+typedef struct {
+    int count;
+    int any_broadcast;
+    char symbol[ATTNX_MAX_CORE];
+    char broadcast[ATTNX_MAX_CORE];  /* may be 1 or missing */
+} core_axes;
+
+static void parse_axes(const char *axes, core_axes *core)
+{
+    core->count = core->any_broadcast = 0;
+    for (const char *c = axes; *c; c++) {
+        if (*c >= 'a' && *c <= 'z' && core->count < ATTNX_MAX_CORE) {
+            core->symbol[core->count] = *c;
+            core->broadcast[core->count++] = 0;
+        } else if (*c == '|' && core->count > 0) {
+            core->broadcast[core->count - 1] = core->any_broadcast = 1;
+        }
+    }
+}
+
+void attnx_call_init(attnx_call *call, const attnx_param *params, int count, int nslots,
+                     const char *int_sizes)
+{
+    call->params = params;
+    call->count = count;
+    call->nslots = nslots;
+    call->int_sizes = int_sizes;
+    call->legend = NULL;
+    call->derived.symbol = 0;
+    for (int s = 0; s < 26; s++) {
+        call->size[s] = -1;
+        call->bound_by[s] = -1;
+    }
+    for (int i = 0; i < count; i++) {
+        call->ops[i] = (attnx_operand){params[i].name, NULL, 0, NULL};
+        call->results[i] = NULL;
+    }
+    call->offsets = NULL;
+}
+
+static void bind_symbol(attnx_call *call, char symbol, npy_intp size, int by)
+{
+    call->size[symbol - 'a'] = size;
+    call->bound_by[symbol - 'a'] = (signed char)by;
+    char derived = call->derived.symbol;
+    if (derived && call->derived.from == symbol && call->size[derived - 'a'] < 0) {
+        npy_intp mul = call->derived.mul, add = call->derived.add;
+        /* saturated: an overflowing size fails the int_sizes check */
+        npy_intp value = mul > 0 && size > (NPY_MAX_INTP - add) / mul ? NPY_MAX_INTP : mul * size + add;
+        bind_symbol(call, derived, value, -1);
+    }
+}
+
+void attnx_call_set(attnx_call *call, char symbol, npy_intp size)
+{
+    bind_symbol(call, symbol, size, -1);
+}
+
+void attnx_call_derive(attnx_call *call, char symbol, char from, npy_intp mul, npy_intp add)
+{
+    call->derived.symbol = symbol;
+    call->derived.from = from;
+    call->derived.mul = mul;
+    call->derived.add = add;
+    if (call->size[from - 'a'] >= 0) bind_symbol(call, from, call->size[from - 'a'], call->bound_by[from - 'a']);
+}
+
+/* "(..., n, d)", or with values "(..., 7, 16)" */
+static void axes_text(const attnx_call *call, const core_axes *core, int values, char *text,
+                      size_t size)
+{
+    size_t used = (size_t)PyOS_snprintf(text, size, "(...");
+    for (int a = 0; a < core->count && used < size; a++) {
+        if (values)
+            used += (size_t)PyOS_snprintf(text + used, size - used, ", %ld",
+                                          (long)call->size[core->symbol[a] - 'a']);
+        else
+            used += (size_t)PyOS_snprintf(text + used, size - used, ", %c", core->symbol[a]);
+    }
+    if (used < size) PyOS_snprintf(text + used, size - used, ")");
+}
+
+/* The one message of a core shape that does not fit: "k has shape
+ * (2, 7, 8), expected (..., m, d) = (..., 7, 16) (d from q)". `failed`: the
+ * axis that does not fit, -1 for too few axes. */
+static int shape_error(const attnx_call *call, int i, PyArrayObject *array, const core_axes *core,
+                       int failed)
+{
+    char symbols[64], values[160] = "", origin[96] = "";
+    int all_bound = 1;
+    for (int a = 0; a < core->count; a++) all_bound &= call->size[core->symbol[a] - 'a'] >= 0;
+    axes_text(call, core, 0, symbols, sizeof symbols);
+    if (all_bound) {
+        PyOS_snprintf(values, sizeof values, " = ");
+        axes_text(call, core, 1, values + 3, sizeof values - 3);
+    }
+    if (failed >= 0) {
+        char symbol = core->symbol[failed];
+        int by = call->bound_by[symbol - 'a'];
+        if (by >= 0 && by != i)
+            PyOS_snprintf(origin, sizeof origin, " (%c from %s)", symbol, call->params[by].name);
+    }
+    PyObject *shape = PyObject_GetAttrString((PyObject *)array, "shape");
+    if (shape)
+        PyErr_Format(PyExc_ValueError, "%s has shape %R, expected %s%s%s%s%s%s",
+                     call->params[i].name, shape, core->any_broadcast ? "to broadcast to " : "",
+                     symbols, values, origin, call->legend ? "; " : "",
+                     call->legend ? call->legend : "");
+    Py_XDECREF(shape);
+    return -1;
+}
+
+/* Input i as an array of any dtype (the caller's own when it is one), its
+ * core axes bound and checked. */
+static int view_input(attnx_call *call, int i, PyObject *obj)
+{
+    const attnx_param *param = &call->params[i];
+    attnx_operand *op = &call->ops[i];
+    PyArrayObject *array;
+    if (PyArray_Check(obj)) {
+        array = (PyArrayObject *)obj;
+        Py_INCREF(array);
+    } else if (!(array = (PyArrayObject *)PyArray_FROM_O(obj))) {
+        return -1;
+    }
+    op->array = array;
+    op->source = obj;
+    if ((param->flags & ATTNX_BOOL) && PyArray_TYPE(array) != NPY_BOOL) {
+        PyErr_Format(PyExc_TypeError, "%s must be a boolean array (True = may attend), got dtype %R",
+                     param->name, (PyObject *)PyArray_DESCR(array));
+        return -1;
+    }
+    core_axes core;
+    parse_axes(param->axes, &core);
+    int nd = PyArray_NDIM(array);
+    if (!core.any_broadcast && nd < core.count) return shape_error(call, i, array, &core, -1);
+    op->core_ndim = nd < core.count ? nd : core.count;
+    npy_intp dims[ATTNX_MAX_CORE];
+    for (int a = 0; a < core.count; a++) {
+        int from_end = core.count - a;
+        dims[a] = from_end <= op->core_ndim ? PyArray_DIM(array, nd - from_end) : 1;
+        char symbol = core.symbol[a];
+        if (call->size[symbol - 'a'] < 0 && (!core.broadcast[a] || dims[a] != 1))
+            bind_symbol(call, symbol, dims[a], i);
+    }
+    for (int a = 0; a < core.count; a++) {
+        npy_intp want = call->size[core.symbol[a] - 'a'];
+        if (dims[a] != want && !(core.broadcast[a] && dims[a] == 1))
+            return shape_error(call, i, array, &core, a);
+    }
+    return 0;
+}
+
+/* Can BLAS read the core matrix in place? (above) -- the input converted
+ * to typenum, copied once where its layout needs it. */
+static int convert_input(attnx_operand *op, int typenum, int flags)
+{
+    if (flags & ATTNX_BOOL) return 0;
+    int elementwise = flags & ATTNX_ELEMENTWISE;
+    PyArrayObject *array = op->array;
+    if (PyArray_TYPE(array) != typenum || !PyArray_ISALIGNED(array) || !PyArray_ISNOTSWAPPED(array)) {
+        /* promoted inputs cast safely; the others are cast to the compute dtype whatever theirs */
+        int cast = NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED |
+                   (flags & ATTNX_COMPUTE ? 0 : NPY_ARRAY_FORCECAST);
+        array = (PyArrayObject *)PyArray_FromAny((PyObject *)array, PyArray_DescrFromType(typenum), 0,
+                                                 0, cast, NULL);
+        if (!array) {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyObject *type, *value, *tb;
+                PyErr_Fetch(&type, &value, &tb);
+                PyErr_Format(PyExc_TypeError, "%s: %S", op->name, value ? value : Py_None);
+                Py_XDECREF(type);
+                Py_XDECREF(value);
+                Py_XDECREF(tb);
+            }
+            return -1;
+        }
+        Py_SETREF(op->array, array);
+    }
+    if (!layout_ok(array, elementwise ? 0 : op->core_ndim)) {
+        PyArrayObject *copy = (PyArrayObject *)PyArray_NewCopy(array, NPY_CORDER);
+        if (!copy) return -1;
+        Py_SETREF(op->array, copy);
+    }
+    return 0;
+}
+
+/* ValueError unless `written` shares no element with the arrays of
+ * ops[0..count) other than ops[skip] (the caller's arrays, not copies). */
+static int check_disjoint_but(PyArrayObject *written, const char *name, const attnx_operand *ops,
+                              int count, int skip)
+{
+    for (int j = 0; j < count; j++) {
+        if (j == skip) continue;
+        if (attnx_check_disjoint(written, name, &ops[j], 1) < 0) return -1;
+    }
+    return 0;
+}
+
+/* (batch..., core...) as a tuple, for messages */
+static PyObject *full_shape(const attnx_batch *batch, const npy_intp *core, int n_core)
+{
+    PyObject *shape = PyTuple_New(batch->ndim + n_core);
+    for (int ax = 0; shape && ax < batch->ndim + n_core; ax++) {
+        npy_intp size = ax < batch->ndim ? batch->shape[ax] : core[ax - batch->ndim];
+        PyObject *item = PyLong_FromSsize_t(size);
+        if (!item) {
+            Py_CLEAR(shape);
+            break;
+        }
+        PyTuple_SET_ITEM(shape, ax, item);
+    }
+    return shape;
+}
+
+/* The caller's out= for output i: dtype, shape batch + core, layout,
+ * writeable, no overlap with the inputs and earlier outputs. */
+static int check_out(attnx_call *call, int i, PyObject *obj, int typenum, const npy_intp *core,
+                     int n_core)
+{
+    const char *name = call->params[i].name;
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array, got %s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyArrayObject *out = (PyArrayObject *)obj;
+    if (PyArray_TYPE(out) != typenum) {
+        PyArray_Descr *want = PyArray_DescrFromType(typenum);
+        PyErr_Format(PyExc_TypeError, "%s must have dtype %R, got %R", name, (PyObject *)want,
+                     (PyObject *)PyArray_DESCR(out));
+        Py_DECREF(want);
+        return -1;
+    }
+    const attnx_batch *batch = &call->batch;
+    int shape_ok = PyArray_NDIM(out) == batch->ndim + n_core;
+    for (int ax = 0; shape_ok && ax < batch->ndim + n_core; ax++)
+        shape_ok = PyArray_DIM(out, ax) == (ax < batch->ndim ? batch->shape[ax] : core[ax - batch->ndim]);
+    if (!shape_ok) {
+        PyObject *want = full_shape(batch, core, n_core);
+        PyObject *got = PyObject_GetAttrString(obj, "shape");
+        core_axes axes;
+        char symbols[64];
+        parse_axes(call->params[i].axes, &axes);
+        axes_text(call, &axes, 0, symbols, sizeof symbols);
+        if (want && got)
+            PyErr_Format(PyExc_ValueError, "%s has shape %R, expected %R: %s over the batch shape",
+                         name, got, want, symbols);
+        Py_XDECREF(want);
+        Py_XDECREF(got);
+        return -1;
+    }
+    if (PyArray_FailUnlessWriteable(out, name) < 0) return -1;
+    if (!PyArray_ISALIGNED(out) || PyArray_ISBYTESWAPPED(out) || !layout_ok(out, n_core)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be aligned, native-endian, with a contiguous last axis and "
+                     "non-overlapping rows", name);
+        return -1;
+    }
+    return check_disjoint_but(out, name, call->ops, call->count, i);
+}
+
+/* An output written over input `of` (a decoding step's state). */
+static int check_in_place(attnx_call *call, int i, int of)
+{
+    const char *name = call->params[i].name;
+    PyArrayObject *array = call->ops[of].array;
+    const attnx_batch *batch = &call->batch;
+    if ((PyObject *)array != call->ops[of].source || !PyArray_IS_C_CONTIGUOUS(array) ||
+        !PyArray_ISWRITEABLE(array)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s is updated in place: it must be a writeable, C-contiguous array of the "
+                     "computing dtype (not one that needs a converted copy)", name);
+        return -1;
+    }
+    int same = PyArray_NDIM(array) - call->ops[of].core_ndim == batch->ndim;
+    for (int ax = 0; same && ax < batch->ndim; ax++) same = PyArray_DIM(array, ax) == batch->shape[ax];
+    if (!same) {
+        PyObject *shape = PyObject_GetAttrString((PyObject *)array, "shape");
+        PyObject *want = full_shape(batch, NULL, 0);
+        if (shape && want)
+            PyErr_Format(PyExc_ValueError,
+                         "%s is updated in place, so it keeps its batch shape: the inputs "
+                         "broadcast to the batch shape %R, but %s has shape %R", name, want, name,
+                         shape);
+        Py_XDECREF(shape);
+        Py_XDECREF(want);
+        return -1;
+    }
+    return check_disjoint_but(array, name, call->ops, call->count, of);
+}
+
+/* Output i: allocated, or the caller's array checked; ops[i] the array
+ * the kernel writes, results[i] the one the caller gets. */
+static int make_output(attnx_call *call, int i, PyObject *obj)
+{
+    const attnx_param *param = &call->params[i];
+    attnx_operand *op = &call->ops[i];
+    core_axes axes;
+    parse_axes(param->axes, &axes);
+    npy_intp core[ATTNX_MAX_CORE];
+    for (int a = 0; a < axes.count; a++) core[a] = call->size[axes.symbol[a] - 'a'];
+    int typenum = param->flags & ATTNX_RESULT_DTYPE ? call->dtypes.result : call->dtypes.compute;
+    PyArrayObject *result;
+    if (param->flags & ATTNX_IN_PLACE) {
+        int of = 0;
+        while (of < call->count && (call->ops[of].source != obj || (call->params[of].flags & ATTNX_OUTPUT)))
+            of++;
+        if (of == call->count) {
+            PyErr_Format(PyExc_SystemError, "%s: in-place output of no input", param->name);
+            return -1;
+        }
+        if (check_in_place(call, i, of) < 0) return -1;
+        result = call->ops[of].array;
+        Py_INCREF(result);
+    } else if (obj != Py_None) {
+        if (check_out(call, i, obj, typenum, core, axes.count) < 0) return -1;
+        result = (PyArrayObject *)obj;
+        Py_INCREF(result);
+    } else if (param->flags & ATTNX_ALIGNED) {
+        result = attnx_new_aligned_array(&call->batch, core, axes.count, typenum);
+    } else {
+        result = attnx_new_array(&call->batch, core, axes.count, typenum);
+    }
+    if (!result) return -1;
+    call->results[i] = result;
+    PyArrayObject *written = result;
+    if (typenum != call->dtypes.compute) {
+        written = attnx_new_array(&call->batch, core, axes.count, call->dtypes.compute);
+        if (!written) return -1;
+    } else {
+        Py_INCREF(written);
+    }
+    *op = (attnx_operand){param->name, written, axes.count, (PyObject *)result};
+    if (!(param->flags & ATTNX_ZEROED) || PyArray_SIZE(written) == 0) return 0;
+    if (PyArray_IS_C_CONTIGUOUS(written)) {
+        memset(PyArray_DATA(written), 0, (size_t)PyArray_NBYTES(written));
+        return 0;
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    int status = zero ? PyArray_FillWithScalar(written, zero) : -1;
+    Py_XDECREF(zero);
+    return status;
+}
+
+/* heads x the core sizes of output i, in bytes of the compute or result
+ * dtype (at most 8), must fit an array: checked before anything is
+ * copied or allocated */
+static int check_output_size(const attnx_call *call, int i)
+{
+    core_axes axes;
+    parse_axes(call->params[i].axes, &axes);
+    npy_intp count = call->batch.heads;
+    for (int a = 0; a < axes.count; a++) {
+        npy_intp size = call->size[axes.symbol[a] - 'a'];
+        if (size != 0 && count > NPY_MAX_INTP / 8 / size) {
+            char symbols[64], values[160];
+            axes_text(call, &axes, 0, symbols, sizeof symbols);
+            axes_text(call, &axes, 1, values, sizeof values);
+            PyErr_Format(PyExc_ValueError,
+                         "%s %s = %s over %zd batch heads is too large: its size overflows",
+                         call->params[i].name, symbols, values, (Py_ssize_t)call->batch.heads);
+            return -1;
+        }
+        count *= size;
+    }
+    return 0;
+}
+
+int attnx_bind(attnx_call *call, PyObject *const *objs)
+{
+    const attnx_param *params = call->params;
+    int count = call->count;
+    /* 1. the compute dtype */
+    PyObject *promoted[ATTNX_MAX_OPS] = {NULL};
+    const char *promoted_names[ATTNX_MAX_OPS] = {NULL};
+    int n_promoted = 0;
+    for (int i = 0; i < count; i++) {
+        if (!(params[i].flags & ATTNX_COMPUTE)) continue;
+        promoted[n_promoted] = objs[i];
+        promoted_names[n_promoted++] = params[i].name;
+    }
+    if (attnx_resolve_dtypes(promoted, promoted_names, n_promoted, &call->dtypes) < 0) return -1;
+    /* 2. the inputs' shapes: core axes bound and checked */
+    for (int i = 0; i < count; i++) {
+        int flags = params[i].flags;
+        PyObject *obj = objs[i];
+        if ((flags & ATTNX_OUTPUT) || !obj || obj == Py_None) continue;
+        if (!(flags & (ATTNX_COMPUTE | ATTNX_BOOL)) &&
+            !(PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == call->dtypes.compute)) {
+            attnx_dtypes own;  /* only to refuse complex, object, string... */
+            if (attnx_resolve_dtypes(&obj, &params[i].name, 1, &own) < 0) return -1;
+        }
+        if (view_input(call, i, obj) < 0) return -1;
+    }
+    /* 3. sizes: the kernels' int sizes, the batch, the outputs */
+    for (const char *symbol = call->int_sizes; symbol && *symbol; symbol++) {
+        npy_intp size = call->size[*symbol - 'a'];
+        if (size <= INT_MAX) continue;
+        int by = call->bound_by[*symbol - 'a'];
+        char listed[64] = "";  /* "d, e, m" */
+        for (const char *s = call->int_sizes; *s && strlen(listed) + 4 < sizeof listed; s++)
+            PyOS_snprintf(listed + strlen(listed), sizeof listed - strlen(listed), "%s%c",
+                          s == call->int_sizes ? "" : ", ", *s);
+        PyErr_Format(PyExc_ValueError, "%s%s%c = %zd is too large: the kernels take %s below 2**31",
+                     by >= 0 ? params[by].name : "", by >= 0 ? ": " : "", *symbol,
+                     (Py_ssize_t)size, listed);
+        return -1;
+    }
+    if (attnx_broadcast(call->ops, count, &call->batch) < 0) return -1;
+    for (int i = 0; i < count; i++)
+        if ((params[i].flags & ATTNX_OUTPUT) && objs[i] && check_output_size(call, i) < 0) return -1;
+    /* 4. the inputs converted */
+    for (int i = 0; i < count; i++)
+        if (call->ops[i].array && convert_input(&call->ops[i], call->dtypes.compute, params[i].flags) < 0)
+            return -1;
+    /* 5. the outputs */
+    for (int i = 0; i < count; i++)
+        if ((params[i].flags & ATTNX_OUTPUT) && objs[i] && make_output(call, i, objs[i]) < 0) return -1;
+    /* 6. the kernel's offset table */
+    attnx_operand table[ATTNX_MAX_OPS] = {{NULL}};
+    for (int i = 0; i < count; i++)
+        if (params[i].slot >= 0) table[params[i].slot] = call->ops[i];
+    call->offsets = attnx_offsets(table, call->nslots, &call->batch);
+    return call->offsets ? 0 : -1;
+}
+
+ptrdiff_t attnx_core_stride(const attnx_call *call, int i, int axis)
+{
+    const attnx_operand *op = &call->ops[i];
+    if (!op->array) return 0;
+    int nd = PyArray_NDIM(op->array);
+    if (-axis > op->core_ndim || nd + axis < 0 || PyArray_DIM(op->array, nd + axis) == 1) return 0;
+    return PyArray_STRIDE(op->array, nd + axis);
+}
+
+int attnx_finish(attnx_call *call)
+{
+    for (int i = 0; i < call->count; i++)
+        if (call->results[i] && call->results[i] != call->ops[i].array &&
+            PyArray_CopyInto(call->results[i], call->ops[i].array) < 0)
+            return -1;
+    return 0;
+}
+
+void attnx_call_release(attnx_call *call)
+{
+    for (int i = 0; i < call->count; i++) {
+        Py_CLEAR(call->ops[i].array);
+        Py_CLEAR(call->results[i]);
+    }
+    PyMem_RawFree(call->offsets);
+    call->offsets = NULL;
 }
 
 int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t *seed)
@@ -602,4 +1065,27 @@ int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t
     }
     *seed = (uint64_t)value;
     return 0;
+}
+
+/* attnx_interrupt's poll: Python's signal handlers, run with the GIL taken
+ * for the moment; a handler that raises (KeyboardInterrupt) stops the call
+ * and leaves its exception for attnx_check_status. */
+static int poll_signals(void *unused)
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int stop = PyErr_CheckSignals() < 0;
+    PyGILState_Release(gil);
+    return stop;
+}
+
+static unsigned long main_thread_id;
+
+void attnx_interrupt_init(void) { main_thread_id = PyThread_get_thread_ident(); }
+
+attnx_interrupt attnx_interrupt_for_call(void)
+{
+    attnx_interrupt interrupt = {NULL, NULL, 0, 0};
+    /* only the main thread handles signals */
+    if (PyThread_get_thread_ident() == main_thread_id) interrupt.poll = poll_signals;
+    return interrupt;
 }

@@ -14,7 +14,93 @@
 
 #include "attnx.h"
 
-#define ATTNX_MAX_OPS 12
+/* ------------------------------------------------------------------------
+ * The call description: every front end lists its array arguments once,
+ * as a table of attnx_param, and attnx_bind turns what Python passed into
+ * kernel operands in one go:
+ *   1. the compute dtype, by numpy promotion of the ATTNX_COMPUTE inputs;
+ *   2. each input's shape read (no copy yet), its core axes bound to the
+ *      symbols of the description and checked, every failure as one
+ *      message: "k has shape (2, 7, 8), expected (..., m, d) = (..., 7,
+ *      16) (d from q)";
+ *   3. the symbols named in int_sizes checked below 2**31 and the leading
+ *      axes broadcast, the outputs' sizes checked for overflow: all before
+ *      any copy or allocation (a broadcast view of 2**31 keys is refused,
+ *      not copied);
+ *   4. the inputs converted (a copy only where the layout needs one);
+ *   5. the outputs allocated, or the caller's out= checked (dtype, shape,
+ *      layout, writeable, no overlap with any input);
+ *   6. the kernel's offset table, by each param's slot.
+ * attnx_call_release frees it all, whatever step failed, so a front end
+ * has one error label.
+ *
+ * Core axes are a string of one-letter symbols, last axis last: "n d" is
+ * (..., n, d); "n|1 m|1" may also have 1 (or no axis) where it broadcasts
+ * against n and m. A symbol is bound by the first param that has it (in
+ * table order) at a size other than a broadcast 1, or beforehand by the
+ * front end (attnx_call_set, attnx_call_derive).
+ *
+ * Example, the softmax forward (py_softmax.c):
+ *
+ *   enum { Q, K, V, BIAS, MASK, OUT, LSE, NPARAMS };
+ *   static const attnx_param params[NPARAMS] = {
+ *       [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
+ *       [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_SM_K},
+ *       [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_SM_V},
+ *       [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
+ *       [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
+ *       [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
+ *       [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
+ *   };
+ *   attnx_call call;
+ *   attnx_call_init(&call, params, NPARAMS, ATTNX_SM_NOPS, "dem");
+ *   PyObject *objs[NPARAMS] = {q, k, v, bias, mask, out, want_lse ? Py_None : NULL};
+ *   if (attnx_bind(&call, objs) < 0) goto done;
+ *   args.n = attnx_size(&call, 'n'); args.q = attnx_data(&call, Q); ...
+ *   args.offsets = call.offsets;  (release the GIL, run the kernel)
+ *   if (attnx_finish(&call) < 0) goto done;   (float16 results)
+ *   ret = the new references of call.results[OUT], call.results[LSE]
+ * done:
+ *   attnx_call_release(&call);
+ *
+ * A backward binding is the same shape: inputs dout "n e", q, k, v, out
+ * "n e" (ATTNX_COMPUTE) and lse "n" (flags 0: converted to the compute
+ * dtype without a say in it), outputs dq "n d",
+ * dk "m d", dv "m e" (ATTNX_RESULT_DTYPE; objs[] the caller's dq= or None),
+ * dbias "n m" (ATTNX_ZEROED; objs[] NULL unless asked for). An output has
+ * the broadcast batch shape: the gradient of an input broadcast over a
+ * leading axis is reduced to its shape afterwards.
+ */
+#define ATTNX_MAX_OPS 16
+#define ATTNX_MAX_CORE 4
+
+enum {
+    /* inputs (objs[i] NULL or None: absent) */
+    ATTNX_COMPUTE = 1 << 0,      /* takes part in the compute dtype (q, k, v) */
+    ATTNX_ELEMENTWISE = 1 << 1,  /* read through any strides, cast even where numpy calls
+                                    the cast unsafe; otherwise the last axis must be
+                                    contiguous with a row stride BLAS takes (copied once
+                                    where it is not) */
+    ATTNX_BOOL = 1 << 2,         /* a boolean mask, read through any strides */
+    /* outputs (objs[i] NULL: not wanted, None: allocated, an array: out=) */
+    ATTNX_OUTPUT = 1 << 3,
+    ATTNX_RESULT_DTYPE = 1 << 4, /* the caller's dtype (float16 in, float16 out, computed
+                                    in a float32 scratch); otherwise the compute dtype */
+    ATTNX_ALIGNED = 1 << 5,      /* allocated ATTNX_ALIGN-byte aligned */
+    ATTNX_ZEROED = 1 << 6,       /* allocated filled with zeros (accumulated into) */
+    ATTNX_IN_PLACE = 1 << 7,     /* objs[i] is also an input that this output overwrites:
+                                    it must be that input's own array (no converted copy),
+                                    writeable, C-contiguous, of the batch shape, and
+                                    disjoint from every other input */
+};
+
+/* One array argument of a call. */
+typedef struct {
+    const char *name;  /* as messages name it */
+    const char *axes;  /* core axes, e.g. "m d" or "n|1 m|1" */
+    int flags;         /* ATTNX_* above; 0: an input of the compute dtype */
+    int slot;          /* its column in the kernel's offset table, -1 for none */
+} attnx_param;
 
 /* One array argument on its way to a kernel. */
 typedef struct {
@@ -31,60 +117,77 @@ typedef struct {
     int result;
 } attnx_dtypes;
 
-/* Resolve the dtypes of the given objects (NULL or None entries skipped)
- * by numpy promotion: float16 computes in float32, integers and bool in
- * float64; complex, object, string and datetime raise TypeError. */
-int attnx_resolve_dtypes(PyObject *const *objs, const char *const *names, int count,
-                         attnx_dtypes *dtypes);
-
-/* Convert obj to an aligned native array of typenum with at least
- * min_ndim axes; kept in place when its last axis is contiguous and its row
- * stride can serve as a BLAS leading dimension, copied once otherwise.
- * elementwise operands (biases) are read through any strides, may have
- * fewer axes than core_ndim (broadcast) and are cast even where numpy
- * calls the cast unsafe. */
-int attnx_operand_convert(attnx_operand *op, PyObject *obj, int typenum, int min_ndim,
-                          int elementwise);
-
-/* Convert a boolean mask (any array-like of dtype bool). */
-int attnx_mask_convert(attnx_operand *op, PyObject *obj);
-
-/* Check that an operand's core axis `axis` (negative, from the end) has
- * `size`, or 1 when broadcast_ok. A missing axis counts as 1. */
-int attnx_check_core(const attnx_operand *op, int axis, npy_intp size, int broadcast_ok,
-                     const char *what);
-
-/* Element stride of core axis `axis` (negative); 0 when it has size 1 or
- * is missing (broadcast). */
-ptrdiff_t attnx_core_stride(const attnx_operand *op, int axis);
-
-/* Broadcast the leading axes of the operands; writes the batch shape. */
+/* The broadcast leading axes of a call. */
 typedef struct {
     int ndim;
     npy_intp shape[NPY_MAXDIMS];
     ptrdiff_t heads;       /* product of shape */
 } attnx_batch;
 
-int attnx_broadcast(attnx_operand *ops, int count, attnx_batch *batch);
+typedef struct {
+    /* the description (attnx_call_init) */
+    const attnx_param *params;
+    int count, nslots;
+    const char *int_sizes;  /* symbols the kernels take as int: below 2**31 */
+    const char *legend;     /* NULL, or what the front end's own symbols mean (messages) */
+    struct { char symbol, from; npy_intp mul, add; } derived;  /* symbol = mul from + add */
+    /* what attnx_bind found */
+    attnx_dtypes dtypes;
+    npy_intp size[26];               /* symbol 'a' + i; -1 while unbound */
+    signed char bound_by[26];        /* the param that bound it; -1: the front end */
+    attnx_batch batch;
+    attnx_operand ops[ATTNX_MAX_OPS];      /* per param: the array the kernel reads/writes */
+    PyArrayObject *results[ATTNX_MAX_OPS]; /* per output: the array the caller gets */
+    ptrdiff_t *offsets;                    /* (heads, nslots) byte offsets */
+} attnx_call;
 
-/* offsets[h * count + i]: byte offset of head h in operand i (0 if absent). */
-ptrdiff_t *attnx_offsets(const attnx_operand *ops, int count, const attnx_batch *batch);
+void attnx_call_init(attnx_call *call, const attnx_param *params, int count, int nslots,
+                     const char *int_sizes);
+/* bind a symbol beforehand (e.g. r, the features of a map's projection) */
+void attnx_call_set(attnx_call *call, char symbol, npy_intp size);
+/* bind `symbol` to mul * from + add as soon as `from` is bound */
+void attnx_call_derive(attnx_call *call, char symbol, char from, npy_intp mul, npy_intp add);
 
-/* The output array batch + (rows, cols) of dtypes->result: `out_obj` when
- * given (checked for dtype, shape, layout, and overlap with the inputs),
- * else a new array. *compute_out receives the array the kernel writes: the
- * same, or a float32 scratch when the result is float16. */
-int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batch *batch,
-                 npy_intp rows, npy_intp cols, const attnx_operand *inputs, int n_inputs,
-                 PyArrayObject **result, PyArrayObject **compute_out);
+/* Steps 1-6 above; objs[i] for params[i]. -1 with a Python exception. */
+int attnx_bind(attnx_call *call, PyObject *const *objs);
+
+static inline npy_intp attnx_size(const attnx_call *call, char symbol)
+{
+    return call->size[symbol - 'a'];
+}
+
+/* the data of param i (NULL when absent) */
+static inline void *attnx_data(const attnx_call *call, int i)
+{
+    return call->ops[i].array ? PyArray_DATA(call->ops[i].array) : NULL;
+}
+
+/* Row stride in elements of the core matrix of a converted operand. */
+ptrdiff_t attnx_row_stride(PyArrayObject *array);
+
+/* Stride (bytes) of param i's core axis `axis` (negative, from the end);
+ * 0 when it has size 1, is missing (broadcast) or the param is absent. */
+ptrdiff_t attnx_core_stride(const attnx_call *call, int i, int axis);
+
+/* After the kernel: float32 scratch copied into float16 results. */
+int attnx_finish(attnx_call *call);
+
+/* Everything attnx_bind made, whatever step it stopped at. */
+void attnx_call_release(attnx_call *call);
+
+/* ------------------------------------------------------------------------
+ * The pieces under attnx_bind that front ends also use on their own. */
+
+/* Resolve the dtypes of the given objects (NULL or None entries skipped)
+ * by numpy promotion: float16 computes in float32, integers and bool in
+ * float64; complex, object, string and datetime raise TypeError. */
+int attnx_resolve_dtypes(PyObject *const *objs, const char *const *names, int count,
+                         attnx_dtypes *dtypes);
 
 /* ValueError unless `written` shares no element with the inputs (the
  * caller's arrays, not converted copies; NULL entries skipped). */
 int attnx_check_disjoint(PyArrayObject *written, const char *name, const attnx_operand *inputs,
                          int n_inputs);
-
-/* Copy/cast the kernel's float32 scratch into the float16 result. */
-int attnx_output_finish(PyArrayObject *result, PyArrayObject *compute_out);
 
 /* A new C-ordered array batch + (trailing...) */
 PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailing, int n_trailing,
@@ -99,8 +202,20 @@ PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailin
 PyArrayObject *attnx_new_aligned_array(const attnx_batch *batch, const npy_intp *trailing,
                                        int n_trailing, int typenum);
 
-/* Row stride in elements of the core matrix of a converted operand. */
-ptrdiff_t attnx_row_stride(PyArrayObject *array);
+/* Being replaced by attnx_bind (py_linear.c still uses them). */
+int attnx_operand_convert(attnx_operand *op, PyObject *obj, int typenum, int min_ndim,
+                          int elementwise);
+int attnx_mask_convert(attnx_operand *op, PyObject *obj);
+int attnx_check_core(const attnx_operand *op, int axis, npy_intp size, int broadcast_ok,
+                     const char *what);
+ptrdiff_t attnx_operand_core_stride(const attnx_operand *op, int axis);
+int attnx_broadcast(attnx_operand *ops, int count, attnx_batch *batch);
+ptrdiff_t *attnx_offsets(const attnx_operand *ops, int count, const attnx_batch *batch);
+int attnx_output(PyObject *out_obj, const attnx_dtypes *dtypes, const attnx_batch *batch,
+                 npy_intp rows, npy_intp cols, const attnx_operand *inputs, int n_inputs,
+                 PyArrayObject **result, PyArrayObject **compute_out);
+int attnx_output_finish(PyArrayObject *result, PyArrayObject *compute_out);
+void attnx_release(attnx_operand *ops, int count);
 
 /* Options shared by the front ends. */
 int attnx_parse_causal(PyObject *obj, int *causal);  /* 0 none, 1 lower right, 2 upper left */
@@ -114,10 +229,13 @@ attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy
  * [0, 2**64), required when dropout_p > 0) */
 int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t *seed);
 
-void attnx_release(attnx_operand *ops, int count);
+/* The interrupt of a call made now (attnx.h): polled for signals when the
+ * call runs on the main thread (attnx_interrupt_init, at import, records
+ * which one that is). */
+attnx_interrupt attnx_interrupt_for_call(void);
 
-/* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM);
- * 0 for ATTNX_OK, else -1. */
+/* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM,
+ * the signal handler's exception for ATTNX_EINTR); 0 for ATTNX_OK, else -1. */
 int attnx_check_status(int status);
 
 #endif

@@ -18,7 +18,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { ATTNX_OK = 0, ATTNX_ENOMEM = 1, ATTNX_EINVAL = 2 };
+enum { ATTNX_OK = 0, ATTNX_ENOMEM = 1, ATTNX_EINVAL = 2, ATTNX_EINTR = 3 };
+
+/* A call the user may interrupt (Ctrl-C). Kernels ask attnx_interrupted
+ * between work items (query tiles, block pairs); the calling thread (the
+ * one that passes calling_thread = 1) polls at most every 20 ms, through
+ * poll, which the binding gives (it takes the GIL briefly and runs Python's
+ * signal handlers); once poll says stop, every thread sees it at its next
+ * item and the kernel returns ATTNX_EINTR. A NULL interrupt, or poll NULL
+ * (a call from another Python thread, where signals are not handled),
+ * never stops. */
+typedef struct {
+    int (*poll)(void *context);   /* non-zero: stop */
+    void *context;
+    volatile int stopped;
+    double next_poll;             /* seconds on the monotonic clock */
+} attnx_interrupt;
+
+int attnx_interrupted(attnx_interrupt *interrupt, int calling_thread);
 
 /* Which keys a query row sees, from `causal` and `window`: key j is visible
  * from query i iff  i + lo_shift <= j  (when has_lo)
@@ -75,6 +92,7 @@ typedef struct {
     double dropout_p;                  /* in [0, 1): weights dropped (philox.h) and the
                                           kept ones scaled by 1 / (1 - dropout_p) */
     uint64_t seed;                     /* of the dropout mask */
+    attnx_interrupt *interrupt;        /* or NULL */
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);
@@ -84,12 +102,15 @@ int attnx_softmax_fwd_f64(const attnx_softmax_args *args);
  * of sum(dout * out), with the forward's operands, options, out and lse
  * in fwd. Every gradient operand is per head (no broadcast axes): dq (n, d),
  * dk (m, d), dv (m, e) with row strides, dbias (n, m) rows dbias_row apart.
- * The caller reduces a broadcast input's gradient over its heads. */
-enum { ATTNX_SMB_DOUT, ATTNX_SMB_DQ, ATTNX_SMB_DK, ATTNX_SMB_DV, ATTNX_SMB_DBIAS, ATTNX_SMB_NOPS };
+ * The caller reduces a broadcast input's gradient over its heads.
+ * fwd.offsets has ATTNX_SMB_NOPS columns: the forward's, then these. */
+enum {
+    ATTNX_SMB_DOUT = ATTNX_SM_NOPS, ATTNX_SMB_DQ, ATTNX_SMB_DK, ATTNX_SMB_DV, ATTNX_SMB_DBIAS,
+    ATTNX_SMB_NOPS
+};
 
 typedef struct {
     attnx_softmax_args fwd;            /* out and lse required */
-    const ptrdiff_t *grad_offsets;     /* (heads, ATTNX_SMB_NOPS) byte offsets */
     const void *dout;                  /* (n, e) per head */
     void *dq, *dk, *dv, *dbias;        /* dbias may be NULL */
     ptrdiff_t dout_row, dq_row, dk_row, dv_row, dbias_row;  /* row strides, elements */

@@ -10,6 +10,8 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_step(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
 int attnx_linear_names_init(void);
+/* which thread handles signals, for interrupting calls (args.c) */
+void attnx_interrupt_init(void);
 
 extern const char attnx_softmax_attention_doc[];
 extern const char attnx_gaussian_attention_doc[];

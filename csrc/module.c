@@ -120,5 +120,6 @@ PyMODINIT_FUNC PyInit__C(void)
         return NULL;
     }
     if (attnx_linear_names_init() < 0) return NULL;
+    attnx_interrupt_init();
     return PyModule_Create(&module);
 }

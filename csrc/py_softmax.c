@@ -2,12 +2,23 @@
  * parse, validate, allocate, release the GIL, call the kernel. */
 #include "args.h"
 
-#include <limits.h>
 #include <math.h>
 #include "bindings.h"
 
 typedef int (*softmax_kernel)(const attnx_softmax_args *);
 static const softmax_kernel softmax_kernels[2] = {attnx_softmax_fwd_f32, attnx_softmax_fwd_f64};
+
+/* The array arguments of both front ends. */
+enum { Q, K, V, BIAS, MASK, OUT, LSE, NPARAMS };
+static const attnx_param softmax_params[NPARAMS] = {
+    [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
+    [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_SM_K},
+    [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_SM_V},
+    [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
+    [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
+    [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
+    [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
+};
 
 /* Shared by both front ends. scale_obj NULL means gaussian attention with
  * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)). */
@@ -17,16 +28,6 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
                                 PyObject *dropout_obj, PyObject *seed_obj, PyObject *out_obj,
                                 int return_lse)
 {
-    enum { Q, K, V, BIAS, MASK, NOPS };
-    attnx_operand ops[NOPS] = {
-        [Q] = {"q", NULL, 2}, [K] = {"k", NULL, 2}, [V] = {"v", NULL, 2},
-        [BIAS] = {"bias", NULL, 2}, [MASK] = {"mask", NULL, 2},
-    };
-    /* out and lse join the broadcast only to get their offsets */
-    attnx_operand outs[2] = {{"out", NULL, 2}, {"lse", NULL, 1}};
-    PyArrayObject *result = NULL;
-    ptrdiff_t *offsets = NULL;
-    PyObject *ret = NULL;
     int causal, has_left, has_right;
     npy_intp left, right;
     double scale = 0, dropout_p;
@@ -39,99 +40,53 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     if (scale_obj && scale_obj != Py_None && attnx_parse_positive(scale_obj, "scale", &scale) < 0)
         return NULL;
 
-    PyObject *const dtype_objs[] = {q_obj, k_obj, v_obj};
-    const char *const dtype_names[] = {"q", "k", "v"};
-    attnx_dtypes dtypes;
-    if (attnx_resolve_dtypes(dtype_objs, dtype_names, 3, &dtypes) < 0) return NULL;
-    if (attnx_operand_convert(&ops[Q], q_obj, dtypes.compute, 2, 0) < 0 ||
-        attnx_operand_convert(&ops[K], k_obj, dtypes.compute, 2, 0) < 0 ||
-        attnx_operand_convert(&ops[V], v_obj, dtypes.compute, 2, 0) < 0)
-        goto done;
-    if (bias_obj && bias_obj != Py_None) {
-        PyObject *const bias_objs[] = {bias_obj};
-        const char *const bias_names[] = {"bias"};
-        attnx_dtypes bias_dtypes;
-        if (attnx_resolve_dtypes(bias_objs, bias_names, 1, &bias_dtypes) < 0 ||
-            attnx_operand_convert(&ops[BIAS], bias_obj, dtypes.compute, 0, 1) < 0)
-            goto done;
-    }
-    if (mask_obj && mask_obj != Py_None && attnx_mask_convert(&ops[MASK], mask_obj) < 0) goto done;
-
-    int nd_q = PyArray_NDIM(ops[Q].array);
-    npy_intp n = PyArray_DIM(ops[Q].array, nd_q - 2), d = PyArray_DIM(ops[Q].array, nd_q - 1);
-    int nd_v = PyArray_NDIM(ops[V].array);
-    npy_intp m = PyArray_DIM(ops[V].array, nd_v - 2), e = PyArray_DIM(ops[V].array, nd_v - 1);
-    char what[160];
-    PyOS_snprintf(what, sizeof what, "expected (..., m, d) with d = %ld from q (..., n, d)", (long)d);
-    if (attnx_check_core(&ops[K], -1, d, 0, what) < 0) goto done;
-    npy_intp m_k = PyArray_DIM(ops[K].array, PyArray_NDIM(ops[K].array) - 2);
-    PyOS_snprintf(what, sizeof what, "expected (..., m, e) with m = %ld keys from k (..., m, d)", (long)m_k);
-    if (attnx_check_core(&ops[V], -2, m_k, 0, what) < 0) goto done;
-    PyOS_snprintf(what, sizeof what, "expected to broadcast to (..., n, m) = (..., %ld, %ld)", (long)n, (long)m);
-    for (int i = BIAS; i <= MASK; i++)
-        if (ops[i].array && (attnx_check_core(&ops[i], -1, m, 1, what) < 0 ||
-                             attnx_check_core(&ops[i], -2, n, 1, what) < 0))
-            goto done;
-    if (d > INT_MAX || e > INT_MAX || m > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "q, k, v: feature sizes and m must be below 2**31");
-        goto done;
-    }
-
-    attnx_batch batch;
-    if (attnx_broadcast(ops, NOPS, &batch) < 0) goto done;
-    PyArrayObject *compute_out;
-    if (attnx_output(out_obj, &dtypes, &batch, n, e, ops, NOPS, &result, &compute_out) < 0) goto done;
-    outs[0].array = compute_out;
-    if (return_lse && !(outs[1].array = attnx_new_array(&batch, &n, 1, dtypes.compute))) goto done;
-
-    /* operand order of the kernel's offset table */
-    attnx_operand table[ATTNX_SM_NOPS] = {
-        [ATTNX_SM_Q] = ops[Q], [ATTNX_SM_K] = ops[K], [ATTNX_SM_V] = ops[V],
-        [ATTNX_SM_OUT] = outs[0], [ATTNX_SM_LSE] = outs[1],
-        [ATTNX_SM_BIAS] = ops[BIAS], [ATTNX_SM_MASK] = ops[MASK],
+    attnx_call call;
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
+    PyObject *ret = NULL;
+    attnx_call_init(&call, softmax_params, NPARAMS, ATTNX_SM_NOPS, "dem");
+    PyObject *const objs[NPARAMS] = {
+        [Q] = q_obj, [K] = k_obj, [V] = v_obj, [BIAS] = bias_obj, [MASK] = mask_obj,
+        [OUT] = out_obj, [LSE] = return_lse ? Py_None : NULL,
     };
-    if (!(offsets = attnx_offsets(table, ATTNX_SM_NOPS, &batch))) goto done;
+    if (attnx_bind(&call, objs) < 0) goto done;
 
+    npy_intp n = attnx_size(&call, 'n'), m = attnx_size(&call, 'm'), d = attnx_size(&call, 'd');
     if (!scale_obj) scale = 1 / (sigma * sigma);
     else if (scale_obj == Py_None) scale = d > 0 ? 1 / sqrt((double)d) : 1;
-    npy_intp itemsize = dtypes.compute == NPY_FLOAT ? 4 : 8;
+    npy_intp itemsize = call.dtypes.compute == NPY_FLOAT ? 4 : 8;
     attnx_softmax_args args = {
-        .n = n, .m = m, .d = d, .e = e, .heads = batch.heads, .offsets = offsets,
-        .q = PyArray_DATA(ops[Q].array), .k = PyArray_DATA(ops[K].array),
-        .v = PyArray_DATA(ops[V].array), .out = PyArray_DATA(compute_out),
-        .lse = outs[1].array ? PyArray_DATA(outs[1].array) : NULL,
-        .bias = ops[BIAS].array ? PyArray_DATA(ops[BIAS].array) : NULL,
-        .mask = ops[MASK].array ? PyArray_DATA(ops[MASK].array) : NULL,
-        .q_row = attnx_row_stride(ops[Q].array), .k_row = attnx_row_stride(ops[K].array),
-        .v_row = attnx_row_stride(ops[V].array), .out_row = attnx_row_stride(compute_out),
-        .bias_row = ops[BIAS].array ? attnx_core_stride(&ops[BIAS], -2) / itemsize : 0,
-        .bias_col = ops[BIAS].array ? attnx_core_stride(&ops[BIAS], -1) / itemsize : 0,
-        .mask_row = ops[MASK].array ? attnx_core_stride(&ops[MASK], -2) : 0,
-        .mask_col = ops[MASK].array ? attnx_core_stride(&ops[MASK], -1) : 0,
+        .n = n, .m = m, .d = d, .e = attnx_size(&call, 'e'), .heads = call.batch.heads,
+        .offsets = call.offsets,
+        .q = attnx_data(&call, Q), .k = attnx_data(&call, K), .v = attnx_data(&call, V),
+        .out = attnx_data(&call, OUT), .lse = attnx_data(&call, LSE),
+        .bias = attnx_data(&call, BIAS), .mask = attnx_data(&call, MASK),
+        .q_row = attnx_row_stride(call.ops[Q].array), .k_row = attnx_row_stride(call.ops[K].array),
+        .v_row = attnx_row_stride(call.ops[V].array), .out_row = attnx_row_stride(call.ops[OUT].array),
+        .bias_row = attnx_core_stride(&call, BIAS, -2) / itemsize,
+        .bias_col = attnx_core_stride(&call, BIAS, -1) / itemsize,
+        .mask_row = attnx_core_stride(&call, MASK, -2),
+        .mask_col = attnx_core_stride(&call, MASK, -1),
         .scale = scale,
         .key_sqnorm_coef = scale_obj ? 0 : -1 / (2 * sigma * sigma),
         .band = attnx_make_band(n, m, causal, has_left, left, has_right, right),
         .num_threads = attnx_get_num_threads(),
         .dropout_p = dropout_p,
         .seed = seed,
+        .interrupt = &interrupt,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = softmax_kernels[dtypes.compute == NPY_DOUBLE](&args);
+    status = softmax_kernels[call.dtypes.compute == NPY_DOUBLE](&args);
     Py_END_ALLOW_THREADS
-    if (attnx_check_status(status) < 0) goto done;
-    if (attnx_output_finish(result, compute_out) < 0) goto done;
+    if (attnx_check_status(status) < 0 || attnx_finish(&call) < 0) goto done;
     if (return_lse)
-        ret = PyTuple_Pack(2, (PyObject *)result, (PyObject *)outs[1].array);
+        ret = PyTuple_Pack(2, (PyObject *)call.results[OUT], (PyObject *)call.results[LSE]);
     else {
-        ret = (PyObject *)result;
+        ret = (PyObject *)call.results[OUT];
         Py_INCREF(ret);
     }
 done:
-    PyMem_RawFree(offsets);
-    Py_XDECREF(result);
-    attnx_release(outs, 2);
-    attnx_release(ops, NOPS);
+    attnx_call_release(&call);
     return ret;
 }
 
@@ -164,7 +119,10 @@ PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *
         return NULL;
     if (sigma_obj && attnx_parse_positive(sigma_obj, "sigma", &sigma) < 0) return NULL;
     if (1 / (sigma * sigma) == 0 || !isfinite(1 / (sigma * sigma))) {
-        PyErr_Format(PyExc_ValueError, "sigma=%g is out of range: 1/sigma**2 must be finite and non-zero", sigma);
+        char message[120];  /* PyErr_Format has no %g */
+        PyOS_snprintf(message, sizeof message,
+                      "sigma=%g is out of range: 1/sigma**2 must be finite and non-zero", sigma);
+        PyErr_SetString(PyExc_ValueError, message);
         return NULL;
     }
     return softmax_common(q, k, v, NULL, sigma, causal, mask, bias, window, dropout, seed, out,

@@ -5,6 +5,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "attnx.h"
 #include "blas.h"
@@ -65,4 +66,21 @@ const char *attnx_simd_level(void)
 #else
     return "compiler default";
 #endif
+}
+
+int attnx_interrupted(attnx_interrupt *interrupt, int calling_thread)
+{
+    if (!interrupt) return 0;
+    if (interrupt->stopped) return 1;
+    if (!calling_thread || !interrupt->poll) return 0;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double seconds = (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+    /* the first poll 20 ms into the call: shorter calls never pay for one
+     * (Python sees a signal when they return anyway) */
+    if (interrupt->next_poll == 0) interrupt->next_poll = seconds + 0.02;
+    if (seconds < interrupt->next_poll) return 0;
+    interrupt->next_poll = seconds + 0.02;
+    if (interrupt->poll(interrupt->context)) interrupt->stopped = 1;
+    return interrupt->stopped;
 }

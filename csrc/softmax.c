@@ -490,18 +490,20 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
      * runs on the caller: a parallel region of one costs about 0.2 us, a
      * tenth of a tiny call. */
     if (threads == 1) {
-        for (ptrdiff_t item = 0; item < work; item++) SFX(item_tile)(be, a, item, &plan, works);
+        for (ptrdiff_t item = 0; item < work && !attnx_interrupted(a->interrupt, 1); item++)
+            SFX(item_tile)(be, a, item, &plan, works);
     } else {
         for (int t = 0; t < threads; t++)
             shares[t] = (item_range){work * t / threads, work * (t + 1) / threads};
 #pragma omp parallel num_threads(threads)
         {
             int self = omp_get_thread_num();
-            for (ptrdiff_t item; (item = softmax_claim_item(shares, threads, self)) >= 0;)
+            for (ptrdiff_t item; !attnx_interrupted(a->interrupt, self == 0) &&
+                                 (item = softmax_claim_item(shares, threads, self)) >= 0;)
                 SFX(item_tile)(be, a, item, &plan, &works[self]);
         }
     }
-    status = ATTNX_OK;
+    status = a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 done:
     for (int b = 0; b < SOFTMAX_BLOCKS; b++) free(memory.blocks[b]);
     free(scratch);

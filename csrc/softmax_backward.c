@@ -395,14 +395,17 @@ static void SFX(bwd_query_range)(const attnx_band *band, ptrdiff_t n, ptrdiff_t 
     *end = hi < lo ? lo : hi;
 }
 
-/* Work item: key blocks group, group + groups, ... of one head. */
+/* Work item: key blocks group, group + groups, ... of one head; it stops
+ * between key blocks when the call is interrupted (calling_thread: this
+ * thread polls for it). */
 static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *h,
                           SFX(bwd_work) *w, ptrdiff_t group, ptrdiff_t groups, REAL *dq,
-                          ptrdiff_t dq_row)
+                          ptrdiff_t dq_row, int calling_thread)
 {
     const attnx_softmax_args *a = &b->fwd;
     ptrdiff_t key_blocks = (a->m + BC - 1) / BC;
     for (ptrdiff_t kb = group; kb < key_blocks; kb += groups) {
+        if (attnx_interrupted(a->interrupt, calling_thread)) return;
         ptrdiff_t j0 = kb * BC, cols = ATTNX_MIN(BC, a->m - j0);
         for (ptrdiff_t c = 0; c < cols; c++) {
             memset(h->dk + (j0 + c) * b->dk_row, 0, (size_t)a->d * sizeof(REAL));
@@ -450,8 +453,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
                                        REAL *rows_scratch, unsigned char *bad_scratch)
 {
     const attnx_softmax_args *a = &b->fwd;
-    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
-    const ptrdiff_t *goff = b->grad_offsets + head * ATTNX_SMB_NOPS;
+    const ptrdiff_t *off = a->offsets + head * ATTNX_SMB_NOPS;
     SFX(bwd_head) h = {
         .q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]),
         .k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]),
@@ -460,11 +462,11 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
         .lse = (const REAL *)((const char *)a->lse + off[ATTNX_SM_LSE]),
         .bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL,
         .mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL,
-        .dout = (const REAL *)((const char *)b->dout + goff[ATTNX_SMB_DOUT]),
-        .dq = (REAL *)((char *)b->dq + goff[ATTNX_SMB_DQ]),
-        .dk = (REAL *)((char *)b->dk + goff[ATTNX_SMB_DK]),
-        .dv = (REAL *)((char *)b->dv + goff[ATTNX_SMB_DV]),
-        .dbias = b->dbias ? (REAL *)((char *)b->dbias + goff[ATTNX_SMB_DBIAS]) : NULL,
+        .dout = (const REAL *)((const char *)b->dout + off[ATTNX_SMB_DOUT]),
+        .dq = (REAL *)((char *)b->dq + off[ATTNX_SMB_DQ]),
+        .dk = (REAL *)((char *)b->dk + off[ATTNX_SMB_DK]),
+        .dv = (REAL *)((char *)b->dv + off[ATTNX_SMB_DV]),
+        .dbias = b->dbias ? (REAL *)((char *)b->dbias + off[ATTNX_SMB_DBIAS]) : NULL,
         .row_delta = rows_scratch,
         .q_bad = bad_scratch,
         .index = head,
@@ -558,10 +560,11 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
                 dq_row = d;
                 memset(dq, 0, (size_t)(n * d) * sizeof(REAL));
             }
-            SFX(bwd_item)(b, &h, w, group, groups, dq, dq_row);
+            SFX(bwd_item)(b, &h, w, group, groups, dq, dq_row, omp_get_thread_num() == 0);
         }
-        /* pass 3: the groups' dQ partials, added in group order */
-        if (groups > 1) {
+        /* pass 3: the groups' dQ partials, added in group order (after the
+         * barrier every thread sees the same `stopped`) */
+        if (groups > 1 && !(a->interrupt && a->interrupt->stopped)) {
 #pragma omp for schedule(static)
             for (ptrdiff_t head = 0; head < heads; head++) {
                 SFX(bwd_head) h = SFX(bwd_position)(b, head, NULL, NULL);
@@ -575,7 +578,7 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
             }
         }
     }
-    status = ATTNX_OK;
+    status = a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 done:
     free(bad);
     free(keeps);

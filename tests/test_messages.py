@@ -1,0 +1,97 @@
+"""The messages of bad calls: every front end validates its arrays in one
+place (csrc/args.c), so a core shape that does not fit gets the same
+message everywhere, naming the argument, its shape and the expected shape
+with the sizes filled in; sizes the kernels cannot take are refused before
+anything is copied."""
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import attnx
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import run_isolated  # noqa: E402
+
+SOFTMAX_FAMILY = [attnx.softmax_attention, attnx.gaussian_attention]
+
+
+def _qkv(lead=(2,), n=4, m=5, d=3, e=2):
+    rng = np.random.default_rng(7)
+    return (rng.standard_normal(lead + (n, d)), rng.standard_normal(lead + (m, d)),
+            rng.standard_normal(lead + (m, e)))
+
+
+def _message(fn, *args, error=ValueError, **kwargs):
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("fn", SOFTMAX_FAMILY)
+def test_core_shape_message_names_argument_shape_and_expectation(fn):
+    q, k, v = _qkv()
+    assert _message(fn, q, k[..., :2], v) == (
+        "k has shape (2, 5, 2), expected (..., m, d) = (..., 5, 3) (d from q)")
+    assert _message(fn, q, k, v[:, :4]) == (
+        "v has shape (2, 4, 2), expected (..., m, e) = (..., 5, 2) (m from k)")
+    assert _message(fn, q[0, 0], k, v) == "q has shape (3,), expected (..., n, d)"
+    assert _message(fn, q, k, v, mask=np.ones((3, 5), bool)) == (
+        "mask has shape (3, 5), expected to broadcast to (..., n, m) = (..., 4, 5) (n from q)")
+    assert _message(fn, q, k, v, bias=np.ones((4, 6))) == (
+        "bias has shape (4, 6), expected to broadcast to (..., n, m) = (..., 4, 5) (m from k)")
+    assert _message(fn, q, k, v, out=np.empty((2, 4, 3))) == (
+        "out has shape (2, 4, 3), expected (2, 4, 2): (..., n, e) over the batch shape")
+
+
+def test_gaussian_sigma_out_of_range_prints_the_number():
+    q, k, v = _qkv()
+    for sigma, shown in ((1e-300, "1e-300"), (1e300, "1e+300")):
+        message = _message(attnx.gaussian_attention, q, k, v, sigma=sigma)
+        assert message.startswith("sigma=%s is out of range" % shown), message
+        assert "%" not in message
+
+
+# k and v of 2**31 + 1 keys, broadcast from one row (4 bytes of data): a
+# copy would need 32 GiB. The check must come first, so it runs under an
+# address-space limit that such a copy would hit.
+HUGE_BROADCAST = """
+    import os, resource
+    # AddressSanitizer reserves terabytes of shadow address space, so the
+    # limit is left off in the sanitizer run (tests/run_sanitizers.sh)
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    big = 2 ** 31 + 1
+    q = np.zeros((4, 4), np.float32)
+    k = np.broadcast_to(np.zeros(4, np.float32), (big, 4))
+    v = np.broadcast_to(np.zeros(2, np.float32), (big, 2))
+    wide = np.broadcast_to(np.zeros(1, np.float32), (5, big))
+    calls = {CALLS}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            print(name, "ValueError:", exc)
+        except MemoryError as exc:
+            print(name, "MemoryError:", exc)
+        else:
+            print(name, "NO ERROR")
+"""
+
+
+def test_huge_broadcast_sizes_refused_before_any_copy():
+    calls = """{
+        "softmax m": lambda: attnx.softmax_attention(q, k, v),
+        "gaussian m": lambda: attnx.gaussian_attention(q, k, v),
+        "softmax e": lambda: attnx.softmax_attention(q[:, :4], k[:5], wide),
+        "softmax d": lambda: attnx.softmax_attention(wide[:4], wide, v[:5]),
+    }"""
+    out = run_isolated(HUGE_BROADCAST.replace("{CALLS}", calls))
+    lines = {" ".join(line.split(" ")[:2]): line for line in out.splitlines()}
+    assert len(lines) == 4, out
+    for name, symbol, source in (("softmax m", "m", "k"), ("gaussian m", "m", "k"),
+                                 ("softmax e", "e", "v"), ("softmax d", "d", "q")):
+        assert re.search(r"ValueError: %s: %s = 2147483649 is too large: the kernels take "
+                         r"d, e, m below 2\*\*31$" % (source, symbol), lines[name]), out
