@@ -31,6 +31,17 @@ from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_at
 from ._grad import Gradients, vjp
 from ._softmax import gaussian_attention_backward, softmax_attention_backward
 from ._inspect import attention_weights, similarity
+from . import layouts
+from ._systems import (
+    block_sparse_attention,
+    block_sparse_attention_backward,
+    linformer_attention,
+    linformer_attention_backward,
+    pooled_attention,
+    pooled_attention_backward,
+)
+from ._multihead import multi_head_attention
+from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
     cosformer_attention,
@@ -40,6 +51,14 @@ from ._linear import (
     performer_attention,
     random_features,
     taylor_attention,
+)
+from ._linear_grad import (
+    cosformer_attention_backward,
+    efficient_attention_backward,
+    focused_linear_attention_backward,
+    linear_attention_backward,
+    performer_attention_backward,
+    taylor_attention_backward,
 )
 
 __version__ = "0.1.0"
@@ -55,10 +74,27 @@ __all__ = [
     "taylor_attention",
     "performer_attention",
     "efficient_attention",
+    "linear_attention_backward",
+    "cosformer_attention_backward",
+    "focused_linear_attention_backward",
+    "taylor_attention_backward",
+    "performer_attention_backward",
+    "efficient_attention_backward",
     "random_features",
     "LinearAttentionState",
     "attention_weights",
     "similarity",
+    "multi_head_attention",
+    "sinusoidal_positions",
+    "rotary",
+    "rotary_backward",
+    "block_sparse_attention",
+    "block_sparse_attention_backward",
+    "pooled_attention",
+    "pooled_attention_backward",
+    "linformer_attention",
+    "linformer_attention_backward",
+    "layouts",
     "Gradients",
     "vjp",
     "get_num_threads",

@@ -137,6 +137,53 @@ def cases(q, k, v):
     return rows
 
 
+def numpy_rotary(x):
+    """Rotate-half RoPE as complex multiplication: (a + ib) e^(i p theta_i)."""
+    half = x.shape[-1] // 2
+    theta = np.arange(x.shape[-2])[:, None] * 10000.0 ** (-2.0 * np.arange(half) / x.shape[-1])
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * theta)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def numpy_pool_mean(x, stride):
+    return np.stack([x[..., s:s + stride, :].mean(axis=-2) for s in range(0, x.shape[-2], stride)], axis=-2)
+
+
+def numpy_multi_head(x, w_q, w_k, w_v, w_o, heads):
+    """Head by head: softmax attention of x w_q[:, head], x w_k[:, head], x w_v[:, head]."""
+    d = w_q.shape[1] // heads
+    outputs = []
+    for h in range(heads):
+        cols = slice(h * d, (h + 1) * d)
+        q, k, v = x @ w_q[:, cols], x @ w_k[:, cols], x @ w_v[:, cols]
+        outputs.append(numpy_softmax_attention(q, k, v, 1 / np.sqrt(d), np.ones((x.shape[-2],) * 2, bool)))
+    return np.concatenate(outputs, axis=-1) @ w_o
+
+
+def systems_cases(q, k, v):
+    """(name, attnx call, numpy call) for positions, block-sparse, pooled,
+    Linformer and the multi-head layer."""
+    n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    block, scale = 16, 1 / np.sqrt(d)
+    layout = attnx.layouts.bigbird(-(-n // block), 1, 1, 1, seed=0)
+    expanded = np.kron(layout, np.ones((block, block), dtype=bool))[:n, :m]
+    projection = np.random.default_rng(1).standard_normal((64, m)) / np.sqrt(m)
+    x = q[0].transpose(1, 0, 2).reshape(n, -1)  # (n, 256): a sequence of 256 features
+    w_q, w_k, w_v, w_o = (np.random.default_rng(i).standard_normal((256, 256)) / 16 for i in range(4))
+    return [
+        ("rotary positions (RoPE)", lambda: attnx.rotary(q), lambda: numpy_rotary(q)),
+        (f"block-sparse bigbird {layout.mean():.0%}",
+         lambda: attnx.block_sparse_attention(q, k, v, layout, block),
+         lambda: numpy_softmax_attention(q, k, v, scale, expanded)),
+        ("pooled keys, stride 4", lambda: attnx.pooled_attention(q, k, v, 4),
+         lambda: numpy_softmax_attention(q, numpy_pool_mean(k, 4), numpy_pool_mean(v, 4), scale, True)),
+        ("linformer r=64", lambda: attnx.linformer_attention(q, k, v, projection),
+         lambda: numpy_softmax_attention(q, projection @ k, projection @ v, scale, True)),
+        ("multi-head layer, 4 heads", lambda: attnx.multi_head_attention(x, x, w_q, w_k, w_v, w_o, 4),
+         lambda: numpy_multi_head(x, w_q, w_k, w_v, w_o, 4)),
+    ]
+
+
 def main():
     rng = np.random.default_rng(2024)
     attnx.show_config()
@@ -146,7 +193,8 @@ def main():
     print("each variant against a plain numpy float64 computation of its formula.")
     print(f"{'variant':28s} {'attnx ms':>9s} {'numpy ms':>9s} {'max |diff|':>11s}")
     worst = 0.0
-    for name, run_attnx, run_numpy in cases(*example_data(rng)):
+    data = example_data(rng)
+    for name, run_attnx, run_numpy in cases(*data) + systems_cases(*data):
         ours, ours_ms = timed(run_attnx)
         theirs, numpy_ms = timed(run_numpy)
         diff = float(np.max(np.abs(ours - theirs)))

@@ -14,7 +14,7 @@ import operator
 
 import numpy as np
 
-from . import _C
+from . import _C, _dwc
 
 
 class LinearAttentionState:
@@ -245,11 +245,32 @@ def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=No
 
 def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None,
                              window=None, method=None, chunk_size=None, eps=1e-6,
-                             initial_state=None, return_state=False, out=None):
+                             initial_state=None, return_state=False, out=None, dwc_weight=None,
+                             spatial=None):
     """FLatten focused linear attention (Han et al. 2023): features
     f_p(relu(x)), f_p(y) = |y| y**p / |y**p| (norms over each head vector,
-    power p > 0, a zero vector gives 0). Options as linear_attention."""
-    return _attend("focused", locals())
+    power p > 0, a zero vector gives 0). Options as linear_attention.
+
+    dwc_weight: FLatten's depthwise-convolution term, a depthwise
+    convolution of v (zero padding, same length) added to the output: along
+    the sequence with dwc_weight (e, ks), or over an image grid spatial=(H, W)
+    (n = H * W tokens, row-major) with dwc_weight (e, kh, kw); odd kernel
+    sizes, n == m (attnx/_dwc.py)."""
+    options = dict(locals())
+    dwc_weight, spatial = options.pop("dwc_weight"), options.pop("spatial")
+    if dwc_weight is None:
+        if spatial is not None:
+            raise ValueError("spatial is given but dwc_weight is None")
+        return _attend("focused", options)
+    if return_state or initial_state is not None:
+        raise ValueError("dwc_weight cannot be combined with streaming (initial_state, "
+                         "return_state): the convolution looks at neighbours on both sides")
+    result = _attend("focused", options)
+    convolved = _dwc.add_depthwise_convolution(result, v, dwc_weight, spatial)
+    if out is None:
+        return convolved
+    np.copyto(out, convolved, casting="same_kind")
+    return out
 
 
 def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None,

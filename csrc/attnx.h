@@ -163,6 +163,23 @@ void attnx_features_f64(const attnx_feature_map *fm, int is_key, const double *x
                         ptrdiff_t rows, ptrdiff_t pos0, double key_log_scale,
                         const double *col_shift, double *feat, double *log_scale);
 
+/* The derivative of attnx_features: given the rows x, the features feat
+ * attnx_features made of them and dfeat, the gradient of a loss with
+ * respect to feat, writes dx (rows, d) (row stride dx_row). dfeat is used
+ * as scratch. favor: the stabiliser is a constant (it cancels in the
+ * attention), and dW (r, d), when not NULL, receives += the gradient of the
+ * projection. efficient-attention keys: feat are the normalised features
+ * (a softmax of each column over the keys) and col_dot[c] = sum over the
+ * visible keys of feat[j][c] dfeat[j][c]. */
+void attnx_features_bwd_f32(const attnx_feature_map *fm, int is_key, const float *x,
+                            ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t pos0, const float *feat,
+                            float *dfeat, const float *col_dot, float *dx, ptrdiff_t dx_row,
+                            float *dW);
+void attnx_features_bwd_f64(const attnx_feature_map *fm, int is_key, const double *x,
+                            ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t pos0, const double *feat,
+                            double *dfeat, const double *col_dot, double *dx, ptrdiff_t dx_row,
+                            double *dW);
+
 /* favor: c = max_f |W_f|^2 / 2, a bound on every key exponent that needs no
  * other key (w.x - |x|^2/2 <= |w|^2/2); 0 for the other maps. */
 double attnx_key_log_scale_f32(const attnx_feature_map *fm);
@@ -251,6 +268,47 @@ typedef struct {
 
 int attnx_linear_fwd_f32(const attnx_linear_args *args);
 int attnx_linear_fwd_f64(const attnx_linear_args *args);
+
+/* The backward of attnx_linear_fwd (linear.c): the gradients of
+ * sum(dout * out) with respect to q, k, v, the initial state and the favor
+ * projection, plus what arrives at the returned state (dS_in, dz_in).
+ * With den_i = phi_i . z_i, D_i = max(den_i, eps_i), o_i = num_i / D_i:
+ *   a_i = dout_i / D_i,  b_i = -(dout_i . o_i) / den_i (0 where the clamp
+ *   binds; a_i = b_i = 0 where den_i == 0),
+ *   dphi_i = S_i a_i + b_i z_i,
+ *   dpsi_j = sum_{i sees j} (v_j . a_i + b_i) phi_i,  dv_j = sum_{i sees j} (phi_i . psi_j) a_i,
+ * then each feature map's own derivative (attnx_features_bwd). */
+enum {
+    ATTNX_LINB_Q, ATTNX_LINB_K, ATTNX_LINB_V, ATTNX_LINB_DOUT, ATTNX_LINB_KEY_MASK,
+    ATTNX_LINB_MASK, ATTNX_LINB_S0, ATTNX_LINB_Z0, ATTNX_LINB_DS_IN, ATTNX_LINB_DZ_IN,
+    ATTNX_LINB_DQ, ATTNX_LINB_DK, ATTNX_LINB_DV, ATTNX_LINB_DS0, ATTNX_LINB_DZ0, ATTNX_LINB_NOPS
+};
+
+typedef struct {
+    ptrdiff_t n, m, d, e;
+    ptrdiff_t heads;
+    const ptrdiff_t *offsets;          /* (heads, ATTNX_LINB_NOPS) byte offsets */
+    const void *q, *k, *v, *dout;      /* (n, d), (m, d), (m, e), (n, e) per head */
+    const unsigned char *key_mask;     /* broadcast (m,) bool view, or NULL */
+    const unsigned char *mask;         /* broadcast (n, m) bool view, or NULL (quadratic only) */
+    const void *S0, *z0;               /* initial state (r, e), (r,), or NULL */
+    const void *dS_in, *dz_in;         /* gradient at the returned state, or NULL */
+    void *dq, *dk, *dv;                /* C order per head: (n, d), (m, d), (m, e) */
+    void *dS0, *dz0;                   /* C order per head (r, e), (r,); NULL without S0 */
+    void *dW;                          /* (r, d) C order, or NULL: favor projection_grad */
+    ptrdiff_t q_row, k_row, v_row, dout_row, S0_row, dS_in_row;  /* row strides, elements */
+    ptrdiff_t key_mask_col;            /* byte stride, 0 when broadcast */
+    ptrdiff_t mask_row, mask_col;      /* byte strides, 0 when broadcast */
+    attnx_feature_map features;
+    attnx_band band;                   /* causal (and, for quadratic, window) */
+    int method;                        /* ATTNX_METHOD_*; window and mask need quadratic */
+    ptrdiff_t chunk;                   /* chunk / tile length C >= 1 */
+    double eps;
+    int num_threads;
+} attnx_linear_bwd_args;
+
+int attnx_linear_bwd_f32(const attnx_linear_bwd_args *args);
+int attnx_linear_bwd_f64(const attnx_linear_bwd_args *args);
 
 /* S (heads, r, e) C order, of the kernel's type, += every key `pending`
  * holds (the caller then records tick = 0) */

@@ -9,6 +9,7 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_step(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
+PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
 /* which thread handles signals, for interrupting calls (args.c) */
 void attnx_interrupt_init(void);
@@ -19,5 +20,6 @@ extern const char attnx_softmax_backward_doc[];
 extern const char attnx_linear_attention_doc[];
 extern const char attnx_linear_step_doc[];
 extern const char attnx_linear_flush_doc[];
+extern const char attnx_linear_attention_backward_doc[];
 
 #endif

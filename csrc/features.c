@@ -45,6 +45,13 @@ static ATTNX_HOT REAL SFX(sum_squares)(const REAL *x, ptrdiff_t d, REAL scale)
     return sum;
 }
 
+/* y += alpha x */
+static ATTNX_HOT void SFX(axpy_row)(REAL *y, REAL alpha, const REAL *x, ptrdiff_t count)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < count; c++) y[c] += alpha * x[c];
+}
+
 /* elu(x) + 1: x + 1 above 0, exp(x) below (Katharopoulos et al. 2020).
  * The exponential is only kept where x <= 0, so it skips vexp's guard
  * against overflow: 27 AVX-512 instructions a vector against 37 (elu took
@@ -198,6 +205,156 @@ void SFX(attnx_features)(const attnx_feature_map *fm, int is_key, const REAL *x,
             else SFX(softmax_row)(x_t, d, f_t);
             break;
         case ATTNX_FM_SOFTMAX: SFX(softmax_row)(x_t, d, f_t); break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- derivatives
+ *
+ * Each map's backward: given the rows x, the features feat the forward
+ * computed from them (stabilised, as attnx_features leaves them) and the
+ * gradient dfeat of a loss with respect to those features, the gradient
+ * dx. A forward line is quoted above the derivative that inverts it. */
+
+/* elu(x) + 1: d/dx = 1 above 0, exp(x) = the feature itself below */
+static ATTNX_HOT void SFX(elu_row_bwd)(const REAL *x, const REAL *f, const REAL *df, ptrdiff_t d,
+                                       REAL *dx)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < d; c++) dx[c] = df[c] * (x[c] > 0 ? 1 : f[c]);
+}
+
+static ATTNX_HOT void SFX(relu_row_bwd)(const REAL *x, const REAL *df, ptrdiff_t d, REAL *dx)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < d; c++) dx[c] = x[c] > 0 ? df[c] : 0;
+}
+
+/* f = softmax(x): dx = f * (df - f . df) */
+static ATTNX_HOT void SFX(softmax_row_bwd)(const REAL *f, const REAL *df, ptrdiff_t d, REAL *dx)
+{
+    REAL mean = 0;
+#pragma omp simd reduction(+ : mean)
+    for (ptrdiff_t c = 0; c < d; c++) mean += f[c] * df[c];
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < d; c++) dx[c] = f[c] * (df[c] - mean);
+}
+
+/* f = [1, u], u = x / |x|: dx = (du - (u . du) u) / |x|; the zero vector
+ * (f = [1, 0...]) has no direction to turn and gets 0 */
+static void SFX(taylor_row_bwd)(const REAL *x, const REAL *f, const REAL *df, ptrdiff_t d, REAL *dx)
+{
+    const REAL *u = f + 1, *du = df + 1;
+    REAL top = SFX(max_abs)(x, d);
+    if (top == 0) {
+        for (ptrdiff_t c = 0; c < d; c++) dx[c] = 0;
+        return;
+    }
+    REAL norm = top * sqrt(SFX(sum_squares)(x, d, top)), along = 0;
+    for (ptrdiff_t c = 0; c < d; c++) along += u[c] * du[c];
+    for (ptrdiff_t c = 0; c < d; c++) dx[c] = (du[c] - along * u[c]) / norm;
+}
+
+/* f = |y| w / |w|, w = y**p, y = relu(x). With s = w / |w| and g = df:
+ *   dy = (y / |y|) (g . s) + p y**(p-1) |y| / |w| (g - (g . s) s),
+ * invariant to scaling y, so computed on u = y / max(y) like the forward
+ * (and from x alone: feat may be a masked key's zero row). Entries with
+ * y = 0 get 0 (relu's derivative; y**(p-1) may be inf). */
+static void SFX(focused_row_bwd)(const REAL *x, const REAL *df, ptrdiff_t d, double power, REAL *dx)
+{
+    REAL top = 0;
+    for (ptrdiff_t c = 0; c < d; c++) {
+        REAL y = SFX(relu)(x[c]);
+        top = (y > top || y != y) ? y : top;
+    }
+    if (top == 0) {
+        for (ptrdiff_t c = 0; c < d; c++) dx[c] = 0;
+        return;
+    }
+    /* |u|, |u**p|, and g . s */
+    REAL norm_u = 0, norm_w = 0, along = 0;
+    for (ptrdiff_t c = 0; c < d; c++) {
+        REAL u = SFX(relu)(x[c]) / top, w = (REAL)pow(u, power);
+        norm_u += u * u;
+        norm_w += w * w;
+        along += df[c] * w;
+    }
+    norm_u = sqrt(norm_u), norm_w = sqrt(norm_w);
+    along /= norm_w;
+    for (ptrdiff_t c = 0; c < d; c++) {
+        REAL u = SFX(relu)(x[c]) / top;
+        if (!(x[c] > 0)) {
+            dx[c] = x[c] != x[c] ? x[c] : 0;
+            continue;
+        }
+        REAL s = (REAL)pow(u, power) / norm_w;
+        dx[c] = u / norm_u * along +
+                (REAL)(power * pow(u, power - 1)) * norm_u / norm_w * (df[c] - along * s);
+    }
+}
+
+/* f = [y sin(theta_t), y cos(theta_t)], y = relu(x) */
+static void SFX(cosformer_row_bwd)(const REAL *x, const REAL *df, ptrdiff_t d, ptrdiff_t position,
+                                   double period, REAL *dx)
+{
+    double theta = M_PI / 2 * (double)(position + 1) / period;
+    REAL s = (REAL)sin(theta), co = (REAL)cos(theta);
+    for (ptrdiff_t c = 0; c < d; c++) dx[c] = x[c] > 0 ? df[c] * s + df[d + c] * co : 0;
+}
+
+/* FAVOR+: phi_f = r**-0.5 exp(w_f . x~ - |x~|^2 / 2 - shift), x~ = d**-0.25 x.
+ * The stabiliser shift cancels in the attention (the kernel scales the
+ * clamp with it), so it is a constant here, and with G_f = df_f phi_f:
+ *   dx = d**-0.25 (G W - (sum_f G_f) x~),  dW += G^T x~.
+ * dfeat is overwritten with G. */
+static void SFX(favor_block_bwd)(const attnx_feature_map *fm, const REAL *x, ptrdiff_t x_row,
+                                 ptrdiff_t rows, const REAL *feat, REAL *dfeat, REAL *dx,
+                                 ptrdiff_t dx_row, REAL *dW)
+{
+    const ptrdiff_t d = fm->d, r = fm->r;
+    const REAL x_scale = (REAL)pow((double)d, -0.25);
+    const REAL *W = (const REAL *)fm->projection;
+    for (ptrdiff_t t = 0; t < rows * r; t++) dfeat[t] *= feat[t];
+    SFX(gemm)(0, 0, rows, d, r, x_scale, dfeat, r, W, d, 0, dx, dx_row);
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        REAL total = 0;
+        for (ptrdiff_t f = 0; f < r; f++) total += dfeat[t * r + f];
+        SFX(axpy_row)(dx + t * dx_row, -x_scale * x_scale * total, x + t * x_row, d);
+    }
+    if (dW) SFX(gemm)(1, 0, r, d, rows, x_scale, dfeat, r, x, x_row, 1, dW, d);
+}
+
+void SFX(attnx_features_bwd)(const attnx_feature_map *fm, int is_key, const REAL *x,
+                             ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t pos0, const REAL *feat,
+                             REAL *dfeat, const REAL *col_dot, REAL *dx, ptrdiff_t dx_row,
+                             REAL *dW)
+{
+    const ptrdiff_t d = fm->d, r = fm->r;
+    if (fm->kind == ATTNX_FM_FAVOR) {
+        SFX(favor_block_bwd)(fm, x, x_row, rows, feat, dfeat, dx, dx_row, dW);
+        return;
+    }
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        const REAL *x_t = x + t * x_row, *f_t = feat + t * r, *df_t = dfeat + t * r;
+        REAL *dx_t = dx + t * dx_row;
+        switch (fm->kind) {
+        case ATTNX_FM_ELU: SFX(elu_row_bwd)(x_t, f_t, df_t, d, dx_t); break;
+        case ATTNX_FM_RELU: SFX(relu_row_bwd)(x_t, df_t, d, dx_t); break;
+        case ATTNX_FM_TAYLOR: SFX(taylor_row_bwd)(x_t, f_t, df_t, d, dx_t); break;
+        case ATTNX_FM_FOCUSED: SFX(focused_row_bwd)(x_t, df_t, d, fm->power, dx_t); break;
+        case ATTNX_FM_IDENTITY: memcpy(dx_t, df_t, (size_t)d * sizeof(REAL)); break;
+        case ATTNX_FM_COSFORMER:
+            SFX(cosformer_row_bwd)(x_t, df_t, d, fm->first_position + pos0 + t, fm->period, dx_t);
+            break;
+        case ATTNX_FM_EFFICIENT:
+            /* keys: psi_jf = exp(x_jf) / sum_j' exp(x_j'f), a softmax down
+             * each column, dx_jf = psi_jf (df_jf - sum_j' psi_j'f df_j'f);
+             * the column sums come in col_dot */
+            if (is_key)
+                for (ptrdiff_t c = 0; c < d; c++) dx_t[c] = f_t[c] * (df_t[c] - col_dot[c]);
+            else SFX(softmax_row_bwd)(f_t, df_t, d, dx_t);
+            break;
+        case ATTNX_FM_SOFTMAX: SFX(softmax_row_bwd)(f_t, df_t, d, dx_t); break;
         }
     }
 }

@@ -73,6 +73,15 @@ typedef struct {
     int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
 } linear_plan;
 
+/* What every head of one backward call shares. */
+typedef struct {
+    const attnx_linear_bwd_args *a;
+    ptrdiff_t r, C;
+    double key_log_scale;
+    int causal;
+    int threads;
+} bwd_plan;
+
 /* The fused chunk kernel's chunk length */
 #define KERNEL_CHUNK 16
 
@@ -1006,6 +1015,677 @@ void SFX(attnx_linear_flush)(void *S_data, const attnx_pending *pending, ptrdiff
         SFX(add_held)(r, e, S + h * r * e, (const REAL *)pending->psi + h * capacity * r,
                       (const REAL *)pending->v + h * capacity * e,
                       attnx_pending_rows(pending->tick, h, capacity));
+}
+
+/* ================================================================ backward
+ *
+ * The gradients of sum(dout * out) (attnx.h, attnx_linear_bwd_args). Per
+ * query row, from the forward's num_i = phi_i S_i, den_i = phi_i . z_i:
+ *   a_i = dout_i / D_i,  b_i = -(dout_i . o_i) / den_i   (D_i = max(den_i, eps_i);
+ *   b_i = 0 where the clamp binds, a_i = b_i = 0 where den_i == 0)
+ *   dphi_i = S_i a_i + b_i z_i
+ * and per key, with (dS_j, dz_j) = sum over the rows i that see key j of
+ * (phi_i a_i^T, phi_i b_i), the gradient reaching the state from them:
+ *   dpsi_j = dS_j v_j + dz_j,  dv_j = psi_j dS_j.
+ * The backward of the state is a state running the other way, so one head
+ * takes two passes:
+ *  (1) the queries in order, with (S, z) carried forward as in the
+ *      forward's chunk method: num, den, then a, b (only 1 / D_i and b_i
+ *      are kept, two numbers a row), dphi and dq;
+ *  (2) the chunks in reverse, with (dS, dz) carried backward: each chunk's
+ *      keys take dpsi, dv from the later rows' (dS, dz) plus the masked
+ *      block against the chunk's own rows, then (dS, dz) += phi^T (a, b).
+ * Non-causal: (1) absorbs every key first and completes (dS, dz), so (2)
+ * takes the keys in any order. The quadratic form: (1) per tile of rows
+ * against every key block it sees, (2) per key block against every tile of
+ * rows that sees it, the state only carrying S0 and the gradient at the
+ * returned state. Memory: O(C (r + e) + r e) per thread plus 2 n numbers.
+ *
+ * FAVOR+ runs on the stabilised features (as the forward does, the clamp
+ * scaled alike): the attention does not depend on the stabilisers, so
+ * they are constants here, and the feature derivative works with
+ * G = dfeat * feat, where they cancel (features.c).
+ */
+
+
+/* One head's operands, positioned once. */
+typedef struct {
+    const REAL *q, *k, *v, *dout;
+    const unsigned char *key_mask, *mask;
+    const REAL *S0, *z0, *dS_in, *dz_in;
+    REAL *dq, *dk, *dv, *dS0, *dz0;
+} SFX(bhead);
+
+/* One thread's scratch. */
+typedef struct {
+    REAL *phi, *psi, *dphi, *dpsi;  /* (C, r) */
+    REAL *values;                   /* (C, e) a key block's values, masked keys' rows zeroed */
+    REAL *ga;                       /* (C, e) a of a block of rows (first num) */
+    REAL *gb, *den, *log_scale;     /* (C,) b, den, the favor query stabilisers */
+    REAL *scores, *dscores;         /* (C, C) phi psi^T and its gradient, on one block */
+    REAL *col_shift;                /* (d,) efficient attention: key column max */
+    REAL *key_norm;                 /* (r,) efficient attention: 1 / sum_j exp(k_jf - max_f) */
+    REAL *col_dot;                  /* (r,) efficient attention: sum_j psi_jf dpsi_jf */
+    REAL *S, *z, *dS, *dz;          /* (r, e), (r,), (r, e), (r,) */
+    REAL *zeros;                    /* (max(r, e),) */
+    REAL *inv_den, *row_b;          /* (n,), (n,): 1 / D_i and b_i of the head's rows */
+    REAL *dW;                       /* (r, d) this thread's projection gradient, or NULL */
+    REAL *prefix;                   /* cumsum: (m + 1) states (r, e) then (r,) */
+} SFX(bscratch);
+
+static size_t SFX(bwd_scratch_size)(const bwd_plan *p)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t C = p->C, r = p->r, e = a->e;
+    size_t size = (size_t)(4 * C * r + 2 * C * e + 3 * C + 2 * C * C + a->d + 3 * r +
+                           2 * (r * e + r) + ATTNX_MAX(r, e) + 2 * a->n);
+    if (a->dW) size += (size_t)(r * a->d);
+    if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)(r * e + r);
+    size_t line = CACHE_LINE / sizeof(REAL);
+    return (size + line - 1) / line * line;
+}
+
+static SFX(bscratch) SFX(bscratch_at)(const bwd_plan *p, REAL *block)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t C = p->C, r = p->r, e = a->e;
+    SFX(bscratch) w;
+    w.phi = block;
+    w.psi = w.phi + C * r;
+    w.dphi = w.psi + C * r;
+    w.dpsi = w.dphi + C * r;
+    w.values = w.dpsi + C * r;
+    w.ga = w.values + C * e;
+    w.gb = w.ga + C * e;
+    w.den = w.gb + C;
+    w.log_scale = w.den + C;
+    w.scores = w.log_scale + C;
+    w.dscores = w.scores + C * C;
+    w.col_shift = w.dscores + C * C;
+    w.key_norm = w.col_shift + a->d;
+    w.col_dot = w.key_norm + r;
+    w.S = w.col_dot + r;
+    w.z = w.S + r * e;
+    w.dS = w.z + r;
+    w.dz = w.dS + r * e;
+    w.zeros = w.dz + r;
+    w.inv_den = w.zeros + ATTNX_MAX(r, e);
+    w.row_b = w.inv_den + a->n;
+    w.dW = a->dW ? w.row_b + a->n : NULL;
+    w.prefix = (a->dW ? w.dW + r * a->d : w.row_b + a->n);
+    memset(w.zeros, 0, (size_t)ATTNX_MAX(r, e) * sizeof(REAL));
+    return w;
+}
+
+static SFX(bhead) SFX(bhead_at)(const attnx_linear_bwd_args *a, ptrdiff_t h)
+{
+    const ptrdiff_t *off = a->offsets + h * ATTNX_LINB_NOPS;
+#define AT(ptr, op) (ptr ? (REAL *)((char *)(ptr) + off[op]) : NULL)
+    SFX(bhead) hd = {
+        .q = AT(a->q, ATTNX_LINB_Q), .k = AT(a->k, ATTNX_LINB_K), .v = AT(a->v, ATTNX_LINB_V),
+        .dout = AT(a->dout, ATTNX_LINB_DOUT),
+        .key_mask = a->key_mask ? a->key_mask + off[ATTNX_LINB_KEY_MASK] : NULL,
+        .mask = a->mask ? a->mask + off[ATTNX_LINB_MASK] : NULL,
+        .S0 = AT(a->S0, ATTNX_LINB_S0), .z0 = AT(a->z0, ATTNX_LINB_Z0),
+        .dS_in = AT(a->dS_in, ATTNX_LINB_DS_IN), .dz_in = AT(a->dz_in, ATTNX_LINB_DZ_IN),
+        .dq = AT(a->dq, ATTNX_LINB_DQ), .dk = AT(a->dk, ATTNX_LINB_DK),
+        .dv = AT(a->dv, ATTNX_LINB_DV), .dS0 = AT(a->dS0, ATTNX_LINB_DS0),
+        .dz0 = AT(a->dz0, ATTNX_LINB_DZ0),
+    };
+#undef AT
+    return hd;
+}
+
+/* dst (r, e) contiguous, and dst_z = the state from (rows S_row apart) or zeros */
+static void SFX(bwd_load)(const bwd_plan *p, REAL *dst, REAL *dst_z, const REAL *S, ptrdiff_t S_row,
+                          const REAL *z)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    if (!S) {
+        memset(dst, 0, (size_t)(r * e) * sizeof(REAL));
+        memset(dst_z, 0, (size_t)r * sizeof(REAL));
+        return;
+    }
+    for (ptrdiff_t f = 0; f < r; f++) memcpy(dst + f * e, S + f * S_row, (size_t)e * sizeof(REAL));
+    memcpy(dst_z, z, (size_t)r * sizeof(REAL));
+}
+
+static int SFX(bwd_key_kept)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j)
+{
+    return !hd->key_mask || hd->key_mask[j * p->a->key_mask_col];
+}
+
+/* psi of the keys [j0, j0 + cols) into w->psi (efficient attention:
+ * normalised over the keys), with zero rows for keys removed by key_mask,
+ * and the values to use with them: in place, or, when the block has a
+ * removed key, a copy with its row zeroed (nothing of a removed key, not
+ * even a NaN value, reaches a gradient) */
+static SFX(values) SFX(bwd_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0,
+                                 ptrdiff_t cols, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t r = p->r, e = a->e;
+    SFX(values) vals = {hd->v + j0 * a->v_row, a->v_row};
+    int removed = 0;
+    SFX(attnx_features)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0,
+                        p->key_log_scale, w->col_shift, w->psi, NULL);
+    for (ptrdiff_t t = 0; t < cols; t++) {
+        REAL *psi_t = w->psi + t * r;
+        if (!SFX(bwd_key_kept)(p, hd, j0 + t)) {
+            memset(psi_t, 0, (size_t)r * sizeof(REAL));
+            removed = 1;
+        } else if (a->features.kind == ATTNX_FM_EFFICIENT) {
+            for (ptrdiff_t f = 0; f < r; f++) psi_t[f] *= w->key_norm[f];
+        }
+    }
+    if (!removed) return vals;
+    for (ptrdiff_t t = 0; t < cols; t++) {
+        REAL *value = w->values + t * e;
+        if (SFX(bwd_key_kept)(p, hd, j0 + t)) memcpy(value, vals.v + t * vals.v_row, (size_t)e * sizeof(REAL));
+        else memset(value, 0, (size_t)e * sizeof(REAL));
+    }
+    vals.v = w->values;
+    vals.v_row = e;
+    return vals;
+}
+
+static void SFX(bwd_queries)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
+                             const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    SFX(attnx_features)(&a->features, 0, hd->q + i0 * a->q_row, a->q_row, rows, i0, 0, NULL,
+                        w->phi, w->log_scale);
+}
+
+/* Row i of a block from key j0 sees the keys [*lo, *hi) of the block,
+ * where its mask (returned, NULL when none) is True. */
+static const unsigned char *SFX(bwd_row_span)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i,
+                                              ptrdiff_t j0, ptrdiff_t cols, ptrdiff_t *lo,
+                                              ptrdiff_t *hi)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    *lo = ATTNX_MAX(attnx_band_first(&a->band, i), j0) - j0;
+    *hi = ATTNX_MAX(ATTNX_MIN(attnx_band_end(&a->band, i), j0 + cols) - j0, *lo);
+    return hd->mask ? hd->mask + i * a->mask_row + j0 * a->mask_col : NULL;
+}
+
+/* scores = phi psi^T on the block (rows from i0, keys from j0), invisible
+ * pairs zeroed, and with den, den += the row sums. As in the forward, a
+ * negative similarity (rounding in taylor's 1 + cos) is kept at 0; its
+ * derivative is left alone, 1 + cos having a zero gradient at its minimum. */
+static ATTNX_HOT void SFX(bwd_scores)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                      ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
+                                      const SFX(bscratch) *w, REAL *den)
+{
+    const ptrdiff_t C = p->C, r = p->r, mask_col = p->a->mask_col;
+    SFX(gemm)(0, 1, rows, cols, r, 1, w->phi, r, w->psi, r, 0, w->scores, C);
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        ptrdiff_t lo, hi;
+        const unsigned char *mask_ij = SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        REAL *s = w->scores + t * C, sum = 0;
+        for (ptrdiff_t j = 0; j < lo; j++) s[j] = 0;
+        for (ptrdiff_t j = hi; j < cols; j++) s[j] = 0;
+        if (mask_ij)
+            for (ptrdiff_t j = lo; j < hi; j++) s[j] = mask_ij[j * mask_col] ? s[j] : 0;
+#pragma omp simd reduction(+ : sum)
+        for (ptrdiff_t j = lo; j < hi; j++) {
+            s[j] = s[j] < 0 ? 0 : s[j];
+            sum += s[j];
+        }
+        if (den) den[t] += sum;
+    }
+}
+
+/* out (rows, width) += blk B over the block (rows from i0, keys from j0),
+ * blk (rows, cols) rows C apart with its invisible pairs zero, B (cols,
+ * width); with keys_first, out (cols, width) += blk^T B, B (rows, width).
+ * A GEMM, unless B holds inf or NaN: then a loop over the visible pairs
+ * only, since a zeroed pair would still carry 0 * NaN into a row or key
+ * that the non-finite input does not reach. */
+static void SFX(bwd_block_product)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                   ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, int keys_first,
+                                   const REAL *blk, const REAL *B, ptrdiff_t B_row, ptrdiff_t width,
+                                   REAL *out, ptrdiff_t out_row)
+{
+    const ptrdiff_t C = p->C, mask_col = p->a->mask_col;
+    ptrdiff_t inner = keys_first ? rows : cols;
+    if (!SFX(has_nonfinite)(B, inner, width, B_row)) {
+        if (keys_first) SFX(gemm)(1, 0, cols, width, rows, 1, blk, C, B, B_row, 1, out, out_row);
+        else SFX(gemm)(0, 0, rows, width, cols, 1, blk, C, B, B_row, 1, out, out_row);
+        return;
+    }
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        ptrdiff_t lo, hi;
+        const unsigned char *mask_ij = SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        for (ptrdiff_t j = lo; j < hi; j++) {
+            if (mask_ij && !mask_ij[j * mask_col]) continue;
+            if (keys_first) SFX(axpy)(out + j * out_row, blk[t * C + j], B + t * B_row, width);
+            else SFX(axpy)(out + t * out_row, blk[t * C + j], B + j * B_row, width);
+        }
+    }
+}
+
+/* w->ga (rows, e) += scores values, w->den += the row sums: what the key
+ * block in w->psi, w->values gives the rows in w->phi */
+static void SFX(bwd_add_block)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0, ptrdiff_t rows,
+                               ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals, const SFX(bscratch) *w)
+{
+    const ptrdiff_t e = p->a->e;
+    SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, w->den);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 0, w->scores, vals.v, vals.v_row, e, w->ga, e);
+}
+
+/* From num (in w->ga) and den of rows [i0, i0 + rows): a (into w->ga), b
+ * (w->gb), kept per row in inv_den and row_b. The clamp as in the forward
+ * (finish_rows): eps scaled by the favor stabilisers. */
+static void SFX(bwd_row_factors)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                 ptrdiff_t rows, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t e = a->e;
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        REAL *a_t = w->ga + t * e, den = w->den[t], inv = 0, b = 0;
+        const REAL *dout_t = hd->dout + (i0 + t) * a->dout_row;
+        if (den != 0) {
+            double removed = w->log_scale[t] + p->key_log_scale;
+            REAL eps_t = (REAL)(removed == 0 ? a->eps : exp(log(a->eps) - removed));
+            inv = 1 / (den < eps_t ? eps_t : den);
+            /* b = -(dout . o) / den with o = num / D */
+            if (!(den < eps_t)) b = -SFX(dot)(dout_t, a_t, e) * inv / den;
+        }
+        for (ptrdiff_t c = 0; c < e; c++) a_t[c] = dout_t[c] * inv;
+        w->gb[t] = b;
+        w->inv_den[i0 + t] = inv;
+        w->row_b[i0 + t] = b;
+    }
+}
+
+/* a, b of rows [i0, i0 + rows) again, from the kept 1 / D_i and b_i */
+static void SFX(bwd_row_factors_again)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                       ptrdiff_t rows, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t e = a->e;
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        const REAL *dout_t = hd->dout + (i0 + t) * a->dout_row;
+        REAL inv = w->inv_den[i0 + t], *a_t = w->ga + t * e;
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < e; c++) a_t[c] = dout_t[c] * inv;
+        w->gb[t] = w->row_b[i0 + t];
+    }
+}
+
+/* dscores = a values^T + b (row-wise), invisible pairs zeroed */
+static ATTNX_HOT void SFX(bwd_dscores)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                       ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
+                                       SFX(values) vals, const SFX(bscratch) *w)
+{
+    const ptrdiff_t C = p->C, e = p->a->e, mask_col = p->a->mask_col;
+    SFX(gemm)(0, 1, rows, cols, e, 1, w->ga, e, vals.v, vals.v_row, 0, w->dscores, C);
+    for (ptrdiff_t t = 0; t < rows; t++) {
+        ptrdiff_t lo, hi;
+        const unsigned char *mask_ij = SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &lo, &hi);
+        REAL *ds = w->dscores + t * C, b = w->gb[t];
+        for (ptrdiff_t j = 0; j < lo; j++) ds[j] = 0;
+        for (ptrdiff_t j = hi; j < cols; j++) ds[j] = 0;
+#pragma omp simd
+        for (ptrdiff_t j = lo; j < hi; j++) ds[j] += b;
+        if (mask_ij)
+            for (ptrdiff_t j = lo; j < hi; j++) ds[j] = mask_ij[j * mask_col] ? ds[j] : 0;
+    }
+}
+
+/* dphi = a S^T + b z^T for the state (S rows S_row apart, z) */
+static void SFX(bwd_dphi_state)(const bwd_plan *p, ptrdiff_t rows, const REAL *S, ptrdiff_t S_row,
+                                const REAL *z, const SFX(bscratch) *w)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    SFX(gemm)(0, 1, rows, r, e, 1, w->ga, e, S, S_row, 0, w->dphi, r);
+    for (ptrdiff_t t = 0; t < rows; t++) SFX(axpy)(w->dphi + t * r, w->gb[t], z, r);
+}
+
+/* dq of rows [i0, i0 + rows) from w->dphi */
+static void SFX(bwd_finish_queries)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                    ptrdiff_t rows, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    SFX(attnx_features_bwd)(&a->features, 0, hd->q + i0 * a->q_row, a->q_row, rows, i0, w->phi,
+                            w->dphi, NULL, hd->dq + i0 * a->d, a->d, w->dW);
+}
+
+/* (dS, dz) += phi^T (a, b) of a block of rows */
+static void SFX(bwd_dstate_add)(const bwd_plan *p, ptrdiff_t rows, const SFX(bscratch) *w)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    SFX(gemm)(1, 0, r, e, rows, 1, w->phi, r, w->ga, e, 1, w->dS, e);
+    for (ptrdiff_t t = 0; t < rows; t++) SFX(axpy)(w->dz, w->gb[t], w->phi + t * r, r);
+}
+
+/* Key block [j0, j0 + cols), in w->psi and w->values: dpsi, dv (into dv's
+ * rows) from the state gradient (dS rows dS_row apart, dz) that every
+ * later row gives it */
+static void SFX(bwd_keys_from_state)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0,
+                                     ptrdiff_t cols, SFX(values) vals, const REAL *dS, ptrdiff_t dS_row,
+                                     const REAL *dz, const SFX(bscratch) *w)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    SFX(gemm)(0, 1, cols, r, e, 1, vals.v, vals.v_row, dS, dS_row, 0, w->dpsi, r);
+    for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(w->dpsi + t * r, 1, dz, r);
+    SFX(gemm)(0, 0, cols, e, r, 1, w->psi, r, dS, dS_row, 0, hd->dv + j0 * e, e);
+}
+
+/* The key block's share of the rows [i0, i0 + rows) (phi, a, b in w):
+ * dpsi += dscores^T phi, dv += scores^T a */
+static void SFX(bwd_keys_from_rows)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                    ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
+                                    SFX(values) vals, const SFX(bscratch) *w)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, NULL);
+    SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, vals, w);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->dscores, w->phi, r, r, w->dpsi, r);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->scores, w->ga, e, e, hd->dv + j0 * e, e);
+}
+
+/* dk of the key block from w->dpsi (masked keys: 0) */
+static void SFX(bwd_finish_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0,
+                                 ptrdiff_t cols, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    for (ptrdiff_t t = 0; t < cols; t++)
+        if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(w->dpsi + t * p->r, 0, (size_t)p->r * sizeof(REAL));
+    SFX(attnx_features_bwd)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0, w->psi,
+                            w->dpsi, w->col_dot, hd->dk + j0 * a->d, a->d, w->dW);
+    /* a removed key's zero psi row is not its features: its derivative
+     * may be anything (NaN for a NaN key), and the key has no gradient */
+    for (ptrdiff_t t = 0; t < cols; t++)
+        if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(hd->dk + (j0 + t) * a->d, 0, (size_t)a->d * sizeof(REAL));
+}
+
+/* keys [j0, j1) that no row of the pass below sees: only the state gradient */
+static void SFX(bwd_keys_state_only)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t j0,
+                                     ptrdiff_t j1, const REAL *dS, ptrdiff_t dS_row, const REAL *dz,
+                                     const SFX(bscratch) *w)
+{
+    for (ptrdiff_t b = j0; b < j1; b += p->C) {
+        ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, b, cols, w);
+        SFX(bwd_keys_from_state)(p, hd, b, cols, vals, dS, dS_row, dz, w);
+        SFX(bwd_finish_keys)(p, hd, b, cols, w);
+    }
+}
+
+/* S += psi^T values, z += the rows of psi (the block in w) */
+static void SFX(bwd_absorb_block)(const bwd_plan *p, ptrdiff_t cols, SFX(values) vals,
+                                  const SFX(bscratch) *w)
+{
+    const ptrdiff_t r = p->r, e = p->a->e;
+    SFX(gemm)(1, 0, r, e, cols, 1, w->psi, r, vals.v, vals.v_row, 1, w->S, e);
+    for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(w->z, 1, w->psi + t * r, r);
+}
+
+/* efficient attention: the key column max and 1 / the column sums of
+ * exp(k - max) over the visible keys, and after pass (1), the column sums
+ * of psi dpsi: sum_j psi_jf (dS_f . v_j + dz_f) = dS_f . S_f + dz_f z_f */
+static void SFX(bwd_key_columns)(const bwd_plan *p, const SFX(bhead) *hd, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t r = p->r;
+    SFX(attnx_key_column_max)(hd->k, a->k_row, a->m, a->d, hd->key_mask, a->key_mask_col, w->col_shift);
+    for (ptrdiff_t f = 0; f < r; f++) w->key_norm[f] = 1;
+    memset(w->col_dot, 0, (size_t)r * sizeof(REAL));
+    for (ptrdiff_t b = 0; b < a->m; b += p->C) {
+        ptrdiff_t cols = ATTNX_MIN(p->C, a->m - b);
+        SFX(bwd_keys)(p, hd, b, cols, w);
+        for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(w->col_dot, 1, w->psi + t * r, r);
+    }
+    for (ptrdiff_t f = 0; f < r; f++) w->key_norm[f] = w->col_dot[f] > 0 ? 1 / w->col_dot[f] : 0;
+}
+
+/* The scan methods (chunk; recurrent is chunk with C = 1) for one head. */
+static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t C = p->C, e = a->e, n = a->n, m = a->m;
+    const attnx_band *band = &a->band;
+    int efficient = a->features.kind == ATTNX_FM_EFFICIENT;
+    if (efficient) SFX(bwd_key_columns)(p, hd, w);
+    SFX(bwd_load)(p, w->S, w->z, hd->S0, a->S0_row, hd->z0);
+    SFX(bwd_load)(p, w->dS, w->dz, hd->dS_in, a->dS_in_row, hd->dz_in);
+
+    /* (1) the rows in order. Keys [0, K) are in (S, z); chunk [i0, i0 + C)
+     * sees all of [0, band_end(i0 - 1)) and its own block up to
+     * band_end(i0 + C - 1). */
+    ptrdiff_t first_key = attnx_band_end(band, -1), K = 0;
+    for (ptrdiff_t b = 0; b < first_key; b += C) {
+        ptrdiff_t cols = ATTNX_MIN(C, first_key - b);
+        SFX(bwd_absorb_block)(p, cols, SFX(bwd_keys)(p, hd, b, cols, w), w);
+    }
+    K = first_key;
+    for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+        ptrdiff_t rows = ATTNX_MIN(C, n - i0), hi = attnx_band_end(band, i0 + rows - 1);
+        SFX(bwd_queries)(p, hd, i0, rows, w);
+        SFX(gemm)(0, 0, rows, e, p->r, 1, w->phi, p->r, w->S, e, 0, w->ga, e);
+        for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * p->r, w->z, p->r);
+        SFX(values) vals = {NULL, 0};
+        if (hi > K) {
+            vals = SFX(bwd_keys)(p, hd, K, hi - K, w);
+            SFX(bwd_add_block)(p, hd, i0, rows, K, hi - K, vals, w);
+        }
+        SFX(bwd_row_factors)(p, hd, i0, rows, w);
+        SFX(bwd_dphi_state)(p, rows, w->S, e, w->z, w);
+        if (hi > K) {
+            SFX(bwd_dscores)(p, hd, i0, rows, K, hi - K, vals, w);
+            SFX(bwd_block_product)(p, hd, i0, rows, K, hi - K, 0, w->dscores, w->psi, p->r, p->r,
+                                   w->dphi, p->r);
+            SFX(bwd_absorb_block)(p, hi - K, vals, w);
+            K = hi;
+        }
+        SFX(bwd_finish_queries)(p, hd, i0, rows, w);
+        if (!p->causal) SFX(bwd_dstate_add)(p, rows, w);
+    }
+
+    /* (2) the keys. Non-causal: every key from the whole (dS, dz). */
+    if (!p->causal) {
+        if (efficient)
+            for (ptrdiff_t f = 0; f < p->r; f++)
+                w->col_dot[f] = SFX(dot)(w->dS + f * e, w->S + f * e, e) + w->dz[f] * w->z[f];
+        SFX(bwd_keys_state_only)(p, hd, 0, m, w->dS, e, w->dz, w);
+    } else {
+        /* keys after the last row's: only the gradient at the returned state */
+        SFX(bwd_keys_state_only)(p, hd, K, m, w->dS, e, w->dz, w);
+        ptrdiff_t last = n == 0 ? 0 : (n - 1) / C * C;
+        for (ptrdiff_t i0 = last; i0 >= 0 && n > 0; i0 -= C) {
+            ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+            ptrdiff_t lo = attnx_band_end(band, i0 - 1), hi = attnx_band_end(band, i0 + rows - 1);
+            lo = ATTNX_MAX(lo, first_key);
+            SFX(bwd_queries)(p, hd, i0, rows, w);
+            SFX(bwd_row_factors_again)(p, hd, i0, rows, w);
+            if (hi > lo) {
+                SFX(values) vals = SFX(bwd_keys)(p, hd, lo, hi - lo, w);
+                SFX(bwd_keys_from_state)(p, hd, lo, hi - lo, vals, w->dS, e, w->dz, w);
+                SFX(bwd_keys_from_rows)(p, hd, i0, rows, lo, hi - lo, vals, w);
+                SFX(bwd_finish_keys)(p, hd, lo, hi - lo, w);
+            }
+            SFX(bwd_dstate_add)(p, rows, w);
+        }
+        /* keys before the first row's block: every row sees them */
+        SFX(bwd_keys_state_only)(p, hd, 0, first_key, w->dS, e, w->dz, w);
+    }
+    if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, w->dS, e, w->dz);
+}
+
+/* method cumsum, the literal form: every prefix state P_j = (S0, z0) +
+ * the keys [0, j) materialised, each row reading P_{end(i)}; then, in the
+ * same memory, every prefix's gradient G_j = (dS, dz) at P_j: G_m = the
+ * gradient at the returned state plus the rows that read P_m,
+ * G_j = G_{j+1} + the rows that read P_j; key j enters P_{j+1}, so
+ * dpsi_j = G_{j+1} (v_j, 1) and dv_j = psi_j G_{j+1}. */
+static void SFX(bwd_cumsum_head)(const bwd_plan *p, const SFX(bhead) *hd, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t C = p->C, r = p->r, e = a->e, n = a->n, m = a->m, size = r * e + r;
+    const attnx_band *band = &a->band;
+    REAL *prefix = w->prefix;
+    SFX(bwd_load)(p, prefix, prefix + r * e, hd->S0, a->S0_row, hd->z0);
+    for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
+        ptrdiff_t cols = ATTNX_MIN(C, m - j0);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
+        for (ptrdiff_t t = 0; t < cols; t++) {
+            REAL *from = prefix + (j0 + t) * size, *to = from + size;
+            memcpy(to, from, (size_t)size * sizeof(REAL));
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(to + f * e, w->psi[t * r + f], vals.v + t * vals.v_row, e);
+            SFX(axpy)(to + r * e, 1, w->psi + t * r, r);
+        }
+    }
+    /* the rows, each from its prefix */
+    for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+        ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+        SFX(bwd_queries)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            const REAL *P = prefix + ATTNX_MAX(attnx_band_end(band, i0 + t), 0) * size;
+            REAL *num = w->ga + t * e;
+            memset(num, 0, (size_t)e * sizeof(REAL));
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(num, w->phi[t * r + f], P + f * e, e);
+            w->den[t] = SFX(dot)(w->phi + t * r, P + r * e, r);
+        }
+        SFX(bwd_row_factors)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            const REAL *P = prefix + ATTNX_MAX(attnx_band_end(band, i0 + t), 0) * size;
+            for (ptrdiff_t f = 0; f < r; f++)
+                w->dphi[t * r + f] = SFX(dot)(P + f * e, w->ga + t * e, e) + w->gb[t] * P[r * e + f];
+        }
+        SFX(bwd_finish_queries)(p, hd, i0, rows, w);
+    }
+    /* the prefixes' gradients, in the same memory */
+    memset(prefix, 0, (size_t)((m + 1) * size) * sizeof(REAL));
+    SFX(bwd_load)(p, prefix + m * size, prefix + m * size + r * e, hd->dS_in, a->dS_in_row, hd->dz_in);
+    for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+        ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+        SFX(bwd_queries)(p, hd, i0, rows, w);
+        SFX(bwd_row_factors_again)(p, hd, i0, rows, w);
+        for (ptrdiff_t t = 0; t < rows; t++) {
+            REAL *G = prefix + ATTNX_MAX(attnx_band_end(band, i0 + t), 0) * size;
+            for (ptrdiff_t f = 0; f < r; f++) SFX(axpy)(G + f * e, w->phi[t * r + f], w->ga + t * e, e);
+            SFX(axpy)(G + r * e, w->gb[t], w->phi + t * r, r);
+        }
+    }
+    for (ptrdiff_t j = m - 1; j >= 0; j--) SFX(axpy)(prefix + j * size, 1, prefix + (j + 1) * size, size);
+    for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
+        ptrdiff_t cols = ATTNX_MIN(C, m - j0);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
+        for (ptrdiff_t t = 0; t < cols; t++) {
+            const REAL *G = prefix + (j0 + t + 1) * size;
+            REAL *dv_t = hd->dv + (j0 + t) * e;
+            memset(dv_t, 0, (size_t)e * sizeof(REAL));
+            for (ptrdiff_t f = 0; f < r; f++) {
+                w->dpsi[t * r + f] = SFX(dot)(G + f * e, vals.v + t * vals.v_row, e) + G[r * e + f];
+                SFX(axpy)(dv_t, w->psi[t * r + f], G + f * e, e);
+            }
+        }
+        SFX(bwd_finish_keys)(p, hd, j0, cols, w);
+    }
+    if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, prefix, e, prefix + r * e);
+}
+
+/* The quadratic form for one head, under any band and mask. */
+static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, const SFX(bscratch) *w)
+{
+    const attnx_linear_bwd_args *a = p->a;
+    const ptrdiff_t C = p->C, r = p->r, e = a->e, n = a->n, m = a->m;
+    const attnx_band *band = &a->band;
+    SFX(bwd_load)(p, w->dS, w->dz, hd->dS_in, a->dS_in_row, hd->dz_in);
+    /* (1) tiles of rows against S0 and every key block they see */
+    for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+        ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+        ptrdiff_t first = attnx_band_first(band, i0), end = attnx_band_end(band, i0 + rows - 1);
+        SFX(bwd_queries)(p, hd, i0, rows, w);
+        if (hd->S0) {
+            SFX(gemm)(0, 0, rows, e, r, 1, w->phi, r, hd->S0, a->S0_row, 0, w->ga, e);
+            for (ptrdiff_t t = 0; t < rows; t++) w->den[t] = SFX(dot)(w->phi + t * r, hd->z0, r);
+        } else {
+            memset(w->ga, 0, (size_t)(rows * e) * sizeof(REAL));
+            memset(w->den, 0, (size_t)rows * sizeof(REAL));
+        }
+        for (ptrdiff_t j0 = first; j0 < end; j0 += C) {
+            ptrdiff_t cols = ATTNX_MIN(C, end - j0);
+            SFX(bwd_add_block)(p, hd, i0, rows, j0, cols, SFX(bwd_keys)(p, hd, j0, cols, w), w);
+        }
+        SFX(bwd_row_factors)(p, hd, i0, rows, w);
+        if (hd->S0) SFX(bwd_dphi_state)(p, rows, hd->S0, a->S0_row, hd->z0, w);
+        else memset(w->dphi, 0, (size_t)(rows * r) * sizeof(REAL));
+        for (ptrdiff_t j0 = first; j0 < end; j0 += C) {
+            ptrdiff_t cols = ATTNX_MIN(C, end - j0);
+            SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, SFX(bwd_keys)(p, hd, j0, cols, w), w);
+            SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 0, w->dscores, w->psi, r, r, w->dphi, r);
+        }
+        SFX(bwd_finish_queries)(p, hd, i0, rows, w);
+        SFX(bwd_dstate_add)(p, rows, w);  /* every row sees S0 */
+    }
+    /* (2) key blocks against the gradient at the returned state (which
+     * holds every key) and every tile of rows that sees them */
+    for (ptrdiff_t j0 = 0; j0 < m; j0 += C) {
+        ptrdiff_t cols = ATTNX_MIN(C, m - j0);
+        SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
+        if (hd->dS_in) {
+            SFX(bwd_keys_from_state)(p, hd, j0, cols, vals, hd->dS_in, a->dS_in_row, hd->dz_in, w);
+        } else {
+            memset(w->dpsi, 0, (size_t)(cols * r) * sizeof(REAL));
+            memset(hd->dv + j0 * e, 0, (size_t)(cols * e) * sizeof(REAL));
+        }
+        for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
+            ptrdiff_t rows = ATTNX_MIN(C, n - i0);
+            /* the band is monotone: a tile sees [first(i0), end(last row)) */
+            if (attnx_band_first(band, i0) >= j0 + cols) break;
+            if (attnx_band_end(band, i0 + rows - 1) <= j0) continue;
+            SFX(bwd_queries)(p, hd, i0, rows, w);
+            SFX(bwd_row_factors_again)(p, hd, i0, rows, w);
+            SFX(bwd_keys_from_rows)(p, hd, i0, rows, j0, cols, vals, w);
+        }
+        SFX(bwd_finish_keys)(p, hd, j0, cols, w);
+    }
+    if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, w->dS, e, w->dz);
+}
+
+int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
+{
+    if (a->heads == 0) return ATTNX_OK;
+    bwd_plan p = {.a = a, .r = a->features.r, .C = a->method == ATTNX_METHOD_RECURRENT ? 1 : a->chunk,
+                  .causal = a->band.has_hi};
+    p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
+    /* threads over heads; below MIN_PARALLEL_FLOPS one thread */
+    double flops = 12.0 * (double)a->heads * (double)(a->n + a->m) * (double)(p.r * (a->e + 1));
+    ptrdiff_t threads = ATTNX_MAX(1, ATTNX_MIN(a->num_threads, a->heads));
+    if (flops < MIN_PARALLEL_FLOPS) threads = 1;
+    if (a->method == ATTNX_METHOD_CUMSUM) {
+        /* as many heads at once as the prefix states of fit under the limit */
+        size_t prefix_bytes = (size_t)(a->m + 1) * (size_t)(p.r * a->e + p.r) * sizeof(REAL);
+        threads = ATTNX_MIN(threads, (ptrdiff_t)ATTNX_MAX(ATTNX_CUMSUM_LIMIT / prefix_bytes, 1));
+    }
+    p.threads = (int)threads;
+    size_t per_thread = SFX(bwd_scratch_size)(&p);
+    REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    if (!scratch) return ATTNX_ENOMEM;
+    for (ptrdiff_t t = 0; t < threads && a->dW; t++) {
+        SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);
+        memset(w.dW, 0, (size_t)(p.r * a->d) * sizeof(REAL));
+    }
+#pragma omp parallel for num_threads(p.threads) schedule(dynamic, 1)
+    for (ptrdiff_t h = 0; h < a->heads; h++) {
+        SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)omp_get_thread_num());
+        SFX(bhead) hd = SFX(bhead_at)(a, h);
+        if (a->method == ATTNX_METHOD_QUADRATIC) SFX(bwd_quadratic_head)(&p, &hd, &w);
+        else if (a->method == ATTNX_METHOD_CUMSUM && a->features.kind != ATTNX_FM_EFFICIENT)
+            SFX(bwd_cumsum_head)(&p, &hd, &w);
+        else SFX(bwd_scan_head)(&p, &hd, &w);
+    }
+    /* the projection's gradient: the threads' shares, summed in a fixed order */
+    for (ptrdiff_t t = 0; t < threads && a->dW; t++) {
+        SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);
+        SFX(axpy)((REAL *)a->dW, 1, w.dW, p.r * a->d);
+    }
+    free(scratch);
+    return ATTNX_OK;
 }
 
 #endif /* REAL */

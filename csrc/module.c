@@ -98,6 +98,8 @@ static PyMethodDef methods[] = {
     {"linear_attention", attnx_py_linear_attention, METH_VARARGS, attnx_linear_attention_doc},
     {"linear_step", attnx_py_linear_step, METH_VARARGS, attnx_linear_step_doc},
     {"linear_flush", attnx_py_linear_flush, METH_O, attnx_linear_flush_doc},
+    {"linear_attention_backward", attnx_py_linear_attention_backward, METH_VARARGS,
+     attnx_linear_attention_backward_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, "Threads attnx kernels use."},
     {"set_num_threads", set_num_threads, METH_O, "Set the threads attnx kernels use."},
     {"_set_softmax_backend", set_softmax_backend, METH_O,

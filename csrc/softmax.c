@@ -399,6 +399,8 @@ static void SFX(softmax_tile)(const SFX(softmax_backend) *be, const attnx_softma
 
     be->prepare_tile(be, a, w, q, k, v, out, rows, scale2);
     for (ptrdiff_t j0 = key_first; j0 < key_end; j0 += KEY_TILE) {
+        /* an interrupted call stops here too: a tile over many keys takes long */
+        if (attnx_interrupted(a->interrupt, w->calling_thread)) return;
         ptrdiff_t cols = ATTNX_MIN(KEY_TILE, key_end - j0);
         const mk_tile tile = {&a->band, i0, rows, j0, cols};
         SFX(softmax_fill_key_term)(a, w->key_term, k, bias, mask, j0, cols,
@@ -481,6 +483,7 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
             .shift = lane + 4 * lanes,
             .tile_sum = lane + 5 * lanes,
             .v_state = v_states + v_blocks * t,
+            .calling_thread = t == 0,
         };
     }
     if (be->setup && (status = be->setup(be, a, &plan, works, &memory)) != ATTNX_OK) goto done;

@@ -40,6 +40,7 @@
 #include "attnx.h"
 #include "blas.h"
 #include "philox.h"
+#include "softmax_internal.h"
 
 /* Query and key block sizes: the five products of a block pair are
  * (128 x 128) by d or e, big enough for BLAS to run near its peak. */
@@ -51,24 +52,20 @@
  * per-group dQ partials stay small. */
 #define TARGET_ITEMS 8
 
-/* The AVX-512 products (zmm_gemm) where gcc can target them; the CPU is
- * asked at run time (attnx_mk_width), and a backend limit of "plain"
- * (ATTNX_SOFTMAX_BACKEND, tests) keeps the products on BLAS. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
-#define BWD_HAVE_ZMM 1
-#include "microkernel.h"
-#endif
-
 #define ATTNX_FAMILY_FILE "softmax_backward.c"
 #include "real.h"
 
 #else /* REAL: the body, compiled once per type */
+#include "softmax_internal.h"
 
 #define LOG2E ((REAL)1.44269504088896340736)
 
-#ifdef BWD_HAVE_ZMM
+#ifdef MK_HAVE_X86
 /* The five products on AVX-512 without BLAS (whose kernels may be chosen
- * for a lesser CPU: OPENBLAS_CORETYPE), as one register-blocked kernel:
+ * for a lesser CPU: OPENBLAS_CORETYPE), where gcc can target it (the CPU
+ * is asked at run time, attnx_mk_width; a backend limit of "plain" from
+ * ATTNX_SOFTMAX_BACKEND or a test keeps them on BLAS), as one
+ * register-blocked kernel:
  *   c (rows, cols) = alpha a b   (or += when accumulate)
  * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
  * operand costs nothing, and b (depth, cols) rows b_row apart, cols a whole
@@ -160,29 +157,6 @@ typedef struct {
     ptrdiff_t index;       /* the head's flat index (the dropout counter's) */
 } SFX(bwd_head);
 
-static int SFX(bias_per_key)(const attnx_softmax_args *a) { return a->bias_row == 0 || a->n == 1; }
-static int SFX(mask_per_key)(const attnx_softmax_args *a) { return a->mask_row == 0 || a->n == 1; }
-
-/* key_term for the keys [j0, j0 + cols), log2 units: the gaussian term, a
- * per-key bias, -inf for a key its (per-key) mask removes */
-static void SFX(bwd_key_term)(const attnx_softmax_args *a, const SFX(bwd_head) *h, REAL *key_term,
-                              ptrdiff_t j0, ptrdiff_t cols)
-{
-    for (ptrdiff_t c = 0; c < cols; c++) {
-        const REAL *k_j = h->k + (j0 + c) * a->k_row;
-        REAL term = 0;
-        if (a->key_sqnorm_coef != 0) {
-            REAL sq = 0;
-            for (ptrdiff_t x = 0; x < a->d; x++) sq += k_j[x] * k_j[x];
-            term = (REAL)a->key_sqnorm_coef * sq;
-        }
-        if (h->bias && SFX(bias_per_key)(a)) term += h->bias[(j0 + c) * a->bias_col];
-        key_term[c] = term * LOG2E;
-        if (h->mask && SFX(mask_per_key)(a) && !h->mask[(j0 + c) * a->mask_col])
-            key_term[c] = -(REAL)INFINITY;
-    }
-}
-
 /* Per head: D_i = dO_i . O_i and the offset each row's scores lose,
  * lse_i (less the gaussian query term) in log2 units; which query blocks
  * hold a non-finite query or output gradient. */
@@ -193,13 +167,13 @@ static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff
         REAL delta = 0;
         for (ptrdiff_t c = 0; c < a->e; c++) delta += do_i[c] * o_i[c];
         h->row_delta[i] = delta;
-        REAL lse = h->lse[i];
-        if (a->key_sqnorm_coef != 0) {
-            const REAL *q_i = h->q + i * a->q_row;
-            REAL sq = 0;
-            for (ptrdiff_t x = 0; x < a->d; x++) sq += q_i[x] * q_i[x];
-            lse -= (REAL)a->key_sqnorm_coef * sq;
-        }
+    }
+    /* the gaussian query term coef |q_i|^2, into row_offset first */
+    if (a->key_sqnorm_coef != 0)
+        SFX(softmax_sqnorm_terms)(h->row_offset, h->q, a->q_row, a->n, a->d,
+                                  (REAL)a->key_sqnorm_coef);
+    for (ptrdiff_t i = 0; i < a->n; i++) {
+        REAL lse = h->lse[i] - (a->key_sqnorm_coef != 0 ? h->row_offset[i] : 0);
         /* a row that saw nothing (lse -inf) gets p = 2^-inf = 0 */
         h->row_offset[i] = lse == -(REAL)INFINITY ? (REAL)INFINITY : lse * LOG2E;
     }
@@ -221,8 +195,8 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
     REAL *pt = w->pt;
     const REAL *key_term = w->key_term;
     const REAL neg_inf = -(REAL)INFINITY;
-    int per_query_bias = h->bias && !SFX(bias_per_key)(a);
-    int per_query_mask = h->mask && !SFX(mask_per_key)(a);
+    int per_query_bias = h->bias && !softmax_bias_per_key(a);
+    int per_query_mask = h->mask && !softmax_mask_per_key(a);
     int any = 0;
     for (ptrdiff_t r = 0; r < rows; r++) {
         ptrdiff_t i = i0 + r;
@@ -305,7 +279,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
 
     /* with zmm_gemm, the score and dP columns are whole vectors (K^T and
      * V^T are 0 past the block's keys); only the first `cols` are used */
-#ifdef BWD_HAVE_ZMM
+#ifdef MK_HAVE_X86
     const int zmm = w->kt != NULL && !nonfinite;
     const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
 #else
@@ -412,7 +386,7 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             memset(h->dv + (j0 + c) * b->dv_row, 0, (size_t)a->e * sizeof(REAL));
             w->col_sum[c] = 0;
         }
-        SFX(bwd_key_term)(a, h, w->key_term, j0, cols);
+        SFX(softmax_fill_key_term)(a, w->key_term, h->k, h->bias, h->mask, j0, cols, cols);
         if (w->kt) {
             SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
             SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
@@ -505,7 +479,7 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
     /* AVX-512 products where the CPU has them and d, e are whole vectors */
     int zmm = 0;
-#ifdef BWD_HAVE_ZMM
+#ifdef MK_HAVE_X86
     zmm = attnx_softmax_backend_limit() >= ATTNX_BACKEND_MK && attnx_mk_width() == 16 &&
           d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
@@ -590,7 +564,7 @@ done:
 }
 
 #undef LOG2E
-#ifdef BWD_HAVE_ZMM
+#ifdef MK_HAVE_X86
 #undef ZMM_GEMM
 #undef ZLANES
 #endif

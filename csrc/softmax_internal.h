@@ -99,6 +99,7 @@ typedef struct {
     REAL *shift, *tile_sum;   /* plain-loop softmax: the max subtracted, the running sum;
                                * at the tile's end, shift holds the rows' 1 / sum */
     ptrdiff_t head;           /* the tile's head, flat index (dropout's counter) */
+    int calling_thread;       /* this thread is the caller's (it polls for interrupts) */
     unsigned char *v_state;   /* per block of V_BLOCK values: 0 unchecked, 1 finite, 2 not */
     const void *v_seen;       /* the values v_state describes */
     /* the backend's own, set by its setup (plain: none) */

@@ -1,0 +1,314 @@
+"""Gradients of the kernelised ("linear") family.
+
+Every backward function returns the :class:`attnx.Gradients` of
+``sum(dout * out)`` for the forward call with the same inputs and options,
+computed in C (attnx._C.linear_attention_backward): the chain rule through
+
+    o_i = phi(q_i) S_i / max(phi(q_i) . z_i, eps)
+
+(the clamp has zero derivative where it binds; a row whose denominator is
+exactly 0 has zero gradients) and through each feature map's own
+derivative. The causal chunk method runs the chunks forward (the state) and
+then in reverse (the state's gradient), recomputing features instead of
+storing them: memory O(r e) per thread plus two numbers per query row.
+"""
+import math
+import numbers
+
+import numpy as np
+
+from . import _C, _dwc
+from ._grad import Gradients, register_vjp, sum_to_shape
+from ._linear import (
+    cosformer_attention,
+    efficient_attention,
+    focused_linear_attention,
+    linear_attention,
+    performer_attention,
+    random_features,
+    taylor_attention,
+)
+
+# the kernel's numbers for the feature maps and methods (csrc/attnx.h)
+_FEATURE_MAPS = {"elu": 0, "relu": 1, "softmax": 2, "taylor": 3, "focused": 4, "favor": 5,
+                 "identity": 6}
+_COSFORMER, _EFFICIENT = 7, 8
+_METHODS = {"chunk": 0, "recurrent": 1, "cumsum": 2, "quadratic": 3}
+
+
+def _choice(value, names, what):
+    if isinstance(value, str) and value in names:
+        return names[value]
+    choices = ", ".join(repr(name) for name in names)
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(f"unknown {what} {value!r}: expected one of {choices}")
+
+
+def _number(value, name, positive):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+def _state_arrays(state, name):
+    """(S, z) of a LinearAttentionState (or an (S, z) pair for grad_state)"""
+    if state is None:
+        return None, None
+    if isinstance(state, tuple) and len(state) == 2:
+        return state
+    if hasattr(state, "S") and hasattr(state, "z"):
+        return state.S, state.z
+    raise TypeError(f"{name} must be a LinearAttentionState or a pair (dS, dz), "
+                    f"got {type(state).__name__}")
+
+
+def _grad_dtype(x, compute):
+    """a gradient takes its input's dtype when that is a float type"""
+    dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+    return dtype if dtype.kind == "f" else compute
+
+
+def _deliver(grad, x, given, name):
+    """grad (on the broadcast shape) reduced to the shape of x, in x's
+    dtype, written into `given` when the caller passed one"""
+    if grad is given:
+        return given
+    shape = np.shape(x)
+    grad = sum_to_shape(grad, shape)
+    grad = grad.astype(_grad_dtype(x, grad.dtype), copy=False)
+    if given is None or grad is given:  # written in place by the kernel
+        return grad
+    if not isinstance(given, np.ndarray) or given.shape != grad.shape or given.dtype != grad.dtype:
+        raise ValueError(f"{name} must be a numpy array of shape {grad.shape} and dtype "
+                         f"{grad.dtype}")
+    np.copyto(given, grad)
+    return given
+
+
+def _in_place(given, x):
+    """`given` for the kernel to write into, when it has its input's shape
+    (the kernel also wants the broadcast shape and the compute dtype)"""
+    return given if isinstance(given, np.ndarray) and given.shape == np.shape(x) else None
+
+
+def _backward(front, dout, q, k, v, a):
+    """The gradients for front end `front` ("linear", "cosformer", ...)
+    with its options `a` (by name)."""
+    feature_map = {"cosformer": "cosformer", "focused": "focused", "taylor": "taylor",
+                   "performer": "favor", "efficient": "efficient"}.get(front)
+    if feature_map is None:
+        feature_map = a.get("feature_map", "elu")
+    if callable(feature_map):
+        raise TypeError(
+            "linear_attention_backward: a callable feature_map has no derivative in C; train "
+            "it through the PyTorch front end, attnx.torch, where autograd differentiates the "
+            "callable")
+    kind = {"cosformer": _COSFORMER, "efficient": _EFFICIENT}.get(feature_map)
+    if kind is None:
+        kind = _choice(feature_map, _FEATURE_MAPS, "feature_map")
+    causal, mask, window = a.get("causal", False), a.get("mask"), a.get("window")
+    initial_state, grad_state = a.get("initial_state"), a.get("grad_state")
+    streaming = initial_state is not None or grad_state is not None
+    general = mask is not None or window is not None
+    method = a.get("method")
+    if general and streaming:
+        raise ValueError("mask= and window= cannot be combined with initial_state or grad_state: "
+                         "a state keeps no key positions")
+    if method is None:
+        method = "quadratic" if general else "chunk"
+    method = _choice(method, _METHODS, "method")
+    if general and method != _METHODS["quadratic"]:
+        raise ValueError(f"mask= and window= need method='quadratic' (or None), got "
+                         f"method={a.get('method')!r}")
+    chunk = a.get("chunk_size")
+    if chunk is None:
+        chunk = 0
+    elif isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk!r}")
+    eps = _number(a.get("eps", 1e-6), "eps", positive=False)
+    power = _number(a.get("p", 3), "p", positive=True) if kind == _FEATURE_MAPS["focused"] else 3.0
+    if kind == _EFFICIENT:
+        if causal:
+            raise ValueError("efficient_attention is non-causal only (causal must be False): its "
+                             "key softmax runs over the whole sequence")
+        eps = 0.0
+
+    S0, z0 = _state_arrays(initial_state, "initial_state")
+    dS_in, dz_in = _state_arrays(grad_state, "grad_state")
+    offset = 0 if initial_state is None else int(initial_state.offset)
+    n, m = np.shape(q)[-2], np.shape(k)[-2]
+    period = 0.0
+    if kind == _COSFORMER:
+        if causal and n != m:
+            raise ValueError(f"causal cosformer_attention needs as many queries as keys, got "
+                             f"n = {n}, m = {m}")
+        largest = offset + max(n, m)
+        M = a.get("M")
+        if M is None:
+            if streaming:
+                raise ValueError("cosformer_attention needs a fixed M= when streaming")
+            period = float(largest) if largest > 0 else 1.0
+        else:
+            period = _number(M, "M", positive=True)
+            if period < largest:
+                raise ValueError(f"M={period:g} is smaller than the largest position {largest} "
+                                 "(offset + max(n, m)); cos(pi/2 (i - j) / M) must stay positive")
+    if kind == _FEATURE_MAPS["identity"]:
+        for name, x in (("q", q), ("k", k)):
+            if np.size(x) and np.min(x) < 0:
+                raise ValueError(f"feature_map='identity' takes {name} as features, which must be "
+                                 "non-negative; its smallest entry is negative")
+    projection = a.get("projection")
+    projection_grad = bool(a.get("projection_grad", False))
+    if projection_grad and kind != _FEATURE_MAPS["favor"]:
+        raise ValueError("projection_grad=True needs feature_map='favor' (performer_attention)")
+
+    dq, dk, dv, dW, dS0, dz0 = _C.linear_attention_backward(
+        dout, q, k, v, kind, causal, a.get("key_mask"), mask, window, method, chunk, eps, power,
+        period, projection, S0, z0, dS_in, dz_in, offset, projection_grad,
+        *(_in_place(a.get(name), x) for name, x in (("dq", q), ("dk", k), ("dv", v))))
+    state = None
+    if S0 is not None:
+        state = (sum_to_shape(dS0, np.shape(S0)), sum_to_shape(dz0, np.shape(z0)))
+    if dW is not None:
+        dW = dW.astype(_grad_dtype(projection, dW.dtype), copy=False)
+    return Gradients(q=_deliver(dq, q, a.get("dq"), "dq"), k=_deliver(dk, k, a.get("dk"), "dk"),
+                     v=_deliver(dv, v, a.get("dv"), "dv"), projection=dW, state=state)
+
+
+def linear_attention_backward(dout, q, k, v, *, feature_map="elu", causal=False, key_mask=None,
+                              mask=None, window=None, method=None, chunk_size=None, eps=1e-6,
+                              projection=None, p=3, initial_state=None, grad_state=None,
+                              projection_grad=False, dq=None, dk=None, dv=None):
+    """Gradients of sum(dout * out) for ``out = linear_attention(q, k, v,
+    **options)`` with the same options; returns :class:`attnx.Gradients`
+    (q, k, v; projection with ``projection_grad=True`` for
+    ``feature_map="favor"``; state = (dS, dz) when ``initial_state`` is
+    given). Each gradient has its input's shape (summed over broadcast
+    axes) and dtype.
+
+    Streaming: ``grad_state=(dS, dz)`` (or a state-like object with S and
+    z) is the gradient arriving at the state the forward returned with
+    ``return_state=True``; with it, backpropagating piece by piece (the
+    last piece first, each passing its ``g.state`` as the previous piece's
+    ``grad_state``) equals one call over the whole sequence.
+
+    method: as the forward's; all give the same gradients. A callable
+    feature_map raises TypeError: train it through attnx.torch.
+    dq, dk, dv: arrays that receive the gradients."""
+    return _backward("linear", dout, q, k, v, locals())
+
+
+def cosformer_attention_backward(dout, q, k, v, *, causal=False, key_mask=None, M=None,
+                                 mask=None, window=None, method=None, chunk_size=None, eps=1e-6,
+                                 initial_state=None, grad_state=None, dq=None, dk=None, dv=None):
+    """Gradients of sum(dout * cosformer_attention(q, k, v, ...)); options
+    as cosformer_attention, the rest as linear_attention_backward."""
+    return _backward("cosformer", dout, q, k, v, locals())
+
+
+def focused_linear_attention_backward(dout, q, k, v, p=3, *, causal=False, key_mask=None,
+                                      mask=None, window=None, method=None, chunk_size=None,
+                                      eps=1e-6, initial_state=None, grad_state=None, dq=None,
+                                      dk=None, dv=None, dwc_weight=None, spatial=None):
+    """Gradients of sum(dout * focused_linear_attention(q, k, v, p, ...));
+    the rest as linear_attention_backward. With dwc_weight, the
+    convolution's share is added to g.v and its weight's gradient is
+    g.projection (the field of a front end's learned weights)."""
+    options = dict(locals())
+    dwc_weight, spatial = options.pop("dwc_weight"), options.pop("spatial")
+    if dwc_weight is None:
+        return _backward("focused", dout, q, k, v, options)
+    if dv is not None:
+        raise ValueError("dv= cannot be combined with dwc_weight: the convolution adds to dv")
+    grads = _backward("focused", dout, q, k, v, options)
+    dout = np.asarray(dout)
+    # v broadcast (e.g. shared by query heads): the convolution ran on the
+    # broadcast values, and its gradient is summed back to v's shape
+    v_full = np.broadcast_to(v, dout.shape[:-2] + np.shape(v)[-2:])
+    dv_conv, dweight = _dwc.depthwise_convolution_backward(dout, v_full, dwc_weight, spatial)
+    dv_conv = sum_to_shape(dv_conv, np.shape(v))
+    return grads._replace(v=grads.v + dv_conv.astype(grads.v.dtype, copy=False),
+                          projection=dweight)
+
+
+def taylor_attention_backward(dout, q, k, v, *, causal=False, key_mask=None, mask=None,
+                              window=None, method=None, chunk_size=None, eps=1e-6,
+                              initial_state=None, grad_state=None, dq=None, dk=None, dv=None):
+    """Gradients of sum(dout * taylor_attention(q, k, v, ...)); the rest as
+    linear_attention_backward."""
+    return _backward("taylor", dout, q, k, v, locals())
+
+
+def performer_attention_backward(dout, q, k, v, projection=None, num_features=None, seed=None, *,
+                                 causal=False, key_mask=None, mask=None, window=None, method=None,
+                                 chunk_size=None, eps=1e-6, initial_state=None, grad_state=None,
+                                 projection_grad=False, dq=None, dk=None, dv=None):
+    """Gradients of sum(dout * performer_attention(q, k, v, projection, ...)).
+    The projection must be the forward's: pass projection= or the same
+    seed= (a forward without either drew a projection nobody kept).
+    projection_grad=True also returns g.projection, the gradient of W."""
+    a = locals()
+    if projection is None:
+        if seed is None:
+            raise ValueError("performer_attention_backward needs the forward's projection: pass "
+                             "projection= or the seed= the forward used")
+        d = np.shape(q)[-1]
+        if num_features is None:
+            num_features = max(1, round(d * math.log(d))) if d > 0 else 1
+        a["projection"] = random_features(num_features, d, seed=seed)
+    elif seed is not None:
+        raise ValueError("performer_attention_backward: give projection= or seed=, not both")
+    return _backward("performer", dout, q, k, v, a)
+
+
+def efficient_attention_backward(dout, q, k, v, *, key_mask=None, causal=False, dq=None, dk=None,
+                                 dv=None):
+    """Gradients of sum(dout * efficient_attention(q, k, v, key_mask=...))."""
+    return _backward("efficient", dout, q, k, v, locals())
+
+
+def _rule(forward, backward, fixed_projection=False):
+    """vjp rule for a front end: run it, and a pullback that calls its
+    backward with the same arguments. With return_state=True the forward
+    returns (out, state) and the pullback takes (dout, grad_state=None)."""
+    def rule(q, k, v, *args, **options):
+        options.pop("out", None)
+        if fixed_projection and not args and options.get("projection") is None:
+            # performer without a projection draws one per call: draw it
+            # here once, so that forward and backward use the same
+            d = np.shape(q)[-1]
+            num = options.pop("num_features", None)
+            if num is None:
+                num = max(1, round(d * math.log(d))) if d > 0 else 1
+            options["projection"] = random_features(num, d, seed=options.pop("seed", None))
+        result = forward(q, k, v, *args, **options)
+        options.pop("return_state", None)
+
+        def pullback(dout, grad_state=None):
+            return backward(dout, q, k, v, *args, grad_state=grad_state, **options)
+
+        return result, pullback
+
+    rule.__name__ = f"{forward.__name__}_vjp"
+    return rule
+
+
+def _efficient_rule(q, k, v, **options):
+    options.pop("out", None)
+    out = efficient_attention(q, k, v, **options)
+    return out, lambda dout: efficient_attention_backward(dout, q, k, v, **options)
+
+
+register_vjp(linear_attention, _rule(linear_attention, linear_attention_backward))
+register_vjp(cosformer_attention, _rule(cosformer_attention, cosformer_attention_backward))
+register_vjp(focused_linear_attention,
+             _rule(focused_linear_attention, focused_linear_attention_backward))
+register_vjp(taylor_attention, _rule(taylor_attention, taylor_attention_backward))
+register_vjp(performer_attention,
+             _rule(performer_attention, performer_attention_backward, fixed_projection=True))
+register_vjp(efficient_attention, _efficient_rule)

@@ -1,0 +1,142 @@
+"""Position encodings: the Transformer's sinusoidal table and rotary
+position embeddings (RoPE), with the rotation's backward.
+
+Rotary embeddings (Su et al., RoFormer) rotate pairs of features of each
+query and key vector by an angle proportional to the token's position, so
+that ``rotary(q)_i . rotary(k)_j`` depends on the positions only through
+``i - j``. Two pairings are in use:
+
+* rotate-half (GPT-NeoX, Llama; the default): pair ``(x[i], x[i + d/2])``;
+* interleaved (RoFormer): pair ``(x[2i], x[2i + 1])``;
+
+pair ``i`` (of ``d/2``) turns by ``position * base**(-2i/d)``.
+"""
+import numpy as np
+
+from ._checks import count
+from ._grad import Gradients, register_vjp
+
+
+def _float_input(x, name):
+    """x as an array in the dtype it is computed in, and the result dtype:
+    float32/float64 stay, float16 computes in float32 and returns float16,
+    integers and bool compute in float64."""
+    x = np.asarray(x)
+    if x.dtype.kind == "f":
+        if x.dtype == np.float16:
+            return x.astype(np.float32), x.dtype
+        return x, x.dtype
+    if x.dtype.kind in "iub":
+        return x.astype(np.float64), np.dtype(np.float64)
+    raise TypeError(f"{name} must hold real numbers (float, int or bool), got dtype {x.dtype}")
+
+
+def _check_base(base):
+    try:
+        base = float(base)
+    except (TypeError, ValueError):
+        raise TypeError(f"base must be a real number, got {base!r}") from None
+    if not np.isfinite(base) or base <= 0:
+        raise ValueError(f"base must be finite and positive, got {base}")
+    return base
+
+
+def sinusoidal_positions(n, d, base=10000):
+    """The Transformer's sinusoidal position table, float64 of shape (n, d):
+    ``PE[p, 2i] = sin(p / base**(2i/d))``, ``PE[p, 2i+1] = cos(p / base**(2i/d))``
+    (an odd d ends with a sine column)."""
+    n = count(n, "n")
+    d = count(d, "d")
+    base = _check_base(base)
+    pair = np.arange(d) // 2
+    angles = np.arange(n, dtype=np.float64)[:, None] / base ** (2.0 * pair / d)
+    return np.where(np.arange(d) % 2 == 0, np.sin(angles), np.cos(angles))
+
+
+def _angles(shape, positions, base):
+    """cos and sin of the rotation angles, each of shape
+    ``positions' shape + (d/2,)``, broadcastable against x's pairs.
+    ``shape`` is x's shape (..., n, d)."""
+    if len(shape) < 2:
+        raise ValueError(f"x must have at least 2 dimensions (..., n, d), got shape {shape}")
+    d = shape[-1]
+    if d % 2:
+        raise ValueError(f"x's last axis must have an even size to form rotation pairs, got d = {d}")
+    if positions is None:
+        positions = np.arange(shape[-2], dtype=np.float64)
+    else:
+        positions = np.asarray(positions)
+        if positions.dtype.kind not in "iuf":
+            raise TypeError(f"positions must hold integers or floats, got dtype {positions.dtype}")
+        positions = positions.astype(np.float64)
+        if not np.all(np.isfinite(positions)):
+            raise ValueError("positions must be finite")
+        try:
+            broadcast = np.broadcast_shapes(positions.shape, shape[:-1])
+        except ValueError:
+            broadcast = None
+        if broadcast != tuple(shape[:-1]):
+            raise ValueError(f"positions of shape {positions.shape} must broadcast to x's "
+                             f"positions {tuple(shape[:-1])} (x of shape {tuple(shape)})")
+    frequencies = base ** (-2.0 * np.arange(d // 2) / d)
+    angles = positions[..., None] * frequencies
+    return np.cos(angles), np.sin(angles)
+
+
+def _rotate(x, cos, sin, interleaved, out_dtype):
+    """Each pair (a, b) -> (a cos - b sin, b cos + a sin)."""
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    out = np.empty(x.shape, dtype=x.dtype)
+    half = x.shape[-1] // 2
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out_a, out_b = out[..., 0::2], out[..., 1::2]
+    else:
+        a, b = x[..., :half], x[..., half:]
+        out_a, out_b = out[..., :half], out[..., half:]
+    out_a[...] = a * cos - b * sin
+    out_b[...] = b * cos + a * sin
+    return out.astype(out_dtype, copy=False)
+
+
+def rotary(x, positions=None, base=10000, interleaved=False):
+    """Rotary position embedding of x (..., n, d) over its last axis.
+
+    Pair i (of d/2) of the vector at position p turns by the angle
+    ``p * base**(-2i/d)``: ``(a, b) -> (a cos - b sin, b cos + a sin)``. The
+    pairs are ``(x[i], x[i + d/2])`` (rotate-half, GPT-NeoX and Llama) or,
+    with ``interleaved=True``, ``(x[2i], x[2i + 1])`` (RoFormer).
+
+    positions: default 0..n-1 along the second-to-last axis; otherwise
+    integers or floats broadcastable to x.shape[:-1] (e.g. ``[t]`` when
+    decoding the token at position t, or (batch, n) offsets per sequence).
+    Returns a new array of x's shape; d must be even. Its backward is
+    :func:`rotary_backward`; ``attnx.vjp(attnx.rotary, x, ...)`` gives a
+    pullback whose Gradients hold x's gradient in the first field (``g.q``).
+    """
+    x, out_dtype = _float_input(x, "x")
+    cos, sin = _angles(x.shape, positions, _check_base(base))
+    return _rotate(x, cos, sin, bool(interleaved), out_dtype)
+
+
+def rotary_backward(dout, positions=None, base=10000, interleaved=False):
+    """The gradient of sum(dout * rotary(x, ...)) with respect to x: the
+    transpose of the rotation, which turns each pair back by the same angle."""
+    dout, out_dtype = _float_input(dout, "dout")
+    cos, sin = _angles(dout.shape, positions, _check_base(base))
+    return _rotate(dout, cos, -sin, bool(interleaved), out_dtype)
+
+
+def _rotary_vjp(x, positions=None, base=10000, interleaved=False):
+    out = rotary(x, positions, base, interleaved)
+
+    def pullback(dout):
+        dout = np.asarray(dout)
+        if dout.shape != out.shape:
+            raise ValueError(f"dout must have the output's shape {out.shape}, got {dout.shape}")
+        return Gradients(q=rotary_backward(dout, positions, base, interleaved))
+
+    return out, pullback
+
+
+register_vjp(rotary, _rotary_vjp)
