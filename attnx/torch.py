@@ -1,0 +1,753 @@
+"""attnx as differentiable PyTorch operators on CPU tensors (needs torch).
+
+    import attnx.torch as at
+    out = at.scaled_dot_product_attention(q, k, v, attn_mask=pad, is_causal=False)
+    out = at.cosformer_attention(q, k, v, causal=True)
+    out.sum().backward()
+
+* ``scaled_dot_product_attention`` has the signature and semantics of
+  ``torch.nn.functional.scaled_dot_product_attention`` (bool mask True =
+  attend, float mask added to the scores, ``is_causal`` upper-left,
+  ``enable_gqa``), so it replaces it by assignment.
+* ``softmax_attention``, ``gaussian_attention``, ``linear_attention``,
+  ``cosformer_attention``, ``focused_linear_attention``,
+  ``taylor_attention``, ``performer_attention``, ``efficient_attention``
+  and ``attention_weights`` keep the names and options of the numpy front
+  ends (without ``out=`` and the streaming state) and take tensors.
+* They are ``torch.library.custom_op`` operators in the namespace
+  ``attnx`` (``torch.ops.attnx.softmax_attention`` ...) with fake
+  (meta) implementations and autograd formulas, so ``torch.compile``
+  traces them without graph breaks; the backward is attnx's own (the
+  ``*_backward`` functions), itself an operator.
+* float32 and float64 tensors are read in place (through ``.numpy()``;
+  attnx reads any strides whose last axis is contiguous) and the results
+  and gradients are written in place into tensors torch allocates;
+  bfloat16 and float16 tensors are converted to float32 once on the way
+  in (autograd saves those copies) and the results once on the way out;
+  their gradients likewise reach the caller in the input dtype.
+  CUDA tensors raise ValueError.
+* A mask constant along the query axis (size 1 there, or an expanded
+  padding mask with stride 0) is read as key padding, O(m) not O(n m).
+* ``register_transformers()`` makes ``attn_implementation="attnx"`` work
+  in Hugging Face transformers.
+"""
+import inspect
+import math
+import warnings
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+import attnx
+
+from . import _linear
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "softmax_attention",
+    "gaussian_attention",
+    "linear_attention",
+    "cosformer_attention",
+    "focused_linear_attention",
+    "taylor_attention",
+    "performer_attention",
+    "efficient_attention",
+    "attention_weights",
+    "register_transformers",
+]
+
+Tensor = torch.Tensor
+_HALF = (torch.bfloat16, torch.float16)
+_NATIVE = (torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on device {t.device}; attnx computes on the CPU "
+                         f"(move it with .cpu(), or use torch's own attention on {t.device.type})")
+
+
+def _check_inputs(names, q, k, v):
+    """q (..., n, d), k (..., m, d), v (..., m, e) of one floating dtype."""
+    for name, t in zip(names, (q, k, v)):
+        _check_tensor(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., length, features), "
+                             f"got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{names[0]}, {names[1]} and {names[2]} must share one dtype, got "
+                        f"{q.dtype}, {k.dtype} and {v.dtype}")
+    if q.dtype not in _NATIVE + _HALF:
+        raise TypeError(f"{names[0]} has dtype {q.dtype}; attnx takes float32, float64, "
+                        "bfloat16 or float16 tensors")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{names[0]} and {names[1]} must have the same last size d, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"{names[1]} and {names[2]} must have the same length m (axis -2), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _compute_dtype(dtype):
+    """The dtype attnx computes in for tensors of `dtype`."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _np(t, dtype=None):
+    """A numpy view of tensor `t` (converted to `dtype` first if it differs:
+    the one conversion of a half-precision tensor)."""
+    if t is None:
+        return None
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype and t.dtype != torch.bool:
+        t = t.to(dtype)
+    return t.resolve_neg().numpy()
+
+
+def _batch_shape(*tensors):
+    return torch.broadcast_shapes(*(t.shape[:-2] for t in tensors if t is not None))
+
+
+def _query_constant(mask, n):
+    """True when `mask` (..., n or 1, m) is the same for every query: size
+    1 along the query axis, or stride 0 there (an expanded padding mask)."""
+    return mask.dim() >= 2 and (mask.shape[-2] == 1 or mask.stride(-2) == 0 or n <= 1)
+
+
+def _key_padding_view(mask, n):
+    """The (..., 1, m) view of a mask that is constant along the queries,
+    which attnx reads as key padding (O(m)); other masks as they are."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    if _query_constant(mask, n):
+        return mask[..., :1, :]
+    return mask
+
+
+def _encode_window(window):
+    """window (w, (left, right) with None for an open side, or None) as an
+    operator argument: [w], [left, right] with -1 for an open side, or None."""
+    if window is None:
+        return None
+    if isinstance(window, (tuple, list)):
+        if len(window) != 2:
+            raise ValueError(f"window must be w or (left, right), got {window!r}")
+        sides = list(window)
+    else:
+        sides = [window]
+    encoded = []
+    for side in sides:
+        if side is None and len(sides) == 2:
+            encoded.append(-1)
+            continue
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"window sizes must be integers or None, got {window!r}")
+        if side < 0:
+            raise ValueError(f"window sizes must be >= 0, got {window!r}")
+        encoded.append(int(side))
+    return encoded
+
+
+def _decode_window(window):
+    if window is None:
+        return None
+    if len(window) == 1:
+        return window[0]
+    return tuple(None if side < 0 else side for side in window)
+
+
+def _encode_causal(causal):
+    if causal is False or causal is None:
+        return "none"
+    if causal is True:
+        return "lower_right"
+    if causal in ("lower_right", "upper_left"):
+        return causal
+    raise ValueError(f"causal must be False, True, 'lower_right' or 'upper_left', got {causal!r}")
+
+
+def _decode_causal(causal):
+    return False if causal == "none" else causal
+
+
+def _from_numpy(array, dtype):
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+# ------------------------------------------------ softmax and gaussian op
+
+def _softmax_options(variant, param, causal, window, dropout_p, seed):
+    options = {"causal": _decode_causal(causal), "window": _decode_window(window)}
+    if variant == "softmax":
+        options["scale"] = param
+    if dropout_p:
+        # attnx's counter-based dropout; the seed comes from torch's generator
+        options["dropout_p"] = dropout_p
+        options["seed"] = int(seed.item())
+    return options
+
+
+def _softmax_kernels(variant):
+    if variant == "softmax":
+        return attnx.softmax_attention, getattr(attnx, "softmax_attention_backward", None)
+    if variant == "gaussian":
+        return attnx.gaussian_attention, getattr(attnx, "gaussian_attention_backward", None)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+@torch.library.custom_op("attnx::softmax_attention", mutates_args=(), device_types="cpu")
+def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+                variant: str, param: Optional[float], causal: str, window: Optional[List[int]],
+                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Softmax (variant "softmax", param = scale) or gaussian (param =
+    sigma) attention: returns out (..., n, e) and lse (..., n) in the dtype
+    computed in (float32 for half inputs: the callers round out to the
+    input dtype, and the backward reads the unrounded out)."""
+    forward, _ = _softmax_kernels(variant)
+    dtype = _compute_dtype(q.dtype)
+    shape = _batch_shape(q, k, v, mask, bias)
+    out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    if out.numel() == 0 or k.shape[-2] == 0:
+        # no query, or no key (zeros, lse -inf), or nothing to hold
+        return out.zero_(), torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
+    options = _softmax_options(variant, param, causal, window, dropout_p, seed)
+    args = (_np(q, dtype), _np(k, dtype), _np(v, dtype))
+    if variant == "gaussian":
+        args += (param,)
+    _, lse = forward(*args, mask=_np(mask), bias=_np(bias, dtype), out=out.numpy(),
+                     return_lse=True, **options)
+    return out, torch.from_numpy(lse)
+
+
+@_softmax_op.register_fake
+def _(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
+    shape = _batch_shape(q, k, v, mask, bias)
+    dtype = _compute_dtype(q.dtype)
+    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    lse = q.new_empty(shape + (q.shape[-2],), dtype=dtype)
+    return out, lse
+
+
+@torch.library.custom_op("attnx::softmax_attention_backward", mutates_args=(), device_types="cpu")
+def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         mask: Optional[Tensor], bias: Optional[Tensor], variant: str,
+                         param: Optional[float], causal: str, window: Optional[List[int]],
+                         dropout_p: float, seed: Optional[Tensor],
+                         bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shapes and dtypes of q, k, v) and dbias (that of bias
+    when bias_grad, else an empty tensor) of sum(dout * out)."""
+    _, backward = _softmax_kernels(variant)
+    if backward is None:
+        raise NotImplementedError(f"this attnx has no {variant}_attention_backward")
+    dtype = _compute_dtype(q.dtype)
+    if dout.numel() == 0 or k.shape[-2] == 0:
+        # no output, or one that is constantly zero: every gradient is zero
+        dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
+        return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
+    grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
+    args = tuple(_np(t, dtype) for t in (dout, q, k, v, out)) + (lse.numpy(),)
+    if variant == "gaussian":
+        args += (param,)
+    g = backward(*args, mask=_np(mask), bias=_np(bias, dtype), bias_grad=bias_grad,
+                 dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
+                 **_softmax_options(variant, param, causal, window, dropout_p, seed))
+    dbias = _from_numpy(g.bias, bias.dtype) if bias_grad else q.new_empty((0,))
+    return (*(grad.to(t.dtype) for grad, t in zip(grads, (q, k, v))), dbias)
+
+
+@_softmax_backward_op.register_fake
+def _(dout, q, k, v, out, lse, mask, bias, variant, param, causal, window, dropout_p, seed,
+      bias_grad):
+    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _softmax_setup_context(ctx, inputs, output):
+    q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.options = (variant, param, causal, window, dropout_p)
+    ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
+
+
+def _softmax_backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
+    variant, param, causal, window, dropout_p = ctx.options
+    dq, dk, dv, dbias = torch.ops.attnx.softmax_attention_backward(
+        dout, q, k, v, out, lse, mask, bias, variant, param, causal, window, dropout_p, seed,
+        ctx.bias_grad)
+    return dq, dk, dv, None, dbias if ctx.bias_grad else None, None, None, None, None, None, None
+
+
+_softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+
+
+def _in_compute_dtype(*tensors):
+    """Half-precision tensors converted to float32, the one conversion on
+    the way in (differentiable: their gradients are converted back once by
+    autograd); others as they are."""
+    return [t.to(torch.float32) if t is not None and t.dtype in _HALF else t for t in tensors]
+
+
+def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
+    """The softmax operator on tensors of any supported dtype: (out in q's
+    dtype, lse in the computing dtype)."""
+    dtype = q.dtype
+    q, k, v, bias = _in_compute_dtype(q, k, v, bias)
+    out, lse = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
+                                                 window, dropout_p, seed)
+    return out.to(dtype), lse
+
+
+def _split_mask(mask, n, name="mask"):
+    """A bool mask goes to attnx as mask, a float one as bias; a mask
+    constant along the queries is passed as its (..., 1, m) view (a float
+    one only when it needs no gradient: its gradient must keep the
+    per-query entries)."""
+    if mask is None:
+        return None, None
+    _check_tensor(name, mask)
+    if mask.dtype == torch.bool:
+        return _key_padding_view(mask, n), None
+    if not mask.is_floating_point():
+        raise TypeError(f"{name} must be bool (True = attend) or floating point (added to the "
+                        f"scores), got dtype {mask.dtype}")
+    if mask.requires_grad and torch.is_grad_enabled():
+        return None, mask
+    return None, _key_padding_view(mask, n)
+
+
+def _seed_tensor(dropout_p, seed):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not dropout_p:
+        return None
+    if seed is None:
+        # drawn from torch's generator, so torch.manual_seed makes it repeatable
+        return torch.randint(0, 2**62, (), dtype=torch.int64)
+    return torch.tensor(int(seed), dtype=torch.int64)
+
+
+def _softmax_call(variant, q, k, v, param, causal, mask, bias, window, dropout_p, seed,
+                  return_lse):
+    _check_inputs(("q", "k", "v"), q, k, v)
+    n = q.shape[-2]
+    if mask is not None:
+        _check_tensor("mask", mask)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be bool (True = attend), got dtype {mask.dtype}; "
+                            "give additive float masks as bias=")
+        mask = _key_padding_view(mask, n)
+    if bias is not None:
+        _check_tensor("bias", bias)
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be floating point, got dtype {bias.dtype}")
+        _, bias = _split_mask(bias, n, "bias")
+    out, lse = _softmax_apply(
+        q, k, v, mask, bias, variant, None if param is None else float(param),
+        _encode_causal(causal), _encode_window(window), float(dropout_p),
+        _seed_tensor(dropout_p, seed))
+    return (out, lse) if return_lse else out
+
+
+def softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, window=None,
+                      dropout_p=0.0, seed=None, return_lse=False):
+    """attnx.softmax_attention on tensors, differentiable in q, k, v and a
+    float bias. Options as the numpy function; dropout_p with seed=None
+    draws the seed from torch's generator. return_lse: also the
+    logsumexp (..., n), float32 for half inputs, without gradient."""
+    return _softmax_call("softmax", q, k, v, scale, causal, mask, bias, window, dropout_p, seed,
+                         return_lse)
+
+
+def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None, window=None,
+                       dropout_p=0.0, seed=None, return_lse=False):
+    """attnx.gaussian_attention on tensors, differentiable in q, k, v and a
+    float bias (sigma is a number). Options as softmax_attention."""
+    return _softmax_call("gaussian", q, k, v, sigma, causal, mask, bias, window, dropout_p, seed,
+                         return_lse)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention computed by attnx.
+
+    Same signature and semantics: query (..., Hq, L, E), key (..., H, S, E),
+    value (..., H, S, Ev); attn_mask bool (True = attend) or float (added to
+    the scores), broadcastable to (..., Hq, L, S); is_causal: query i sees
+    keys j <= i (upper-left); scale defaults to 1/sqrt(E); enable_gqa lets
+    Hq be a multiple of H, each key/value head shared by Hq/H query heads
+    (without a copy). A row that sees no key gives zeros, as torch's CPU
+    kernels do. Dropout uses attnx's counter-based generator seeded from
+    torch's, so the dropped weights differ from torch's but are repeatable
+    under torch.manual_seed."""
+    _check_inputs(("query", "key", "value"), query, key, value)
+    n = query.shape[-2]
+    mask, bias = _split_mask(attn_mask, n, "attn_mask")
+    groups = 1
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        heads, kv_heads = query.shape[-3], key.shape[-3]
+        if kv_heads == 0 or heads % kv_heads or value.dim() < 3 or value.shape[-3] != kv_heads:
+            raise ValueError(f"enable_gqa needs the query heads ({heads}) to be a multiple of the "
+                             f"key/value heads ({kv_heads}, value {tuple(value.shape)})")
+        groups = heads // kv_heads
+        query = query.unflatten(-3, (kv_heads, groups))
+        key, value = key.unsqueeze(-3), value.unsqueeze(-3)
+        mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
+    out = _softmax_apply(
+        query, key, value, mask, bias, "softmax", None if scale is None else float(scale),
+        "upper_left" if is_causal else "none", None, float(dropout_p),
+        _seed_tensor(dropout_p, None))[0]
+    return out.flatten(-4, -3) if groups > 1 else out
+
+
+def _split_heads(mask, heads, kv_heads, groups):
+    """A mask over (..., Hq, L, S) for the grouped layout (..., H, g, L, S)."""
+    if mask is None or mask.dim() < 3:
+        return mask
+    if mask.shape[-3] == heads:
+        return mask.unflatten(-3, (kv_heads, groups))
+    return mask.unsqueeze(-3)
+
+
+# ------------------------------------------------------- linear family op
+
+_BACKWARD_NAMES = {
+    "linear": "linear_attention_backward",
+    "cosformer": "cosformer_attention_backward",
+    "focused": "focused_linear_attention_backward",
+    "taylor": "taylor_attention_backward",
+    "performer": "performer_attention_backward",
+    "efficient": "efficient_attention_backward",
+}
+_PARAMETERS = {front: set(inspect.signature(fn).parameters)
+               for front, fn in _linear.FRONT_ENDS.items()}
+
+
+def _linear_options(front, feature_map, causal, key_mask, mask, window, method, chunk_size, eps,
+                    projection, p, M, dtype):
+    given = {"feature_map": feature_map, "causal": _decode_causal(causal),
+             "key_mask": _np(key_mask),
+             "mask": _np(mask), "window": _decode_window(window), "method": method,
+             "chunk_size": chunk_size, "eps": eps, "projection": _np(projection, dtype),
+             "p": p if p is None or p != int(p) else int(p),
+             "M": M if M is None or M != int(M) else int(M)}
+    return {name: value for name, value in given.items() if name in _PARAMETERS[front]}
+
+
+@torch.library.custom_op("attnx::linear_attention", mutates_args=(), device_types="cpu")
+def _linear_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], mask: Optional[Tensor],
+               projection: Optional[Tensor], front: str, feature_map: str, causal: str,
+               window: Optional[List[int]], method: Optional[str], chunk_size: Optional[int],
+               eps: float, p: float, M: Optional[float]) -> Tensor:
+    """The kernelised front end `front` ("linear", "cosformer", "focused",
+    "taylor", "performer", "efficient") with its options."""
+    dtype = _compute_dtype(q.dtype)
+    options = _linear_options(front, feature_map, causal, key_mask, mask, window, method,
+                              chunk_size, eps, projection, p, M, dtype)
+    shape = _batch_shape(q, k, v, mask)
+    if key_mask is not None:
+        shape = torch.broadcast_shapes(shape, key_mask.shape[:-1])
+    out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    if out.numel() == 0 or k.shape[-2] == 0:
+        return out.zero_().to(q.dtype)
+    _linear.FRONT_ENDS[front](_np(q, dtype), _np(k, dtype), _np(v, dtype), out=out.numpy(),
+                              **options)
+    return out.to(q.dtype)
+
+
+@_linear_op.register_fake
+def _(q, k, v, key_mask, mask, projection, front, feature_map, causal, window, method, chunk_size,
+      eps, p, M):
+    shape = _batch_shape(q, k, v, mask)
+    if key_mask is not None:
+        shape = torch.broadcast_shapes(shape, key_mask.shape[:-1])
+    return q.new_empty(shape + (q.shape[-2], v.shape[-1]))
+
+
+@torch.library.custom_op("attnx::linear_attention_backward", mutates_args=(), device_types="cpu")
+def _linear_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                        mask: Optional[Tensor], projection: Optional[Tensor], front: str,
+                        feature_map: str, causal: str, window: Optional[List[int]],
+                        method: Optional[str], chunk_size: Optional[int], eps: float, p: float,
+                        M: Optional[float], projection_grad: bool
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv and dprojection (empty unless projection_grad) of
+    sum(dout * out) for the kernelised front end `front`."""
+    backward = getattr(attnx, _BACKWARD_NAMES[front], None)
+    if backward is None:
+        raise NotImplementedError(f"this attnx has no {_BACKWARD_NAMES[front]}")
+    dtype = _compute_dtype(q.dtype)
+    if dout.numel() == 0 or k.shape[-2] == 0:
+        dprojection = torch.zeros_like(projection) if projection_grad else q.new_empty((0,))
+        return (*(torch.zeros_like(t) for t in (q, k, v)), dprojection)
+    options = _linear_options(front, feature_map, causal, key_mask, mask, window, method,
+                              chunk_size, eps, projection, p, M, dtype)
+    if projection_grad:
+        options["projection_grad"] = True
+    grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
+    g = backward(*(_np(t, dtype) for t in (dout, q, k, v)), dq=grads[0].numpy(),
+                 dk=grads[1].numpy(), dv=grads[2].numpy(), **options)
+    dprojection = (_from_numpy(g.projection, projection.dtype) if projection_grad
+                   else q.new_empty((0,)))
+    return (*(grad.to(t.dtype) for grad, t in zip(grads, (q, k, v))), dprojection)
+
+
+@_linear_backward_op.register_fake
+def _(dout, q, k, v, key_mask, mask, projection, front, feature_map, causal, window, method,
+      chunk_size, eps, p, M, projection_grad):
+    dprojection = projection.new_empty(projection.shape) if projection_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dprojection
+
+
+def _linear_setup_context(ctx, inputs, output):
+    q, k, v, key_mask, mask, projection = inputs[:6]
+    ctx.options = inputs[6:]
+    ctx.projection_grad = projection is not None and ctx.needs_input_grad[5]
+    ctx.save_for_backward(q, k, v, key_mask, mask, projection)
+
+
+def _linear_backward(ctx, dout):
+    q, k, v, key_mask, mask, projection = ctx.saved_tensors
+    dq, dk, dv, dprojection = torch.ops.attnx.linear_attention_backward(
+        dout, q, k, v, key_mask, mask, projection, *ctx.options, ctx.projection_grad)
+    return (dq, dk, dv, None, None, dprojection if ctx.projection_grad else None) + (None,) * 9
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+def _torch_features(feature_map, q, k):
+    """phi(q), phi(k) from a callable written in torch (differentiated by
+    autograd), checked like the numpy front end's."""
+    features = []
+    for name, x in (("q", q), ("k", k)):
+        phi = feature_map(x)
+        if not isinstance(phi, torch.Tensor):
+            raise TypeError(f"feature_map callable returned {type(phi).__name__} for {name}; "
+                            "it must return a torch.Tensor")
+        if phi.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"feature_map callable returned shape {tuple(phi.shape)} for {name} "
+                             f"of shape {tuple(x.shape)}; expected {tuple(x.shape[:-1])} + (r,)")
+        features.append(phi.to(x.dtype))
+    if features[0].shape[-1] != features[1].shape[-1]:
+        raise ValueError(f"feature_map callable returned {features[0].shape[-1]} features for q "
+                         f"but {features[1].shape[-1]} for k; they must agree")
+    return features
+
+
+def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None, mask=None,
+                 window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3, M=None):
+    _check_inputs(("q", "k", "v"), q, k, v)
+    for name, t in (("key_mask", key_mask), ("mask", mask)):
+        if t is not None:
+            _check_tensor(name, t)
+            if t.dtype != torch.bool:
+                raise TypeError(f"{name} must be a bool tensor (True = attend), got {t.dtype}")
+    if mask is not None:
+        mask = _key_padding_view(mask, q.shape[-2])
+    if callable(feature_map):
+        q, k = _torch_features(feature_map, q, k)
+        feature_map = "identity"
+    if projection is not None:
+        _check_tensor("projection", projection)
+    dtype = q.dtype
+    q, k, v, projection = _in_compute_dtype(q, k, v, projection)
+    return torch.ops.attnx.linear_attention(
+        q, k, v, key_mask, mask, projection, front, feature_map, _encode_causal(causal),
+        _encode_window(window), method, chunk_size, float(eps), float(p),
+        None if M is None else float(M)).to(dtype)
+
+
+def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
+                     window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3):
+    """attnx.linear_attention on tensors, differentiable in q, k, v (and a
+    FAVOR projection). feature_map may be a callable written in torch,
+    f(x) -> (..., r) non-negative: torch applies it (autograd through it,
+    so learned maps train) and attnx computes attention on the features."""
+    return _linear_call("linear", q, k, v, feature_map, causal, key_mask, mask, window, method,
+                        chunk_size, eps, projection, p)
+
+
+def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
+                        method=None, chunk_size=None, eps=1e-6):
+    """attnx.cosformer_attention on tensors, differentiable in q, k, v."""
+    return _linear_call("cosformer", q, k, v, "elu", causal, key_mask, mask, window, method,
+                        chunk_size, eps, M=M)
+
+
+def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None, window=None,
+                             method=None, chunk_size=None, eps=1e-6):
+    """attnx.focused_linear_attention on tensors, differentiable in q, k, v."""
+    return _linear_call("focused", q, k, v, "elu", causal, key_mask, mask, window, method,
+                        chunk_size, eps, p=p)
+
+
+def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None, method=None,
+                     chunk_size=None, eps=1e-6):
+    """attnx.taylor_attention on tensors, differentiable in q, k, v."""
+    return _linear_call("taylor", q, k, v, "elu", causal, key_mask, mask, window, method,
+                        chunk_size, eps)
+
+
+def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
+                        key_mask=None, mask=None, window=None, method=None, chunk_size=None,
+                        eps=1e-6):
+    """attnx.performer_attention on tensors. projection: a tensor (r, d),
+    differentiable (a learned projection gets its gradient); when None, one
+    is drawn with attnx.random_features(num_features, d, seed=seed) as a
+    constant."""
+    if projection is None:
+        d = q.shape[-1]
+        if num_features is None:
+            num_features = max(1, round(d * math.log(d))) if d > 0 else 1
+        projection = torch.from_numpy(attnx.random_features(num_features, d, seed=seed))
+    elif num_features is not None and projection.shape[0] != num_features:
+        raise ValueError(f"projection has {projection.shape[0]} rows but "
+                         f"num_features={num_features}")
+    elif seed is not None:
+        raise ValueError("performer_attention: give projection= or seed= (to draw one), not both")
+    return _linear_call("performer", q, k, v, "favor", causal, key_mask, mask, window, method,
+                        chunk_size, eps, projection)
+
+
+def efficient_attention(q, k, v, *, key_mask=None, causal=False):
+    """attnx.efficient_attention on tensors, differentiable in q, k, v."""
+    return _linear_call("efficient", q, k, v, "elu", causal, key_mask)
+
+
+_FRONT_ENDS = {
+    "softmax": softmax_attention,
+    "gaussian": gaussian_attention,
+    "linear": linear_attention,
+    "cosformer": cosformer_attention,
+    "focused": focused_linear_attention,
+    "taylor": taylor_attention,
+    "performer": performer_attention,
+    "efficient": efficient_attention,
+}
+
+
+def attention_weights(q, k, variant="softmax", **options):
+    """The normalised weights (..., n, m) of `variant` (as
+    attnx.attention_weights), differentiable in q and k: the variant's
+    operator applied to the values eye(m). O(n m) memory."""
+    if variant not in _FRONT_ENDS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of "
+                         f"{', '.join(map(repr, _FRONT_ENDS))}")
+    if {"return_lse", "dropout_p"} & options.keys():
+        raise TypeError("attention_weights takes no return_lse= or dropout_p=")
+    _check_tensor("k", k)
+    if k.dim() < 2:
+        raise ValueError(f"k must have at least 2 dimensions, got shape {tuple(k.shape)}")
+    identity = torch.eye(k.shape[-2], dtype=k.dtype)
+    if "method" in _PARAMETERS.get(variant, ()) and options.get("method") is None:
+        # explicit similarities, as attnx.attention_weights computes them
+        options["method"] = "quadratic"
+    return _FRONT_ENDS[variant](q, k, identity, **options)
+
+
+# ------------------------------------------------ Hugging Face transformers
+
+def _transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            is_causal=None, position_bias=None, **kwargs):
+    """transformers' attention interface: query (B, H, n, d), key and value
+    (B, Hkv, m, d) -> ((B, n, H, e), None), as its "sdpa" function.
+
+    Masks come from attnx's mask function (registered beside this one):
+    None, a bool key padding (B, 1, 1, m) of a causal mask (causality is
+    then the causal flag, aligned lower-right as a KV cache needs), or a
+    bool mask over (B, 1, n, m) (for padding alone an expanded view, read
+    as key padding). Grouped key/value heads are shared by broadcasting."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attnx attention does not support softcap")
+    if kwargs.get("output_attentions", False):
+        warnings.warn("attnx attention does not return the attention weights (None is returned "
+                      "for them); use attn_implementation='eager' for output_attentions=True",
+                      stacklevel=2)
+    batch, heads, n, _ = query.shape
+    kv_heads = key.shape[1]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    mask = bias = None
+    causal = "none"
+    if attention_mask is None:
+        # as torch's is_causal (the sdpa integration's rule)
+        causal = "upper_left" if is_causal and n > 1 else "none"
+    elif attention_mask.dtype == torch.bool and attention_mask.shape[-2] == 1 and is_causal:
+        causal = "lower_right"
+        mask = attention_mask
+    else:
+        mask, bias = _split_mask(attention_mask, n, "attention_mask")
+    if position_bias is not None:
+        bias = position_bias if bias is None else bias + position_bias
+    if heads != kv_heads:
+        groups = heads // kv_heads
+        query = query.unflatten(1, (kv_heads, groups))
+        key, value = key.unsqueeze(2), value.unsqueeze(2)
+        mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
+    out = _softmax_apply(
+        query, key, value, mask, bias, "softmax", None if scaling is None else float(scaling),
+        causal, None, float(dropout), _seed_tensor(dropout, None))[0]
+    out = out.reshape(batch, heads, n, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _transformers_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                       mask_function=None, attention_mask=None, local_size=None,
+                       allow_is_causal_skip=True, allow_is_bidirectional_skip=False,
+                       use_vmap=False, device="cpu", **kwargs):
+    """transformers' mask interface for "attnx": the plain causal and
+    bidirectional patterns come back without an n x m mask (None, or the
+    padding as a (B, 1, 1, m) causal key padding, or the padding expanded
+    along the queries with stride 0); any other pattern (sliding windows,
+    packed sequences, custom functions) is built by transformers' own
+    sdpa_mask as a full boolean mask."""
+    from transformers import masking_utils
+
+    plain = (not use_vmap and local_size is None and isinstance(q_offset, int)
+             and isinstance(kv_offset, int))
+    padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is not None:
+        padding = padding[:, kv_offset:kv_offset + kv_length]
+    if plain and mask_function is masking_utils.bidirectional_mask_function:
+        if padding is None:
+            return None
+        return padding[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
+    if (plain and mask_function is masking_utils.causal_mask_function
+            and q_offset + q_length == kv_offset + kv_length):
+        if padding is None:
+            if q_length == kv_length or q_length == 1:
+                return None
+            # lower-right causal, which None (upper-left) would not give
+            padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+        return padding[:, None, None, :].expand(batch_size, 1, 1, kv_length)
+    if mask_function is None:
+        mask_function = masking_utils.causal_mask_function
+    return masking_utils.sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+        local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap, device=device)
+
+
+def register_transformers(name="attnx"):
+    """Register attnx with Hugging Face transformers' AttentionInterface and
+    AttentionMaskInterface under `name`, so that
+    ``AutoModel.from_pretrained(..., attn_implementation="attnx")`` (or
+    ``from_config``) runs every attention layer on attnx: padding reaches
+    the kernel as key padding and causality as the causal flag (no n x m
+    mask is built for the plain causal and bidirectional patterns), in
+    inference, generation with a KV cache, and training."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, _transformers_attention)
+    AttentionMaskInterface.register(name, _transformers_mask)
