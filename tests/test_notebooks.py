@@ -26,7 +26,8 @@ CELL_TIMEOUT_S = 300
 
 def test_there_are_notebooks():
     names = {os.path.basename(path) for path in NOTEBOOKS}
-    assert {"tour.ipynb", "kernel_regression.ipynb", "long_sequences.ipynb"} <= names
+    assert {"tour.ipynb", "kernel_regression.ipynb", "long_sequences.ipynb",
+            "training.ipynb"} <= names
 
 
 @pytest.fixture(scope="module")
