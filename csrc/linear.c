@@ -972,7 +972,8 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     p.threads = (int)ATTNX_MIN(threads, ATTNX_MAX(work, a->heads * p.needed * p.split));
     if (a->method == ATTNX_METHOD_CUMSUM) {
         size_t prefix_bytes = (size_t)(a->m + 1) * (size_t)p.state_size * sizeof(REAL);
-        size_t fitting = ATTNX_CUMSUM_LIMIT / prefix_bytes;
+        /* no features (r = 0): the prefix tensor is empty, nothing to ration */
+        size_t fitting = prefix_bytes ? ATTNX_CUMSUM_LIMIT / prefix_bytes : (size_t)p.threads;
         if ((size_t)p.threads > fitting) p.threads = (int)ATTNX_MAX(fitting, 1);
     }
     p.threads = ATTNX_MAX(p.threads, 1);
