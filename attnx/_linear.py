@@ -1,4 +1,4 @@
-"""Kernelised ("linear") attention, design.md 3.2.
+"""Kernelised ("linear") attention (docs/linear.md).
 
     o_i = phi(q_i) S / max(phi(q_i) . z, eps),  S = sum_j psi(k_j) v_j^T,  z = sum_j psi(k_j)
 

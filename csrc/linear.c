@@ -532,7 +532,7 @@ static void SFX(add_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t 
 /* out_i = num_i / max(den_i, eps_i) with eps_i = eps exp(-(log_scale_i + c)):
  * the features were divided by exp(log_scale_i) (query) and exp(c) (keys)
  * to stay finite, which cancels in the ratio but not in the clamp, so the
- * clamp is divided the same way (design.md, FAVOR+). A zero denominator
+ * clamp is divided the same way (docs/linear.md, FAVOR+). A zero denominator
  * gives a zero row. Unnormalised (similarities): out_i = num_i exp(log_scale_i + c). */
 static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scratch) *w, REAL *out)
 {
