@@ -188,10 +188,14 @@ def _performer_projection(q, projection, num_features, seed):
     if projection is not None:
         if seed is not None:
             raise ValueError("performer_attention: give projection= or seed= (to draw one), not both")
-        if num_features is not None and np.shape(projection)[0] != num_features:
+        # a projection of the wrong rank is left to the kernel's shape check
+        if (num_features is not None and np.ndim(projection) >= 1
+                and np.shape(projection)[0] != num_features):
             raise ValueError(f"projection has {np.shape(projection)[0]} rows but "
                              f"num_features={num_features}")
         return projection
+    if np.ndim(q) < 2:  # the projection's width is q's last axis
+        raise ValueError(f"q must have at least 2 dimensions, got shape {np.shape(q)}")
     d = np.shape(q)[-1]
     if num_features is None:
         num_features = max(1, round(d * math.log(d))) if d > 0 else 1

@@ -58,3 +58,14 @@ def test_random_features_refuses_huge_sizes_before_work():
         attnx.performer_attention(np.ones((2, 8)), np.ones((2, 8)), np.ones((2, 8)),
                                   num_features=2**40, seed=0)
     assert time.monotonic() - start < 1.0  # refused, not attempted
+
+
+@pytest.mark.parametrize("q", [3.0, None, "q", np.ones(4)])
+def test_performer_without_projection_names_q(q):
+    """performer_attention drew its projection from q's last axis before the
+    kernel checked q: a q of fewer than 2 dimensions raised IndexError."""
+    k = v = np.ones((3, 4))
+    with pytest.raises(ValueError, match="q must have at least 2 dimensions"):
+        attnx.performer_attention(q, k, v, seed=0)
+    with pytest.raises(ValueError, match="q must have at least 2 dimensions"):
+        attnx.attention_weights(q, k, variant="performer", seed=0)
