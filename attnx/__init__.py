@@ -29,6 +29,7 @@ def _load_extension():
 _C = _load_extension()
 from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
 from ._grad import Gradients, vjp
+from ._softmax import gaussian_attention_backward, softmax_attention_backward
 from ._inspect import attention_weights, similarity
 from ._linear import (
     LinearAttentionState,
@@ -46,6 +47,8 @@ __version__ = "0.1.0"
 __all__ = [
     "softmax_attention",
     "gaussian_attention",
+    "softmax_attention_backward",
+    "gaussian_attention_backward",
     "linear_attention",
     "cosformer_attention",
     "focused_linear_attention",

@@ -42,36 +42,57 @@ class Gradients(NamedTuple):
 def softmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
                       causal: _Causal = False, mask: ArrayLike | None = None,
                       bias: ArrayLike | None = None, window: _Window = None,
+                      dropout_p: float = 0.0, seed: int | None = None,
                       out: _Array | None = None, return_lse: Literal[False] = False) -> _Array: ...
 @overload
 def softmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
                       causal: _Causal = False, mask: ArrayLike | None = None,
                       bias: ArrayLike | None = None, window: _Window = None,
+                      dropout_p: float = 0.0, seed: int | None = None,
                       out: _Array | None = None,
                       return_lse: Literal[True]) -> tuple[_Array, _Array]: ...
 @overload
 def softmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
                       causal: _Causal = False, mask: ArrayLike | None = None,
                       bias: ArrayLike | None = None, window: _Window = None,
+                      dropout_p: float = 0.0, seed: int | None = None,
                       out: _Array | None = None,
                       return_lse: bool = False) -> _Array | tuple[_Array, _Array]: ...
 @overload
 def gaussian_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, sigma: float = 1.0, *,
                        causal: _Causal = False, mask: ArrayLike | None = None,
                        bias: ArrayLike | None = None, window: _Window = None,
+                       dropout_p: float = 0.0, seed: int | None = None,
                        out: _Array | None = None, return_lse: Literal[False] = False) -> _Array: ...
 @overload
 def gaussian_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, sigma: float = 1.0, *,
                        causal: _Causal = False, mask: ArrayLike | None = None,
                        bias: ArrayLike | None = None, window: _Window = None,
+                       dropout_p: float = 0.0, seed: int | None = None,
                        out: _Array | None = None,
                        return_lse: Literal[True]) -> tuple[_Array, _Array]: ...
 @overload
 def gaussian_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, sigma: float = 1.0, *,
                        causal: _Causal = False, mask: ArrayLike | None = None,
                        bias: ArrayLike | None = None, window: _Window = None,
+                       dropout_p: float = 0.0, seed: int | None = None,
                        out: _Array | None = None,
                        return_lse: bool = False) -> _Array | tuple[_Array, _Array]: ...
+
+def softmax_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                               out: ArrayLike, lse: ArrayLike, *, scale: float | None = None,
+                               causal: _Causal = False, mask: ArrayLike | None = None,
+                               bias: ArrayLike | None = None, window: _Window = None,
+                               dropout_p: float = 0.0, seed: int | None = None,
+                               bias_grad: bool = False, dq: _Array | None = None,
+                               dk: _Array | None = None, dv: _Array | None = None) -> Gradients: ...
+def gaussian_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                out: ArrayLike, lse: ArrayLike, sigma: float = 1.0, *,
+                                causal: _Causal = False, mask: ArrayLike | None = None,
+                                bias: ArrayLike | None = None, window: _Window = None,
+                                dropout_p: float = 0.0, seed: int | None = None,
+                                bias_grad: bool = False, dq: _Array | None = None,
+                                dk: _Array | None = None, dv: _Array | None = None) -> Gradients: ...
 
 # kernelised ("linear") family: return_state=True also returns the state ----
 
@@ -223,6 +244,8 @@ def show_config() -> None: ...
 __all__ = [
     "softmax_attention",
     "gaussian_attention",
+    "softmax_attention_backward",
+    "gaussian_attention_backward",
     "linear_attention",
     "cosformer_attention",
     "focused_linear_attention",

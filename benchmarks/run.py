@@ -223,6 +223,27 @@ def progress_line(result, seconds):
 
 # ------------------------------------------------------------ the suite
 
+def progress(items, description):
+    """items under a tqdm progress bar on stderr, when tqdm is installed and
+    stderr is a terminal (logs and pipes get the result lines alone)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=description, leave=False, disable=not sys.stderr.isatty())
+
+
+def say(line):
+    """Print a result line above the progress bar (when there is one)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(line, flush=True)
+        return
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
 def merge_gemm(start, end):
     """One gemm record from the measurements at the start and end of the run."""
     merged = dict(start)
@@ -241,11 +262,10 @@ def run_timed(args, attnx, settings):
         print("  gemm %s 2048^3: %.1f GFLOP/s" % (record["dtype"], record["competitors"]["numpy-openblas"]["gflops"]),
               flush=True)
     results = []
-    for index, case in enumerate(selected, 1):
+    for index, case in enumerate(progress(selected, "timing"), 1):
         started = time.perf_counter()
         results.append(run_case(case, attnx, settings, args))
-        print("[%d/%d]" % (index, len(selected)) + progress_line(results[-1], time.perf_counter() - started),
-              flush=True)
+        say("[%d/%d]" % (index, len(selected)) + progress_line(results[-1], time.perf_counter() - started))
     gemm_end = [run_case(c, attnx, settings, args) for c in cases.gemm_cases()]
     return [merge_gemm(s, e) for s, e in zip(gemm_start, gemm_end)] + results
 
@@ -256,12 +276,12 @@ def run_memory(args, attnx):
     selected = [(case, impl) for case, impl in memory.probes(args.quick) if args.only in case.label
                 and (cases.attnx_supports(case, attnx, impl) or not impl.startswith("attnx"))]
     probes = []
-    for case, impl in selected:
+    for case, impl in progress(selected, "memory"):
         probes.append(memory.run_probe(case, impl, args.threads))
         outcome = probes[-1].get("extra_bytes")
         shown = "%.1f MiB" % (outcome / report.MIB) if outcome is not None else (
             probes[-1].get("skipped") or probes[-1].get("error"))
-        print("  memory %-36s %-18s %s" % (case.label, impl, shown), flush=True)
+        say("  memory %-36s %-18s %s" % (case.label, impl, shown))
     return probes
 
 

@@ -566,3 +566,40 @@ int attnx_check_status(int status)
         PyErr_Format(PyExc_RuntimeError, "attnx kernel failed with status %d", status);
     return -1;
 }
+
+int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t *seed)
+{
+    *p = 0;
+    *seed = 0;
+    if (p_obj && p_obj != Py_None) {
+        *p = PyFloat_AsDouble(p_obj);
+        if (*p == -1 && PyErr_Occurred()) return -1;
+        if (!(*p >= 0 && *p < 1)) {
+            PyObject *shown = PyObject_Repr(p_obj);
+            PyErr_Format(PyExc_ValueError, "dropout_p must be in [0, 1), got %S", shown);
+            Py_XDECREF(shown);
+            return -1;
+        }
+    }
+    if (!seed_obj || seed_obj == Py_None) {
+        if (*p > 0) {
+            PyErr_SetString(PyExc_ValueError,
+                            "dropout_p > 0 needs seed= (an int): the backward regenerates the "
+                            "dropout mask from it");
+            return -1;
+        }
+        return 0;
+    }
+    if (PyBool_Check(seed_obj) || !PyLong_Check(seed_obj)) {
+        PyErr_Format(PyExc_TypeError, "seed must be an int, got %s", Py_TYPE(seed_obj)->tp_name);
+        return -1;
+    }
+    unsigned long long value = PyLong_AsUnsignedLongLong(seed_obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "seed must be in [0, 2**64)");
+        return -1;
+    }
+    *seed = (uint64_t)value;
+    return 0;
+}

@@ -110,6 +110,10 @@ int attnx_parse_positive(PyObject *obj, const char *name, double *value);
 attnx_band attnx_make_band(npy_intp n, npy_intp m, int causal, int has_left, npy_intp left,
                            int has_right, npy_intp right);
 
+/* dropout_p (None or a number in [0, 1)) and seed (None or an int in
+ * [0, 2**64), required when dropout_p > 0) */
+int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t *seed);
+
 void attnx_release(attnx_operand *ops, int count);
 
 /* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM);

@@ -72,10 +72,31 @@ typedef struct {
     double key_sqnorm_coef;            /* gaussian attention: -1/(2 sigma^2) */
     attnx_band band;
     int num_threads;
+    double dropout_p;                  /* in [0, 1): weights dropped (philox.h) and the
+                                          kept ones scaled by 1 / (1 - dropout_p) */
+    uint64_t seed;                     /* of the dropout mask */
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);
 int attnx_softmax_fwd_f64(const attnx_softmax_args *args);
+
+/* Its gradient (softmax_backward.c): dq, dk, dv (and dbias when not NULL)
+ * of sum(dout * out), with the forward's operands, options, out and lse
+ * in fwd. Every gradient operand is per head (no broadcast axes): dq (n, d),
+ * dk (m, d), dv (m, e) with row strides, dbias (n, m) rows dbias_row apart.
+ * The caller reduces a broadcast input's gradient over its heads. */
+enum { ATTNX_SMB_DOUT, ATTNX_SMB_DQ, ATTNX_SMB_DK, ATTNX_SMB_DV, ATTNX_SMB_DBIAS, ATTNX_SMB_NOPS };
+
+typedef struct {
+    attnx_softmax_args fwd;            /* out and lse required */
+    const ptrdiff_t *grad_offsets;     /* (heads, ATTNX_SMB_NOPS) byte offsets */
+    const void *dout;                  /* (n, e) per head */
+    void *dq, *dk, *dv, *dbias;        /* dbias may be NULL */
+    ptrdiff_t dout_row, dq_row, dk_row, dv_row, dbias_row;  /* row strides, elements */
+} attnx_softmax_bwd_args;
+
+int attnx_softmax_bwd_f32(const attnx_softmax_bwd_args *args);
+int attnx_softmax_bwd_f64(const attnx_softmax_bwd_args *args);
 
 /* ------------------------------------------------------------------------
  * Kernelised (linear) attention over non-negative features (linear.c).
@@ -219,12 +240,21 @@ void attnx_linear_flush_f64(void *S, const attnx_pending *pending, ptrdiff_t hea
 
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
-/* whether float32 softmax attention may use AMX where the CPU has it
- * (amx.h); attnx_set_amx returns the setting it replaces */
-int attnx_amx_enabled(void);
-int attnx_set_amx(int enabled);
+/* The softmax backends, each able to do all the ones before it: plain C +
+ * BLAS, the micro-kernels (AVX-512, AVX2), AMX (float32). A call takes the
+ * best its CPU and shape allow, up to the limit (AMX unless
+ * ATTNX_SOFTMAX_BACKEND or ATTNX_AMX=0 said otherwise at import, or a test
+ * set it). attnx_set_softmax_backend_limit returns the limit it replaces;
+ * the names are those of ATTNX_SOFTMAX_BACKEND, and a name that is none of
+ * them gives -1. */
+enum { ATTNX_BACKEND_PLAIN, ATTNX_BACKEND_MK, ATTNX_BACKEND_AMX, ATTNX_BACKENDS };
+int attnx_softmax_backend_limit(void);
+int attnx_set_softmax_backend_limit(int limit);
+int attnx_softmax_backend_from_name(const char *name);
+const char *attnx_softmax_backend_name(int backend);
 void attnx_set_num_threads(int num_threads);
-void attnx_blas_init(void);
+/* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
+int attnx_runtime_init(void);
 const char *attnx_blas_name(void);
 const char *attnx_simd_level(void);
 

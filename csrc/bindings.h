@@ -5,6 +5,7 @@
 
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_step(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
@@ -12,6 +13,7 @@ int attnx_linear_names_init(void);
 
 extern const char attnx_softmax_attention_doc[];
 extern const char attnx_gaussian_attention_doc[];
+extern const char attnx_softmax_backward_doc[];
 extern const char attnx_linear_attention_doc[];
 extern const char attnx_linear_step_doc[];
 extern const char attnx_linear_flush_doc[];

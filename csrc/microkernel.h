@@ -519,11 +519,11 @@ static inline __attribute__((always_inline)) __m512 mk_exp2_w16(__m512 t)
 }
 
 /* The online softmax of one strip over the keys [lo, hi) of the tile, on
- * AVX-512: see softmax_strip in softmax.c, which this computes in
+ * AVX-512: see softmax_online_strip in softmax.c, which this computes in
  * registers, `vectors` (at most 3) vectors of rows at a time. Flush-to-zero
  * is on while it
  * runs (the thread's own setting is put back): a weight under 2^-126 is 0
- * at no cost (softmax_strip's are 0 under 2^-125). */
+ * at no cost (softmax_online_strip's are 0 under 2^-125). */
 static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
                                         const float *tile_max, float *row_max, float *row_sum,
                                         float *correction, const int vectors)

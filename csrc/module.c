@@ -30,22 +30,57 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-static PyObject *set_amx(PyObject *self, PyObject *arg)
+/* _set_softmax_backend(name): the most capable softmax backend calls may
+ * use (attnx.h); returns the name of the one before */
+static PyObject *set_softmax_backend(PyObject *self, PyObject *arg)
 {
-    int enabled = PyObject_IsTrue(arg);
-    if (enabled < 0) return NULL;
-    return PyBool_FromLong(attnx_set_amx(enabled));
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (PyUnicode_Check(arg) && !name) return NULL;
+    int limit = name ? attnx_softmax_backend_from_name(name) : -1;
+    if (limit < 0) {
+        PyErr_Format(PyExc_ValueError, "backend must be 'plain', 'mk' or 'amx', got %R", arg);
+        return NULL;
+    }
+    return PyUnicode_FromString(attnx_softmax_backend_name(attnx_set_softmax_backend_limit(limit)));
+}
+
+/* 1 when this CPU (and build) can run the softmax backend */
+static int softmax_backend_available(int backend)
+{
+    switch (backend) {
+    case ATTNX_BACKEND_MK:
+        return attnx_mk_width() != 0;
+    case ATTNX_BACKEND_AMX:
+#ifdef ATTNX_HAVE_AMX
+        return attnx_mk_width() == 16 && attnx_amx_usable();
+#else
+        return 0;
+#endif
+    default:
+        return 1;
+    }
 }
 
 static PyObject *build_info(PyObject *self, PyObject *unused)
 {
-    int amx = 0;
-#ifdef ATTNX_HAVE_AMX
-    amx = attnx_amx_enabled() && attnx_amx_usable();
-#endif
-    return Py_BuildValue("{s:s,s:s,s:N,s:i,s:s}", "blas", attnx_blas_name(), "simd",
-                         attnx_simd_level(), "amx", PyBool_FromLong(amx), "num_threads",
-                         attnx_get_num_threads(), "compiler",
+    int limit = attnx_softmax_backend_limit();
+    int amx = limit >= ATTNX_BACKEND_AMX && softmax_backend_available(ATTNX_BACKEND_AMX);
+    PyObject *backends = PyList_New(0);
+    if (!backends) return NULL;
+    for (int b = 0; b < ATTNX_BACKENDS; b++) {
+        if (!softmax_backend_available(b)) continue;
+        PyObject *name = PyUnicode_FromString(attnx_softmax_backend_name(b));
+        if (!name || PyList_Append(backends, name) < 0) {
+            Py_XDECREF(name);
+            Py_DECREF(backends);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:i,s:s}", "blas", attnx_blas_name(), "simd",
+                         attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
+                         attnx_softmax_backend_name(limit), "softmax_backends", backends,
+                         "num_threads", attnx_get_num_threads(), "compiler",
 #ifdef __VERSION__
                          "gcc " __VERSION__
 #else
@@ -59,14 +94,18 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     KW_METHOD("softmax_attention", attnx_py_softmax_attention, attnx_softmax_attention_doc),
     KW_METHOD("gaussian_attention", attnx_py_gaussian_attention, attnx_gaussian_attention_doc),
+    {"softmax_backward", attnx_py_softmax_backward, METH_VARARGS, attnx_softmax_backward_doc},
     {"linear_attention", attnx_py_linear_attention, METH_VARARGS, attnx_linear_attention_doc},
     {"linear_step", attnx_py_linear_step, METH_VARARGS, attnx_linear_step_doc},
     {"linear_flush", attnx_py_linear_flush, METH_O, attnx_linear_flush_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, "Threads attnx kernels use."},
     {"set_num_threads", set_num_threads, METH_O, "Set the threads attnx kernels use."},
-    {"_set_amx", set_amx, METH_O,
-     "Allow (True) or forbid AMX for float32 softmax attention; returns the previous setting."},
-    {"build_info", build_info, METH_NOARGS, "BLAS, SIMD level, AMX in use, threads, compiler."},
+    {"_set_softmax_backend", set_softmax_backend, METH_O,
+     "The most capable softmax backend calls may use, 'plain', 'mk' or 'amx' (for tests); "
+     "returns the previous one."},
+    {"build_info", build_info, METH_NOARGS,
+     "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
+     "threads, compiler."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -75,7 +114,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "attnx._C", NULL, -1,
 PyMODINIT_FUNC PyInit__C(void)
 {
     import_array();
-    attnx_blas_init();
+    if (attnx_runtime_init() < 0) {
+        PyErr_Format(PyExc_ValueError, "ATTNX_SOFTMAX_BACKEND must be plain, mk or amx, got '%s'",
+                     getenv("ATTNX_SOFTMAX_BACKEND"));
+        return NULL;
+    }
     if (attnx_linear_names_init() < 0) return NULL;
     return PyModule_Create(&module);
 }

@@ -14,7 +14,8 @@ static const softmax_kernel softmax_kernels[2] = {attnx_softmax_fwd_f32, attnx_s
 static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_obj,
                                 PyObject *scale_obj, double sigma, PyObject *causal_obj,
                                 PyObject *mask_obj, PyObject *bias_obj, PyObject *window_obj,
-                                PyObject *out_obj, int return_lse)
+                                PyObject *dropout_obj, PyObject *seed_obj, PyObject *out_obj,
+                                int return_lse)
 {
     enum { Q, K, V, BIAS, MASK, NOPS };
     attnx_operand ops[NOPS] = {
@@ -28,10 +29,12 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     PyObject *ret = NULL;
     int causal, has_left, has_right;
     npy_intp left, right;
-    double scale = 0;
+    double scale = 0, dropout_p;
+    uint64_t seed;
 
     if (attnx_parse_causal(causal_obj, &causal) < 0 ||
-        attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0)
+        attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0 ||
+        attnx_parse_dropout(dropout_obj, seed_obj, &dropout_p, &seed) < 0)
         return NULL;
     if (scale_obj && scale_obj != Py_None && attnx_parse_positive(scale_obj, "scale", &scale) < 0)
         return NULL;
@@ -109,6 +112,8 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
         .key_sqnorm_coef = scale_obj ? 0 : -1 / (2 * sigma * sigma),
         .band = attnx_make_band(n, m, causal, has_left, left, has_right, right),
         .num_threads = attnx_get_num_threads(),
+        .dropout_p = dropout_p,
+        .seed = seed,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -132,40 +137,42 @@ done:
 
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"q", "k", "v", "scale", "causal", "mask", "bias", "window", "out",
-                             "return_lse", NULL};
+    static char *kwlist[] = {"q", "k", "v", "scale", "causal", "mask", "bias", "window",
+                             "dropout_p", "seed", "out", "return_lse", NULL};
     PyObject *q, *k, *v, *scale = Py_None, *causal = Py_False, *mask = Py_None, *bias = Py_None,
-             *window = Py_None, *out = Py_None;
+             *window = Py_None, *dropout = Py_None, *seed = Py_None, *out = Py_None;
     int return_lse = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOp:softmax_attention", kwlist, &q,
-                                     &k, &v, &scale, &causal, &mask, &bias, &window, &out,
-                                     &return_lse))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOOOp:softmax_attention", kwlist,
+                                     &q, &k, &v, &scale, &causal, &mask, &bias, &window, &dropout,
+                                     &seed, &out, &return_lse))
         return NULL;
-    return softmax_common(q, k, v, scale, 0, causal, mask, bias, window, out, return_lse);
+    return softmax_common(q, k, v, scale, 0, causal, mask, bias, window, dropout, seed, out,
+                          return_lse);
 }
 
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"q", "k", "v", "sigma", "causal", "mask", "bias", "window", "out",
-                             "return_lse", NULL};
+    static char *kwlist[] = {"q", "k", "v", "sigma", "causal", "mask", "bias", "window",
+                             "dropout_p", "seed", "out", "return_lse", NULL};
     PyObject *q, *k, *v, *sigma_obj = NULL, *causal = Py_False, *mask = Py_None, *bias = Py_None,
-             *window = Py_None, *out = Py_None;
+             *window = Py_None, *dropout = Py_None, *seed = Py_None, *out = Py_None;
     int return_lse = 0;
     double sigma = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O$OOOOOp:gaussian_attention", kwlist, &q,
-                                     &k, &v, &sigma_obj, &causal, &mask, &bias, &window, &out,
-                                     &return_lse))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O$OOOOOOOp:gaussian_attention", kwlist,
+                                     &q, &k, &v, &sigma_obj, &causal, &mask, &bias, &window,
+                                     &dropout, &seed, &out, &return_lse))
         return NULL;
     if (sigma_obj && attnx_parse_positive(sigma_obj, "sigma", &sigma) < 0) return NULL;
     if (1 / (sigma * sigma) == 0 || !isfinite(1 / (sigma * sigma))) {
         PyErr_Format(PyExc_ValueError, "sigma=%g is out of range: 1/sigma**2 must be finite and non-zero", sigma);
         return NULL;
     }
-    return softmax_common(q, k, v, NULL, sigma, causal, mask, bias, window, out, return_lse);
+    return softmax_common(q, k, v, NULL, sigma, causal, mask, bias, window, dropout, seed, out,
+                          return_lse);
 }
 
 const char attnx_softmax_attention_doc[] = (
-"softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, window=None, out=None, return_lse=False)\n"
+"softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, window=None, dropout_p=0.0, seed=None, out=None, return_lse=False)\n"
 "--\n\n"
 "Exact scaled dot product attention, computed in tiles with an online softmax.\n\n"
 "o_i = sum_j w_ij v_j with w_ij proportional to exp(scale * q_i . k_j + bias_ij)\n"
@@ -175,11 +182,14 @@ const char attnx_softmax_attention_doc[] = (
 "'upper_left' (j <= i). mask: bool, broadcastable to (..., n, m), True = may attend.\n"
 "bias: added to the scores, broadcastable to (..., n, m). window: w or (left, right)\n"
 "(None = open side): i + m - n - left <= j <= i + m - n + right.\n"
+"dropout_p, seed: each weight dropped with probability dropout_p and the kept ones\n"
+"scaled by 1/(1 - dropout_p), by a Philox4x32-10 function of (seed, head, i, j), so\n"
+"the backward regenerates the mask (seed required when dropout_p > 0).\n"
 "out: array receiving the result. return_lse: also return log sum_j exp(score_ij),\n"
 "shape (..., n) (-inf for a row that sees no key; such rows output zeros).");
 
 const char attnx_gaussian_attention_doc[] = (
-"gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None, window=None, out=None, return_lse=False)\n"
+"gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None, window=None, dropout_p=0.0, seed=None, out=None, return_lse=False)\n"
 "--\n\n"
 "Gaussian kernel attention (Nadaraya-Watson regression):\n"
 "w_ij proportional to exp(-|q_i - k_j|^2 / (2 sigma^2) + bias_ij).\n\n"

@@ -1,6 +1,7 @@
 /* runtime.c - process-wide settings shared by every kernel: the thread
- * count, and the BLAS kept single-threaded so that the OpenMP pool is the
- * only one (two pools on two cores would oversubscribe them).
+ * count, the BLAS kept single-threaded so that the OpenMP pool is the only
+ * one (two pools on two cores would oversubscribe them), and the most
+ * capable softmax backend calls may use.
  *
  * Fork: a child created by fork() inherits GNU OpenMP's record of the
  * parent's worker threads but not the threads themselves, so its first
@@ -23,7 +24,8 @@
 #include "blas.h"
 
 static int num_threads = 1;
-static int amx_enabled = 1;
+static int softmax_backend_limit = ATTNX_BACKEND_AMX;
+static const char *const softmax_backend_names[ATTNX_BACKENDS] = {"plain", "mk", "amx"};
 /* set in a process created by fork(): every call then runs on one thread */
 static int forked_child = 0;
 
@@ -42,20 +44,26 @@ static void on_fork_child(void)
 }
 #endif
 
-int attnx_amx_enabled(void) { return amx_enabled; }
+int attnx_softmax_backend_limit(void) { return softmax_backend_limit; }
 
-int attnx_set_amx(int enabled)
+int attnx_set_softmax_backend_limit(int limit)
 {
-    int before = amx_enabled;
-    amx_enabled = enabled != 0;
+    int before = softmax_backend_limit;
+    if (limit >= 0 && limit < ATTNX_BACKENDS) softmax_backend_limit = limit;
     return before;
 }
 
-void attnx_blas_init(void)
+int attnx_softmax_backend_from_name(const char *name)
 {
-    /* ATTNX_AMX=0 keeps float32 softmax attention on the AVX-512 kernels */
-    const char *amx = getenv("ATTNX_AMX");
-    amx_enabled = !(amx && strcmp(amx, "0") == 0);
+    for (int b = 0; b < ATTNX_BACKENDS; b++)
+        if (strcmp(name, softmax_backend_names[b]) == 0) return b;
+    return -1;
+}
+
+const char *attnx_softmax_backend_name(int backend) { return softmax_backend_names[backend]; }
+
+int attnx_runtime_init(void)
+{
     /* omp_get_max_threads() honours OMP_NUM_THREADS. */
     num_threads = omp_get_max_threads();
     ATTNX_OPENBLAS(openblas_set_num_threads)(1);
@@ -64,6 +72,17 @@ void attnx_blas_init(void)
      * loses the protection, so it is not an import error */
     (void)pthread_atfork(NULL, NULL, on_fork_child);
 #endif
+    /* ATTNX_AMX=0 keeps float32 softmax attention off AMX (the older
+     * spelling of ATTNX_SOFTMAX_BACKEND=mk) */
+    const char *amx = getenv("ATTNX_AMX");
+    if (amx && strcmp(amx, "0") == 0) softmax_backend_limit = ATTNX_BACKEND_MK;
+    const char *backend = getenv("ATTNX_SOFTMAX_BACKEND");
+    if (backend && *backend) {
+        int limit = attnx_softmax_backend_from_name(backend);
+        if (limit < 0) return -1;
+        softmax_backend_limit = limit;
+    }
+    return 0;
 }
 
 const char *attnx_blas_name(void) { return ATTNX_BLAS_NAME; }

@@ -133,9 +133,27 @@ def softmax_call(draw):
         options["bias"] = draw.array(draw.pick([lead + (n, m), (n, m), (m,)]))
     if fn is attnx.softmax_attention and draw.chance(0.3):
         options["scale"] = draw.pick([0.5, 0.0, -1.0, np.nan, np.inf, 1e300, "s"])
+    if draw.chance(0.2):
+        options["dropout_p"] = draw.pick([0.1, 0.0, 0.5, 1.0, -0.5, np.nan])
+        options["seed"] = draw.pick([0, 7, None, -1, 2**70, "s"])
     args = (q, k, v)
     if fn is attnx.gaussian_attention and draw.chance(0.5):
         args += (draw.pick([1.0, 1e-300, 0.0, -2.0, np.nan, 1e300]),)
+    if draw.chance(0.3):  # the backward of this call, with out and lse of fitting or wrong shapes
+        backward = (attnx.softmax_attention_backward if fn is attnx.softmax_attention
+                    else attnx.gaussian_attention_backward)
+        out_shape = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2]) + (n, e) \
+            if isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and q.ndim >= 2 \
+            and k.ndim >= 2 and np.shape(q)[:-2] == np.shape(k)[:-2] else lead + (n, e)
+        dout, out = draw.array(out_shape), draw.array(out_shape)
+        lse = draw.array(out_shape[:-1], draw.pick([np.float32, np.float64]))
+        options.pop("out")
+        options.pop("return_lse")
+        if draw.chance(0.3):
+            options["bias_grad"] = draw.pick([True, False, "yes"])
+        if draw.chance(0.2):
+            options["dq"] = draw.array(np.shape(q) if isinstance(q, np.ndarray) else (2, 2))
+        return backward, (dout,) + args[:3] + (out, lse) + args[3:], options
     return fn, args, options
 
 

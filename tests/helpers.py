@@ -1,6 +1,7 @@
 """Helpers shared by the test suites: tolerances, random inputs, and a
 runner that isolates calls which could crash the interpreter."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -93,3 +94,14 @@ def run_isolated(code, timeout=180):
     assert p.returncode == 0, "crashed or failed (rc %d):\nstdout:%s\nstderr:%s" % (
         p.returncode, p.stdout, p.stderr)
     return p.stdout
+
+
+@contextlib.contextmanager
+def softmax_backend(name):
+    """Calls inside use at most backend `name` (plain C + BLAS, the
+    micro-kernels, AMX), as ATTNX_SOFTMAX_BACKEND=name would have them."""
+    before = attnx._C._set_softmax_backend(name)
+    try:
+        yield name
+    finally:
+        attnx._C._set_softmax_backend(before)

@@ -1,7 +1,8 @@
 """The Python code of the README and of docs/ is run, so what they show stays
-true: each ```python block in a fresh interpreter (a block may change
-process-wide settings such as the thread count). Blocks of parts not built
-yet are written as ```text and not run."""
+true: each page's ```python blocks in order, as one script (a later block
+may use an earlier block's names), in a fresh interpreter (a block may
+change process-wide settings such as the thread count). Blocks of parts not
+built yet are written as ```text and not run."""
 import os
 import re
 
@@ -16,22 +17,25 @@ PAGES = ["README.md"] + sorted(
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 
 
-def _blocks():
+def _pages():
+    """(page, script of its python blocks), for each page that has some;
+    each block starts with a comment naming its line in the page."""
     for page in PAGES:
         with open(os.path.join(ROOT, page), encoding="utf-8") as f:
             text = f.read()
-        for index, match in enumerate(BLOCK.finditer(text)):
-            line = text.count("\n", 0, match.start()) + 1
-            yield pytest.param(match.group(1), id=f"{page}:{line}")
+        blocks = [f"# {page}, line {text.count(chr(10), 0, match.start()) + 1}\n{match.group(1)}"
+                  for match in BLOCK.finditer(text)]
+        if blocks:
+            yield pytest.param("\n".join(blocks), id=page)
 
 
 def test_the_readme_has_python_blocks():
-    assert any(param.id.startswith("README.md:") for param in list(_blocks()))
+    assert "README.md" in [param.id for param in _pages()]
 
 
-@pytest.mark.parametrize("code", list(_blocks()))
-def test_python_block_runs(code):
-    run_isolated(code, timeout=300)
+@pytest.mark.parametrize("script", list(_pages()))
+def test_python_blocks_run(script):
+    run_isolated(script, timeout=300)
 
 
 def test_no_file_cites_documents_users_do_not_have():

@@ -32,7 +32,7 @@ import attnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
-                     mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
+                     mixed_dtype_qkv, qkv, run_isolated, softmax_backend, tol, vscale)
 
 HYP = hypothesis_settings(60)
 
@@ -1094,18 +1094,18 @@ def test_mask_and_bias_layouts(dtype):
 
 
 AMX_USABLE = attnx._C.build_info()["amx"]
+BACKENDS_HERE = attnx._C.build_info()["softmax_backends"]
 
 
-@pytest.fixture(params=["amx", "avx512"])
+@pytest.fixture(params=["plain", "mk", "amx"])
 def kernels(request):
-    """Run a test on both float32 kernel sets where the CPU has AMX: the AMX
-    products (amx.h, the default there) and the AVX-512 micro-kernels
-    (ATTNX_AMX=0). Without AMX both runs take the same path."""
-    before = attnx._C._set_amx(request.param == "amx")
-    try:
+    """Run a test on every softmax backend this CPU has: plain C + BLAS,
+    the AVX-512/AVX2 micro-kernels, and for float32 the AMX products (the
+    default where the CPU has them; float64 runs the micro-kernels there)."""
+    if request.param not in BACKENDS_HERE:
+        pytest.skip(f"this CPU has no {request.param} backend (it has {BACKENDS_HERE})")
+    with softmax_backend(request.param):
         yield request.param
-    finally:
-        attnx._C._set_amx(before)
 
 
 # The float32 micro-kernels (at least 48 query rows, e a multiple of the
@@ -1284,22 +1284,82 @@ def test_microkernel_path_nan_in_masked_keys_has_no_effect(kernels):
 
 def test_amx_used_where_the_cpu_has_it():
     """A CPU whose flags list AMX with bfloat16 (Linux) runs float32 softmax
-    on it unless ATTNX_AMX=0, and _set_amx turns it off and on."""
+    on it unless ATTNX_AMX=0 or ATTNX_SOFTMAX_BACKEND says otherwise, and
+    _set_softmax_backend turns it off and on."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
     has_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
-    wanted = os.environ.get("ATTNX_AMX") != "0"
+    assert ("amx" in BACKENDS_HERE) == has_amx
+    wanted = (os.environ.get("ATTNX_AMX") != "0"
+              and os.environ.get("ATTNX_SOFTMAX_BACKEND", "amx") == "amx")
     assert attnx._C.build_info()["amx"] == (has_amx and wanted)
-    before = attnx._C._set_amx(False)
-    try:
-        assert attnx._C.build_info()["amx"] is False
-        attnx._C._set_amx(True)
+    for limit in ("plain", "mk"):
+        with softmax_backend(limit):
+            assert attnx._C.build_info()["amx"] is False
+            assert attnx._C.build_info()["softmax_backend"] == limit
+    with softmax_backend("amx"):
         assert attnx._C.build_info()["amx"] == has_amx
-    finally:
-        attnx._C._set_amx(before)
+
+
+def test_softmax_backend_names():
+    """The backend setter takes the names ATTNX_SOFTMAX_BACKEND takes and
+    refuses others, leaving the setting as it was."""
+    before = attnx._C.build_info()["softmax_backend"]
+    for bad in ("avx512", "", "MK", 1, None):
+        with pytest.raises(ValueError, match="'plain', 'mk' or 'amx'"):
+            attnx._C._set_softmax_backend(bad)
+        assert attnx._C.build_info()["softmax_backend"] == before
+    assert "plain" in BACKENDS_HERE
+    cpu = attnx._C.build_info()["simd"]
+    assert ("mk" in BACKENDS_HERE) == (not cpu.startswith("baseline"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_backend_setting_reaches_the_kernel(dtype):
+    """Each backend this CPU has computes the same call in its own order of
+    operations (BLAS, micro-kernels, AMX products): the results all match
+    the reference but no two are the same bits, so the setting does choose
+    the kernel that runs, and the tests above do run each one."""
+    rng = np.random.default_rng(67)
+    q, k, v = qkv(rng, (2,), 300, 300, 64, 64, dtype)
+    want = ref_softmax(q, k, v, causal=True)
+    results = {}
+    for name in BACKENDS_HERE:
+        if name == "amx" and dtype == np.float64:
+            continue                                    # float64 has no AMX backend
+        with softmax_backend(name):
+            results[name] = attnx.softmax_attention(q, k, v, causal=True)
+        assert_close(results[name], want, dtype, vscale(v), err_msg=name)
+    names = sorted(results)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            assert not np.array_equal(results[first], results[second]), (first, second)
+
+
+@pytest.mark.parametrize("setting,limit", [("ATTNX_SOFTMAX_BACKEND=plain", "plain"),
+                                           ("ATTNX_SOFTMAX_BACKEND=mk", "mk"),
+                                           ("ATTNX_AMX=0", "mk"),
+                                           ("ATTNX_SOFTMAX_BACKEND=", "amx")])
+def test_softmax_backend_from_the_environment(setting, limit):
+    """ATTNX_SOFTMAX_BACKEND (or ATTNX_AMX=0) sets the limit at import, and
+    a name that is no backend fails the import with a message naming it."""
+    name, value = setting.split("=")
+    env = {key: val for key, val in os.environ.items()
+           if key not in ("ATTNX_AMX", "ATTNX_SOFTMAX_BACKEND")}
+    env[name] = value
+    code = "import attnx; print(attnx._C.build_info()['softmax_backend'])"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__))))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == limit
+    env["ATTNX_SOFTMAX_BACKEND"] = "fast"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__))))
+    assert run.returncode != 0
+    assert "ATTNX_SOFTMAX_BACKEND must be plain, mk or amx, got 'fast'" in run.stderr
 
 
 @pytest.mark.parametrize("n,m,d,e", [(100, 100, 40, 40), (130, 77, 130, 136), (64, 300, 8, 8),

@@ -59,6 +59,9 @@ def test_stub_types_seen_by_mypy(tmp_path):
         weights = attnx.attention_weights(q, q, variant="cosformer", causal=True)
         threads: int = attnx.get_num_threads()
         g = attnx.Gradients(q=q)
+        g = attnx.softmax_attention_backward(q, q, q, q, o, lse, causal=True, dropout_p=0.1,
+                                             seed=3)
+        grad_q: np.ndarray | None = g.q
         attnx.softmax_attention(q, q, q, causal="sideways")  # error
         attnx.linear_attention(q, q, q, method="fast")  # error
         bad: int = attnx.softmax_attention(q, q, q)  # error

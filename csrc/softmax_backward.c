@@ -1,0 +1,594 @@
+/* softmax_backward.c - the gradient of softmax attention, FlashAttention-2
+ * style: the probabilities are recomputed tile by tile from the forward's
+ * lse, so nothing of size n * m is ever held.
+ *
+ * Forward (per head, over the visible keys):
+ *   s_ij = scale q_i.k_j + bias_ij + coef |k_j|^2    (coef: gaussian, else 0)
+ *   p_ij = exp(s_ij - lse_i),   o_i = sum_j p_ij v_j
+ * Backward, with D_i = sum_c dO_ic O_ic:
+ *   dV_j = sum_i p_ij dO_i            (from o_i = sum_j p_ij v_j)
+ *   dP_ij = dO_i . v_j
+ *   dS_ij = p_ij (dP_ij - D_i)        (the softmax's Jacobian)
+ * With dropout, o_i = sum_j p_ij z_ij v_j where z_ij = keep_ij / (1 - p_drop)
+ * (philox.h regenerates keep): dV_j = sum_i p_ij z_ij dO_i and
+ * dS_ij = p_ij z_ij dP_ij - p_ij D_i.
+ *   dQ_i = scale sum_j dS_ij k_j
+ *   dK_j = scale sum_i dS_ij q_i + 2 coef (sum_i dS_ij) k_j
+ *   dbias_ij = dS_ij
+ * Gaussian attention's lse includes the query's own term coef |q_i|^2; it
+ * is taken off again here, and contributes no gradient: sum_j dS_ij =
+ * D_i - D_i sum_j p_ij = 0.
+ *
+ * Work: each head's key blocks are split into `groups` (a number fixed by
+ * the shape alone, never by the thread count) of interleaved blocks; a work
+ * item is one (head, group). An item owns the dK, dV rows of its key blocks
+ * and walks the query blocks that see them in order, so every sum has one
+ * fixed order: the results do not depend on the threads or on scheduling.
+ * dQ gets one partial per group, added in group order at the end (with one
+ * group, the item adds into dq directly).
+ *
+ * Legend: n queries, m keys, d features, e value features;
+ *   pt  (BR, BC)  log2-unit scores, then p, of a query block x key block
+ *   ptd (BR, BC)  p z, the dropped weights (pt itself without dropout)
+ *   dpt (BR, BC)  dP, then dS
+ */
+#ifndef REAL
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "attnx.h"
+#include "blas.h"
+#include "philox.h"
+
+/* Query and key block sizes: the five products of a block pair are
+ * (128 x 128) by d or e, big enough for BLAS to run near its peak. */
+#define BR 128
+#define BC 128
+
+/* Work items per call to aim for when a call has few heads: enough to keep
+ * a few threads busy (and to balance causal work), few enough that the
+ * per-group dQ partials stay small. */
+#define TARGET_ITEMS 8
+
+/* The AVX-512 products (zmm_gemm) where gcc can target them; the CPU is
+ * asked at run time (attnx_mk_width), and a backend limit of "plain"
+ * (ATTNX_SOFTMAX_BACKEND, tests) keeps the products on BLAS. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#define BWD_HAVE_ZMM 1
+#include "microkernel.h"
+#endif
+
+#define ATTNX_FAMILY_FILE "softmax_backward.c"
+#include "real.h"
+
+#else /* REAL: the body, compiled once per type */
+
+#define LOG2E ((REAL)1.44269504088896340736)
+
+#ifdef BWD_HAVE_ZMM
+/* The five products on AVX-512 without BLAS (whose kernels may be chosen
+ * for a lesser CPU: OPENBLAS_CORETYPE), as one register-blocked kernel:
+ *   c (rows, cols) = alpha a b   (or += when accumulate)
+ * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
+ * operand costs nothing, and b (depth, cols) rows b_row apart, cols a whole
+ * number of vectors. Blocks of 8 rows by 2 vectors keep 16 sums in
+ * registers; each step of p loads 2 vectors of b and broadcasts 8 numbers
+ * of a for 16 fused multiply-adds. */
+typedef REAL SFX(zvec) __attribute__((vector_size(64), aligned(sizeof(REAL))));
+#define ZLANES (64 / (ptrdiff_t)sizeof(REAL))
+
+/* one block of ROWS x VECS vectors (constants once inlined) */
+static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_block)(
+    int block_rows, int vecs, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    typedef SFX(zvec) vec;
+    vec sum[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) sum[r][x] = (vec){0};
+    for (ptrdiff_t p = 0; p < depth; p++) {
+        vec b_p[2];
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
+#pragma GCC unroll 8
+        for (int r = 0; r < block_rows; r++) {
+            vec a_rp = (vec){0} + a[r * a_row + p * a_col];
+#pragma GCC unroll 2
+            for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) {
+            vec *c_rx = (vec *)(c + r * c_row + x * ZLANES);
+            *c_rx = accumulate ? *c_rx + alpha * sum[r][x] : alpha * sum[r][x];
+        }
+}
+
+__attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    ptrdiff_t r0 = 0;
+    for (; r0 + 8 <= rows; r0 += 8) {
+        const REAL *a_r = a + r0 * a_row;
+        REAL *c_r = c + r0 * c_row;
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
+            SFX(zmm_block)(8, 2, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
+                           c_r + c0, c_row);
+        if (c0 < cols)
+            SFX(zmm_block)(8, 1, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
+                           c_r + c0, c_row);
+    }
+    for (; r0 < rows; r0++) {
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
+            SFX(zmm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
+                           accumulate, c + r0 * c_row + c0, c_row);
+        if (c0 < cols)
+            SFX(zmm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
+                           accumulate, c + r0 * c_row + c0, c_row);
+    }
+}
+#define ZMM_GEMM SFX(zmm_gemm)
+#endif
+
+/* One thread's working memory. */
+typedef struct {
+    REAL *pt, *dpt;        /* (BR, BC) */
+    REAL *key_term;        /* (BC) per-key addend of the scores, log2 units; -inf: hidden */
+    REAL *col_sum;         /* (BC) sum_i dS_ij (gaussian) */
+    REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for zmm_gemm,
+                            * keys past the block 0; NULL: the products run on BLAS */
+    REAL *ptd;             /* (BR, BC) with dropout, else pt */
+    unsigned char *keep;   /* (BC) one row's dropout decisions */
+} SFX(bwd_work);
+
+/* The operands of one head, positioned once. */
+typedef struct {
+    const REAL *q, *k, *v, *out, *lse, *dout, *bias;
+    const unsigned char *mask;
+    REAL *dq, *dk, *dv, *dbias;
+    REAL *row_delta;       /* (n) D_i */
+    REAL *row_offset;      /* (n) lse_i - coef |q_i|^2, log2 units; +inf: row sees nothing */
+    unsigned char *q_bad;  /* per query block: Q or dO holds inf or NaN */
+    ptrdiff_t index;       /* the head's flat index (the dropout counter's) */
+} SFX(bwd_head);
+
+static int SFX(bias_per_key)(const attnx_softmax_args *a) { return a->bias_row == 0 || a->n == 1; }
+static int SFX(mask_per_key)(const attnx_softmax_args *a) { return a->mask_row == 0 || a->n == 1; }
+
+/* key_term for the keys [j0, j0 + cols), log2 units: the gaussian term, a
+ * per-key bias, -inf for a key its (per-key) mask removes */
+static void SFX(bwd_key_term)(const attnx_softmax_args *a, const SFX(bwd_head) *h, REAL *key_term,
+                              ptrdiff_t j0, ptrdiff_t cols)
+{
+    for (ptrdiff_t c = 0; c < cols; c++) {
+        const REAL *k_j = h->k + (j0 + c) * a->k_row;
+        REAL term = 0;
+        if (a->key_sqnorm_coef != 0) {
+            REAL sq = 0;
+            for (ptrdiff_t x = 0; x < a->d; x++) sq += k_j[x] * k_j[x];
+            term = (REAL)a->key_sqnorm_coef * sq;
+        }
+        if (h->bias && SFX(bias_per_key)(a)) term += h->bias[(j0 + c) * a->bias_col];
+        key_term[c] = term * LOG2E;
+        if (h->mask && SFX(mask_per_key)(a) && !h->mask[(j0 + c) * a->mask_col])
+            key_term[c] = -(REAL)INFINITY;
+    }
+}
+
+/* Per head: D_i = dO_i . O_i and the offset each row's scores lose,
+ * lse_i (less the gaussian query term) in log2 units; which query blocks
+ * hold a non-finite query or output gradient. */
+static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff_t dout_row)
+{
+    for (ptrdiff_t i = 0; i < a->n; i++) {
+        const REAL *o_i = h->out + i * a->out_row, *do_i = h->dout + i * dout_row;
+        REAL delta = 0;
+        for (ptrdiff_t c = 0; c < a->e; c++) delta += do_i[c] * o_i[c];
+        h->row_delta[i] = delta;
+        REAL lse = h->lse[i];
+        if (a->key_sqnorm_coef != 0) {
+            const REAL *q_i = h->q + i * a->q_row;
+            REAL sq = 0;
+            for (ptrdiff_t x = 0; x < a->d; x++) sq += q_i[x] * q_i[x];
+            lse -= (REAL)a->key_sqnorm_coef * sq;
+        }
+        /* a row that saw nothing (lse -inf) gets p = 2^-inf = 0 */
+        h->row_offset[i] = lse == -(REAL)INFINITY ? (REAL)INFINITY : lse * LOG2E;
+    }
+    for (ptrdiff_t b = 0; b * BR < a->n; b++) {
+        ptrdiff_t i0 = b * BR, rows = ATTNX_MIN(BR, a->n - i0);
+        h->q_bad[b] = SFX(has_nonfinite)(h->q + i0 * a->q_row, rows, a->d, a->q_row) ||
+                      SFX(has_nonfinite)(h->dout + i0 * dout_row, rows, a->e, dout_row);
+    }
+}
+
+/* pt <- p of rows [i0, i0 + rows) x keys [j0, j0 + cols) from the scores
+ * it holds: 0 where the band, a mask or the row's emptiness hides the key
+ * (whatever the score: a hidden NaN must not reach the gradients); returns
+ * whether any p is non-zero. */
+static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
+                                            SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t rows,
+                                            ptrdiff_t j0, ptrdiff_t cols)
+{
+    REAL *pt = w->pt;
+    const REAL *key_term = w->key_term;
+    const REAL neg_inf = -(REAL)INFINITY;
+    int per_query_bias = h->bias && !SFX(bias_per_key)(a);
+    int per_query_mask = h->mask && !SFX(mask_per_key)(a);
+    int any = 0;
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        ptrdiff_t i = i0 + r;
+        REAL *p_r = pt + r * BC, offset = h->row_offset[i];
+        ptrdiff_t lo = attnx_band_first(&a->band, i) - j0, hi = attnx_band_end(&a->band, i) - j0;
+        lo = lo < 0 ? 0 : (lo > cols ? cols : lo);
+        hi = hi < lo ? lo : (hi > cols ? cols : hi);
+        for (ptrdiff_t c = 0; c < lo; c++) p_r[c] = 0;
+        for (ptrdiff_t c = hi; c < cols; c++) p_r[c] = 0;
+        if (per_query_bias) {
+            const REAL *bias_i = h->bias + i * a->bias_row + j0 * a->bias_col;
+            for (ptrdiff_t c = lo; c < hi; c++) p_r[c] += LOG2E * bias_i[c * a->bias_col];
+        }
+#pragma omp simd reduction(| : any)
+        for (ptrdiff_t c = lo; c < hi; c++) {
+            REAL p = SFX(vexp2)(p_r[c] + key_term[c] - offset);
+            p_r[c] = key_term[c] == neg_inf ? 0 : p;
+            any |= p_r[c] != 0;
+        }
+        if (per_query_mask) {
+            const unsigned char *mask_i = h->mask + i * a->mask_row + j0 * a->mask_col;
+            for (ptrdiff_t c = lo; c < hi; c++)
+                if (!mask_i[c * a->mask_col]) p_r[c] = 0;
+        }
+        if (w->ptd != pt) {
+            /* the forward's dropped weights p z, from the same decisions */
+            REAL *pd_r = w->ptd + r * BC, kept = (REAL)(1 / (1 - a->dropout_p));
+            attnx_dropout_row(a->seed, (uint64_t)h->index, (uint64_t)i, (uint64_t)j0, cols,
+                              attnx_dropout_threshold(a->dropout_p), w->keep);
+            for (ptrdiff_t c = 0; c < cols; c++) pd_r[c] = w->keep[c] ? p_r[c] * kept : 0;
+        }
+    }
+    return any;
+}
+
+/* dpt <- dS = pd dP - p D_i (pd = p z, or p without dropout), exactly 0
+ * where p is (dP may be anything there, NaN included) */
+static ATTNX_HOT void SFX(bwd_score_grads)(REAL *dpt, const REAL *pt, const REAL *ptd,
+                                           const REAL *row_delta, ptrdiff_t rows, ptrdiff_t cols)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        REAL *ds_r = dpt + r * BC, delta = row_delta[r];
+        const REAL *p_r = pt + r * BC, *pd_r = ptd + r * BC;
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < cols; c++)
+            ds_r[c] = p_r[c] == 0 ? 0 : pd_r[c] * ds_r[c] - p_r[c] * delta;
+    }
+}
+
+/* acc (rows, width) += alpha x (rows, cols) y (cols, width) over the
+ * non-zero entries of x only: the products for blocks holding inf or NaN,
+ * where 0 * NaN would carry a hidden key's NaN into other rows' gradients.
+ * x_row, y_row, acc_row: row strides; x_col: x's column stride. */
+static void SFX(add_products_skipping_zeros)(REAL *acc, ptrdiff_t acc_row, const REAL *x,
+                                             ptrdiff_t x_row, ptrdiff_t x_col, const REAL *y,
+                                             ptrdiff_t y_row, ptrdiff_t rows, ptrdiff_t cols,
+                                             ptrdiff_t width, REAL alpha)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = 0; c < cols; c++) {
+            REAL x_rc = x[r * x_row + c * x_col];
+            if (x_rc == 0) continue;
+            for (ptrdiff_t w = 0; w < width; w++) acc[r * acc_row + w] += alpha * x_rc * y[c * y_row + w];
+        }
+}
+
+/* One query block x key block: the five products and the elementwise
+ * passes between them. dq_i: the rows' dQ (item's partial or dq itself). */
+static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
+                                SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t rows, ptrdiff_t j0,
+                                ptrdiff_t cols, int nonfinite, REAL *dq_i, ptrdiff_t dq_row,
+                                ptrdiff_t dout_row, ptrdiff_t dk_row, ptrdiff_t dv_row,
+                                ptrdiff_t dbias_row)
+{
+    const ptrdiff_t d = a->d, e = a->e;
+    const REAL scale = (REAL)a->scale;
+    const REAL *q_i = h->q + i0 * a->q_row, *do_i = h->dout + i0 * dout_row;
+    const REAL *k_j = h->k + j0 * a->k_row, *v_j = h->v + j0 * a->v_row;
+    REAL *dk_j = h->dk + j0 * dk_row, *dv_j = h->dv + j0 * dv_row;
+
+    /* with zmm_gemm, the score and dP columns are whole vectors (K^T and
+     * V^T are 0 past the block's keys); only the first `cols` are used */
+#ifdef BWD_HAVE_ZMM
+    const int zmm = w->kt != NULL && !nonfinite;
+    const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
+#else
+    const int zmm = 0;
+#endif
+
+    /* pass 1: scores in log2 units, then p */
+    if (zmm)
+        ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
+    else
+        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
+    if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
+        if (h->dbias)
+            for (ptrdiff_t r = 0; r < rows; r++)
+                memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
+        return;
+    }
+    if (zmm) {
+        /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
+        ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
+        ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
+    } else if (!nonfinite) {
+        SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
+        SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
+    } else {
+        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->ptd, 1, BC, do_i, dout_row, cols, rows,
+                                         e, 1);
+        for (ptrdiff_t r = 0; r < rows; r++)
+            for (ptrdiff_t c = 0; c < cols; c++) {
+                REAL dp = 0;
+                if (w->pt[r * BC + c] != 0)
+                    for (ptrdiff_t x = 0; x < e; x++) dp += do_i[r * dout_row + x] * v_j[c * a->v_row + x];
+                w->dpt[r * BC + c] = dp;
+            }
+    }
+    /* pass 2: dS */
+    SFX(bwd_score_grads)(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols);
+    if (h->dbias)
+        for (ptrdiff_t r = 0; r < rows; r++)
+            memcpy(h->dbias + (i0 + r) * dbias_row + j0, w->dpt + r * BC, (size_t)cols * sizeof(REAL));
+    if (a->key_sqnorm_coef != 0)
+        for (ptrdiff_t r = 0; r < rows; r++)
+            for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
+    /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
+    if (zmm) {
+        ZMM_GEMM(cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j, dk_row);
+        ZMM_GEMM(rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i, dq_row);
+    } else if (!nonfinite) {
+        SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
+        SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
+    } else {
+        SFX(add_products_skipping_zeros)(dk_j, dk_row, w->dpt, 1, BC, q_i, a->q_row, cols, rows,
+                                         d, scale);
+        SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, BC, 1, k_j, a->k_row, rows, cols,
+                                         d, scale);
+    }
+}
+
+/* dst (width, BC) <- x (count, width) transposed, columns past count 0 */
+static void SFX(transpose_padded)(REAL *dst, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
+                                  ptrdiff_t width)
+{
+    for (ptrdiff_t c = 0; c < width; c++) {
+        REAL *dst_c = dst + c * BC;
+        for (ptrdiff_t j = 0; j < count; j++) dst_c[j] = x[j * x_row + c];
+        for (ptrdiff_t j = count; j < BC; j++) dst_c[j] = 0;
+    }
+}
+
+/* The rows [first, end) of queries that see some key of [j0, j0 + cols):
+ * the band is monotone in i, so they are contiguous. */
+static void SFX(bwd_query_range)(const attnx_band *band, ptrdiff_t n, ptrdiff_t j0,
+                                 ptrdiff_t cols, ptrdiff_t *first, ptrdiff_t *end)
+{
+    ptrdiff_t lo = 0, hi = n;
+    if (band->has_hi) {
+        /* j0 <= i + hi_shift */
+        ptrdiff_t i = j0 - band->hi_shift;
+        lo = i < 0 ? 0 : (i > n ? n : i);
+    }
+    if (band->has_lo) {
+        /* i + lo_shift <= j0 + cols - 1 */
+        ptrdiff_t i = j0 + cols - 1 - band->lo_shift + 1;
+        hi = i < 0 ? 0 : (i > n ? n : i);
+    }
+    *first = lo;
+    *end = hi < lo ? lo : hi;
+}
+
+/* Work item: key blocks group, group + groups, ... of one head. */
+static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *h,
+                          SFX(bwd_work) *w, ptrdiff_t group, ptrdiff_t groups, REAL *dq,
+                          ptrdiff_t dq_row)
+{
+    const attnx_softmax_args *a = &b->fwd;
+    ptrdiff_t key_blocks = (a->m + BC - 1) / BC;
+    for (ptrdiff_t kb = group; kb < key_blocks; kb += groups) {
+        ptrdiff_t j0 = kb * BC, cols = ATTNX_MIN(BC, a->m - j0);
+        for (ptrdiff_t c = 0; c < cols; c++) {
+            memset(h->dk + (j0 + c) * b->dk_row, 0, (size_t)a->d * sizeof(REAL));
+            memset(h->dv + (j0 + c) * b->dv_row, 0, (size_t)a->e * sizeof(REAL));
+            w->col_sum[c] = 0;
+        }
+        SFX(bwd_key_term)(a, h, w->key_term, j0, cols);
+        if (w->kt) {
+            SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
+            SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
+        }
+        int k_bad = SFX(has_nonfinite)(h->k + j0 * a->k_row, cols, a->d, a->k_row) ||
+                    SFX(has_nonfinite)(h->v + j0 * a->v_row, cols, a->e, a->v_row);
+        ptrdiff_t first, end;
+        SFX(bwd_query_range)(&a->band, a->n, j0, cols, &first, &end);
+        if (h->dbias) {
+            /* rows outside the band's reach see none of these keys */
+            for (ptrdiff_t i = 0; i < a->n; i++)
+                if (i < first || i >= end)
+                    memset(h->dbias + i * b->dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
+        }
+        /* query blocks aligned to BR, so q_bad's blocks apply */
+        for (ptrdiff_t i0 = first - first % BR; i0 < end; i0 += BR) {
+            ptrdiff_t lo = ATTNX_MAX(i0, first), rows = ATTNX_MIN(i0 + BR, end) - lo;
+            SFX(bwd_block_pair)(a, h, w, lo, rows, j0, cols, k_bad || h->q_bad[i0 / BR],
+                                dq + lo * dq_row, dq_row, b->dout_row, b->dk_row, b->dv_row,
+                                b->dbias_row);
+        }
+        if (a->key_sqnorm_coef != 0) {
+            /* the gaussian key term: d(coef |k_j|^2)/dk_j = 2 coef k_j */
+            REAL two_coef = (REAL)(2 * a->key_sqnorm_coef);
+            for (ptrdiff_t c = 0; c < cols; c++) {
+                const REAL *k_c = h->k + (j0 + c) * a->k_row;
+                REAL *dk_c = h->dk + (j0 + c) * b->dk_row, factor = two_coef * w->col_sum[c];
+                if (factor == 0) continue;
+                for (ptrdiff_t x = 0; x < a->d; x++) dk_c[x] += factor * k_c[x];
+            }
+        }
+    }
+}
+
+/* head `head`'s operands; its scratch rows (D, offsets: 2 n numbers) and
+ * query block flags, where the caller needs them */
+static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_t head,
+                                       REAL *rows_scratch, unsigned char *bad_scratch)
+{
+    const attnx_softmax_args *a = &b->fwd;
+    const ptrdiff_t *off = a->offsets + head * ATTNX_SM_NOPS;
+    const ptrdiff_t *goff = b->grad_offsets + head * ATTNX_SMB_NOPS;
+    SFX(bwd_head) h = {
+        .q = (const REAL *)((const char *)a->q + off[ATTNX_SM_Q]),
+        .k = (const REAL *)((const char *)a->k + off[ATTNX_SM_K]),
+        .v = (const REAL *)((const char *)a->v + off[ATTNX_SM_V]),
+        .out = (const REAL *)((const char *)a->out + off[ATTNX_SM_OUT]),
+        .lse = (const REAL *)((const char *)a->lse + off[ATTNX_SM_LSE]),
+        .bias = a->bias ? (const REAL *)((const char *)a->bias + off[ATTNX_SM_BIAS]) : NULL,
+        .mask = a->mask ? a->mask + off[ATTNX_SM_MASK] : NULL,
+        .dout = (const REAL *)((const char *)b->dout + goff[ATTNX_SMB_DOUT]),
+        .dq = (REAL *)((char *)b->dq + goff[ATTNX_SMB_DQ]),
+        .dk = (REAL *)((char *)b->dk + goff[ATTNX_SMB_DK]),
+        .dv = (REAL *)((char *)b->dv + goff[ATTNX_SMB_DV]),
+        .dbias = b->dbias ? (REAL *)((char *)b->dbias + goff[ATTNX_SMB_DBIAS]) : NULL,
+        .row_delta = rows_scratch,
+        .q_bad = bad_scratch,
+        .index = head,
+    };
+    if (rows_scratch) h.row_offset = rows_scratch + a->n;
+    return h;
+}
+
+int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
+{
+    const attnx_softmax_args *a = &b->fwd;
+    const ptrdiff_t n = a->n, m = a->m, d = a->d, heads = a->heads;
+    if (heads == 0 || n == 0) {
+        /* no query: every gradient is 0 (dk, dv included) */
+        for (ptrdiff_t head = 0; head < heads; head++) {
+            SFX(bwd_head) h = SFX(bwd_position)(b, head, NULL, NULL);
+            for (ptrdiff_t j = 0; j < m; j++) {
+                memset(h.dk + j * b->dk_row, 0, (size_t)d * sizeof(REAL));
+                memset(h.dv + j * b->dv_row, 0, (size_t)a->e * sizeof(REAL));
+            }
+        }
+        return ATTNX_OK;
+    }
+    ptrdiff_t key_blocks = (m + BC - 1) / BC, query_blocks = (n + BR - 1) / BR;
+    ptrdiff_t groups = (TARGET_ITEMS + heads - 1) / heads;
+    groups = ATTNX_MAX(1, ATTNX_MIN(groups, key_blocks));
+    ptrdiff_t items = heads * groups;
+    int threads = a->num_threads;
+    if (threads > items) threads = (int)items;
+    if ((double)heads * n * m * (d + a->e) < 1e6) threads = 1;
+    if (threads < 1) threads = 1;
+
+    /* per head: D and the row offsets, the query blocks' finiteness; per
+     * thread: the block pair's tiles; per item when groups > 1: dQ */
+    ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
+#define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
+    /* AVX-512 products where the CPU has them and d, e are whole vectors */
+    int zmm = 0;
+#ifdef BWD_HAVE_ZMM
+    zmm = attnx_softmax_backend_limit() >= ATTNX_BACKEND_MK && attnx_mk_width() == 16 &&
+          d % ZLANES == 0 && a->e % ZLANES == 0;
+#endif
+    ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
+    int dropout = a->dropout_p > 0;
+    ptrdiff_t per_head = LINES(2 * n);
+    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed;
+    ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
+#undef LINES
+    REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
+    unsigned char *bad = malloc((size_t)(heads * query_blocks) + 1);
+    unsigned char *keeps = malloc((size_t)(threads * BC));
+    SFX(bwd_work) *works = calloc((size_t)threads, sizeof *works);
+    int status = ATTNX_ENOMEM;
+    if (!bad || !keeps || !works ||
+        posix_memalign((void **)&head_rows, 64, (size_t)(per_head * heads) * sizeof(REAL)) ||
+        posix_memalign((void **)&tiles, 64, (size_t)(per_thread * threads) * sizeof(REAL)) ||
+        (partial && posix_memalign((void **)&partials, 64,
+                                   (size_t)(partial * items) * sizeof(REAL))))
+        goto done;
+    for (int t = 0; t < threads; t++) {
+        REAL *base = tiles + per_thread * t;
+        REAL *kt = base + 2 * BR * BC + 2 * BC;
+        works[t] = (SFX(bwd_work)){base, base + BR * BC, base + 2 * BR * BC,
+                                   base + 2 * BR * BC + BC, zmm ? kt : NULL,
+                                   zmm ? kt + d * BC : NULL, base, keeps + t * BC};
+        if (dropout) works[t].ptd = kt + transposed;
+    }
+
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* pass 1, per head: D, row offsets; dQ cleared */
+#pragma omp for schedule(static)
+        for (ptrdiff_t head = 0; head < heads; head++) {
+            SFX(bwd_head) h = SFX(bwd_position)(b, head, head_rows + per_head * head,
+                                                bad + head * query_blocks);
+            SFX(bwd_rows)(a, &h, b->dout_row);
+            if (groups == 1)
+                for (ptrdiff_t i = 0; i < n; i++) memset(h.dq + i * b->dq_row, 0, (size_t)d * sizeof(REAL));
+        }
+        /* pass 2: the items, each into its own rows of dK, dV and its dQ */
+        SFX(bwd_work) *w = &works[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t item = 0; item < items; item++) {
+            ptrdiff_t head = item / groups, group = item % groups;
+            SFX(bwd_head) h = SFX(bwd_position)(b, head, head_rows + per_head * head,
+                                                bad + head * query_blocks);
+            REAL *dq = h.dq;
+            ptrdiff_t dq_row = b->dq_row;
+            if (groups > 1) {
+                dq = partials + partial * item;
+                dq_row = d;
+                memset(dq, 0, (size_t)(n * d) * sizeof(REAL));
+            }
+            SFX(bwd_item)(b, &h, w, group, groups, dq, dq_row);
+        }
+        /* pass 3: the groups' dQ partials, added in group order */
+        if (groups > 1) {
+#pragma omp for schedule(static)
+            for (ptrdiff_t head = 0; head < heads; head++) {
+                SFX(bwd_head) h = SFX(bwd_position)(b, head, NULL, NULL);
+                for (ptrdiff_t i = 0; i < n; i++) {
+                    REAL *dq_i = h.dq + i * b->dq_row;
+                    const REAL *part = partials + partial * head * groups + i * d;
+                    for (ptrdiff_t x = 0; x < d; x++) dq_i[x] = part[x];
+                    for (ptrdiff_t g = 1; g < groups; g++)
+                        for (ptrdiff_t x = 0; x < d; x++) dq_i[x] += part[g * partial + x];
+                }
+            }
+        }
+    }
+    status = ATTNX_OK;
+done:
+    free(bad);
+    free(keeps);
+    free(works);
+    free(head_rows);
+    free(tiles);
+    free(partials);
+    return status;
+}
+
+#undef LOG2E
+#ifdef BWD_HAVE_ZMM
+#undef ZMM_GEMM
+#undef ZLANES
+#endif
+#endif /* REAL */

@@ -1,0 +1,311 @@
+/* softmax_mk.c - the softmax backend on the register-blocked micro-kernels
+ * of microkernel.h, one table per instruction set: AVX-512 and AVX2+FMA,
+ * float32 and float64 from one source (real.h).
+ *
+ * Per query tile the queries are packed into strips of Q^T (qt), and the
+ * keys (and values, when more than one query tile reads them) of a head
+ * into panels, each the first time a query tile needs it (packed_panels).
+ * The scores and P V of a key tile are one micro-kernel call each; the
+ * output accumulates transposed in ot and is written out at the tile's
+ * end. Legend as in softmax.c; see microkernel.h for qt, kt, vt. */
+#ifndef REAL
+#include <stdlib.h>
+#include <string.h>
+
+#include "attnx.h"
+#include "blas.h" /* vec_real.h declares the BLAS calls */
+#include "softmax_internal.h"
+
+#ifdef MK_HAVE_X86
+/* One thread's keys and values of one head, packed for the micro-kernels; a
+ * panel is packed the first time a query tile needs it, and reused by every
+ * later tile of the head (and of heads that share them). Panel p lives
+ * in slot p % slots: every panel of the head when the query tiles may see
+ * any key, or, under a window, a ring over the keys two neighbouring query
+ * tiles see, so that memory (and its page faults) does not grow with m. */
+typedef struct {
+    int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
+    void *kt;             /* (slots, d, KB) numbers of the call's type, KB = MK_KB(width) */
+    void *vt;             /* (slots, e / KB, KB, KB); NULL: the values are read in place */
+    ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
+    ptrdiff_t slots;
+    const void *k, *v;    /* the keys and values whose panels are in kt and vt */
+} packed_panels;
+#endif
+
+#define ATTNX_FAMILY_FILE "softmax_mk.c"
+#include "real.h"
+
+#else /* REAL: the body, compiled once per type */
+#ifdef MK_HAVE_X86
+#include "softmax_internal.h"
+
+/* The micro-kernels of one instruction set (microkernel.h), named outright. */
+struct SFX(mk_kernels) {
+    void (*scores)(const mk_tile *t, REAL *st, ptrdiff_t st_ld, const REAL *qt, const REAL *kt,
+                   ptrdiff_t slots, ptrdiff_t d, REAL scale, const REAL *key_term,
+                   REAL *tile_max);
+    void (*add_pv)(const mk_tile *t, REAL *ot, ptrdiff_t ot_ld, const REAL *pt, ptrdiff_t pt_ld,
+                   const mk_values *values, ptrdiff_t e, const REAL *correction);
+};
+
+/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
+ * by square blocks of `side` numbers, what they leave by blocks half as
+ * big, the rest one by one. The blocks: 16 x 16 floats on AVX-512, 8 x 8
+ * floats, 4 x 4 doubles (only called where the micro-kernels run, so AVX2
+ * is there). */
+static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+                                 ptrdiff_t count, ptrdiff_t d, ptrdiff_t side)
+{
+#if REAL_IS_DOUBLE
+    if (side < 4) {
+#else
+    if (side < 8) {
+#endif
+        for (ptrdiff_t r = 0; r < count; r++)
+            for (ptrdiff_t c = 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
+        return;
+    }
+    ptrdiff_t rows = count / side * side, cols = d / side * side;
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += side)
+        for (ptrdiff_t c0 = 0; c0 < cols; c0 += side) {
+            REAL *block = dst + c0 * dst_row + r0;
+            const REAL *from = x + r0 * x_row + c0;
+#if REAL_IS_DOUBLE
+            mk_transpose4_f64(block, dst_row, from, x_row);
+#else
+            if (side == 16)
+                mk_transpose16(block, dst_row, from, x_row);
+            else
+                mk_transpose8(block, dst_row, from, x_row);
+#endif
+        }
+    /* the columns right of the blocks, then the rows below them */
+    SFX(mk_transpose_by)(dst + cols * dst_row, dst_row, x + cols, x_row, rows, d - cols, side / 2);
+    SFX(mk_transpose_by)(dst + rows, dst_row, x + rows * x_row, x_row, count - rows, d, side / 2);
+}
+
+/* the transpose by the largest blocks this type has on instruction set `width` */
+static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+                              ptrdiff_t count, ptrdiff_t d, int width)
+{
+    SFX(mk_transpose_by)(dst, dst_row, x, x_row, count, d,
+                         REAL_IS_DOUBLE ? 4 : width == 16 ? 16 : 8);
+}
+
+/* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
+ * 0: a panel of keys or a strip of queries */
+void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
+                  ptrdiff_t lanes, int width)
+{
+    if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
+    SFX(mk_transpose)(block, lanes, x, x_row, count, d, width);
+}
+
+/* block (e / kb, kb, kb) <- rows [0, count) of v, by groups of kb columns,
+ * keys past `count` 0: a panel of values. The copies are of kb numbers, a
+ * constant in each branch. */
+static void SFX(mk_pack_values)(REAL *block, const REAL *v, ptrdiff_t v_row, ptrdiff_t count,
+                                ptrdiff_t e, ptrdiff_t kb)
+{
+#define MK_PACK(kb)                                                                 \
+    for (ptrdiff_t j = 0; j < count; j++)                                           \
+        for (ptrdiff_t g = 0; g < e; g += (kb))                                     \
+            memcpy(block + (g + j) * (kb), v + j * v_row + g, (kb) * sizeof(REAL))
+    if (count < kb) memset(block, 0, (size_t)(e * kb) * sizeof(REAL));
+    if (kb == 8)
+        MK_PACK(8);
+    else
+        MK_PACK(kb);
+#undef MK_PACK
+}
+
+/* The panels of the keys [j0, j0 + cols) and of their values into their
+ * slots, those not there already. */
+static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, const REAL *k,
+                                const REAL *v, ptrdiff_t j0, ptrdiff_t cols)
+{
+    ptrdiff_t kb = MK_KB(pk->width), d = a->d, e = a->e;
+    for (ptrdiff_t p = j0 / kb; p * kb < j0 + cols; p++) {
+        ptrdiff_t slot = p % pk->slots, count = ATTNX_MIN(kb, a->m - p * kb);
+        if (pk->owner[slot] == p + 1) continue;
+        SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb,
+                     pk->width);
+        if (pk->vt)
+            SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row,
+                                count, e, kb);
+        pk->owner[slot] = p + 1;
+    }
+}
+
+/* The tile's output (zero), its queries packed strip by strip into qt
+ * (strips, d, strip), and the panels forgotten when this head's keys or
+ * values are not the ones packed. */
+static void SFX(mk_prepare_tile)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                                 SFX(tile_work) *w, const REAL *q, const REAL *k, const REAL *v,
+                                 REAL *out, ptrdiff_t rows, REAL scale2)
+{
+    packed_panels *pk = w->operands;
+    memset(w->ot, 0, (size_t)(a->e * w->st_ld) * sizeof(REAL));
+    if (pk->k != k || (pk->vt && pk->v != v)) {
+        memset(pk->owner, 0, (size_t)pk->slots * sizeof *pk->owner);
+        pk->k = k;
+        pk->v = v;
+    }
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += be->strip)
+        SFX(mk_pack)(w->qt + r0 * a->d, q + r0 * a->q_row, a->q_row,
+                     ATTNX_MIN(be->strip, rows - r0), a->d, be->strip, be->width);
+}
+
+/* ot (e, st_ld) times the rows' correction */
+static void SFX(mk_rescale_output)(SFX(tile_work) *w, ptrdiff_t rows, ptrdiff_t e)
+{
+    for (ptrdiff_t c = 0; c < e; c++)
+        for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= w->correction[r];
+}
+
+/* ot += (P V_tile)^T after ot is rescaled by the rows' correction (folded
+ * into the P V kernel), values from their panels or read in place; values
+ * with inf or NaN take the plain path (softmax_add_visible_values) */
+static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                                const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
+{
+    const packed_panels *pk = w->operands;
+    if (!SFX(softmax_values_finite)(a, w, v, t->j0, t->cols)) {
+        SFX(mk_rescale_output)(w, t->rows, a->e);
+        SFX(softmax_add_visible_values)(t, w->ot, 1, w->st_ld, w->st, w->st_ld,
+                                        v + t->j0 * a->v_row, a->v_row, a->e);
+        return;
+    }
+    ptrdiff_t kb = be->kb;
+    mk_values values = {pk->vt, pk->slots, kb * a->e, kb, kb * kb};
+    if (!pk->vt) values = (mk_values){v, PTRDIFF_MAX, kb * a->v_row, a->v_row, kb};
+    be->mk->add_pv(t, w->ot, w->st_ld, w->st, w->st_ld, &values, a->e, w->correction);
+}
+
+/* st = the scores of the key tile's panels, packed first where needed */
+static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                                const mk_tile *t, SFX(tile_work) *w, const REAL *q,
+                                const REAL *k, const REAL *v, REAL scale2)
+{
+    packed_panels *pk = w->operands;
+    SFX(mk_pack_panels)(a, pk, k, v, t->j0, t->cols);
+    be->mk->scores(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
+                   w->tile_max);
+}
+
+void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
+                          ptrdiff_t rows, const REAL *inverse_sum, int width)
+{
+    /* normalised down ot's columns, then copied out: the output rows are
+     * written once */
+    for (ptrdiff_t c = 0; c < a->e; c++)
+        for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= inverse_sum[r];
+    SFX(mk_transpose)(out, a->out_row, w->ot, w->st_ld, a->e, rows, width);
+}
+
+static void SFX(mk_finish_tile)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                                SFX(tile_work) *w, REAL *out, ptrdiff_t rows,
+                                const REAL *inverse_sum)
+{
+    SFX(mk_write_output)(a, w, out, rows, inverse_sum, be->width);
+}
+
+/* Per thread: packed keys and values (slots of panels), packed queries,
+ * the transposed output. */
+static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
+                         const softmax_plan *plan, SFX(tile_work) *works, softmax_memory *memory)
+{
+    const ptrdiff_t kb = be->kb, size = (ptrdiff_t)sizeof(REAL), st_ld = plan->st_ld;
+    const int threads = plan->threads;
+    /* slots of packed keys: every panel, or under a window the keys of two
+     * neighbouring query tiles, and at least one key tile's panels (the
+     * band may be empty: hi_shift < lo_shift) */
+    ptrdiff_t slots = (a->m + kb - 1) / kb;
+    if (a->band.has_lo && a->band.has_hi) {
+        ptrdiff_t span = ATTNX_MAX(2 * Q_TILE + (a->band.hi_shift - a->band.lo_shift) + 1, KEY_TILE);
+        slots = ATTNX_MIN(slots, (span + kb - 1) / kb + 2);
+    }
+    /* values are packed when more than one query tile reads them */
+    int pack_values = plan->q_tiles > 1;
+    ptrdiff_t packed = softmax_lines(slots * kb * a->d, size);
+    ptrdiff_t packed_v = pack_values ? softmax_lines(slots * kb * a->e, size) : 0;
+    ptrdiff_t queries = softmax_lines(st_ld * a->d, size), outputs = softmax_lines(st_ld * a->e, size);
+    ptrdiff_t per_thread = packed + packed_v + queries + outputs;
+    REAL *scratch = NULL;
+    ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
+    packed_panels *pks = calloc((size_t)threads, sizeof *pks);
+    memory->blocks[1] = owners;
+    memory->blocks[2] = pks;
+    if (!owners || !pks ||
+        posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
+        return ATTNX_ENOMEM;
+    memory->blocks[0] = scratch;
+    for (int t = 0; t < threads; t++) {
+        REAL *base = scratch + per_thread * t;
+        pks[t] = (packed_panels){be->width, base, pack_values ? base + packed : NULL,
+                                 owners + slots * t, slots, NULL, NULL};
+        works[t].operands = &pks[t];
+        works[t].qt = base + packed + packed_v;
+        works[t].ot = works[t].qt + queries;
+    }
+    return ATTNX_OK;
+}
+
+/* The kernels of each instruction set (microkernel.h's suffixes: float32
+ * _w16 on AVX-512 and _w8 on AVX2, float64 _d8 and _d4) */
+#if REAL_IS_DOUBLE
+static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8};
+static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4};
+#else
+static const mk_kernels_f32 mk_avx512_f32 = {mk_scores_w16, mk_add_pv_w16};
+static const mk_kernels_f32 mk_avx2_f32 = {mk_scores_w8, mk_add_pv_w8};
+
+/* the online softmax of a whole strip (3 vectors of 16 rows) in registers */
+static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,
+                                        ptrdiff_t lo, ptrdiff_t hi)
+{
+    mk_softmax_strip_w16(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
+                         w->row_sum + r0, w->correction + r0, MK_RV);
+}
+#endif
+
+const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
+    .width = 16,
+    .mk = &SFX(mk_avx512),
+    .q_tile = Q_TILE,
+    .row_align = MK_ROW_ALIGN,
+    .st_pad = 0,
+    .kb = MK_KB(16),
+    .strip = MK_STRIP(MK_LANES(16, sizeof(REAL))),
+    .setup = SFX(mk_setup),
+    .prepare_tile = SFX(mk_prepare_tile),
+    .key_tile = SFX(softmax_strips_key_tile),
+    .scores = SFX(mk_tile_scores),
+#if REAL_IS_DOUBLE
+    .softmax_strip = SFX(softmax_online_strip),
+#else
+    .softmax_strip = mk_softmax_strip_avx512_f32,
+#endif
+    .add_pv = SFX(mk_tile_add_pv),
+    .finish_tile = SFX(mk_finish_tile),
+};
+
+const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
+    .width = 8,
+    .mk = &SFX(mk_avx2),
+    .q_tile = Q_TILE,
+    .row_align = MK_ROW_ALIGN,
+    .st_pad = 0,
+    .kb = MK_KB(8),
+    .strip = MK_STRIP(MK_LANES(8, sizeof(REAL))),
+    .setup = SFX(mk_setup),
+    .prepare_tile = SFX(mk_prepare_tile),
+    .key_tile = SFX(softmax_strips_key_tile),
+    .scores = SFX(mk_tile_scores),
+    .softmax_strip = SFX(softmax_online_strip),
+    .add_pv = SFX(mk_tile_add_pv),
+    .finish_tile = SFX(mk_finish_tile),
+};
+#endif /* MK_HAVE_X86 */
+#endif /* REAL */
