@@ -9,6 +9,16 @@ BLAS choice (environment variable ATTNX_BLAS):
                             apt-get install libopenblas-dev pkg-config).
 ATTNX_DEBUG=1 builds -O0 -g with AddressSanitizer and UBSan (see
 tests/run_sanitizers.sh).
+
+Compilers: gcc on Linux (OpenMP from libgomp); Apple clang on macOS with
+LLVM's libomp (Homebrew's, or the prefix in OpenMP_ROOT). MSVC cannot
+compile the kernels (GCC vector extensions, aligned_alloc): a Windows build
+stops with a message saying so.
+
+The only run path written into the module is the package's own folder
+($ORIGIN / @loader_path): the build machine's library paths that Python's
+own link command carries (LDSHARED's -Wl,-rpath,...) are removed, so a
+built module never looks for libraries where it was built.
 """
 import glob
 import os
@@ -85,6 +95,28 @@ elif choice in ("", "scipy-openblas", "scipy-openblas32"):
 else:
     fail("unknown ATTNX_BLAS=%r (use 'system' or leave it unset)" % choice)
 
+def openmp_flags():
+    """(compile, link, include_dirs, library_dirs) for OpenMP on this platform."""
+    if sys.platform == "darwin":
+        # Apple clang has no -fopenmp driver flag: the preprocessor takes it,
+        # and LLVM's libomp (brew install libomp) supplies omp.h and the runtime
+        root = os.environ.get("OpenMP_ROOT")
+        if not root:
+            try:
+                root = subprocess.check_output(["brew", "--prefix", "libomp"], text=True).strip()
+            except (OSError, subprocess.CalledProcessError):
+                fail("OpenMP on macOS needs LLVM's libomp: brew install libomp\n"
+                     "  (or set OpenMP_ROOT to a prefix holding include/omp.h and lib/libomp.dylib)")
+        return (["-Xpreprocessor", "-fopenmp"], ["-lomp"],
+                [os.path.join(root, "include")], [os.path.join(root, "lib")])
+    return ["-fopenmp"], ["-fopenmp"], [], []
+
+
+if sys.platform == "win32":
+    fail("Windows is not supported yet: the kernels use GCC vector extensions and\n"
+         "  C11 aligned_alloc, which MSVC lacks (a clang-cl port is the way forward).\n"
+         "  Use WSL or Linux.")
+
 debug = os.environ.get("ATTNX_DEBUG", "") not in ("", "0")
 if debug:
     opt = ["-O0", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
@@ -96,21 +128,40 @@ else:
     opt = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
     link_opt = []
 
+omp_compile, omp_link, omp_include, omp_lib = openmp_flags()
+# the bundled libraries sit beside the module
+own_folder = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
+
 ext = Extension(
     "attnx._C",
     sources=SOURCES,
     depends=[os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".h")],
-    include_dirs=[numpy.get_include(), "csrc"] + blas["include_dirs"],
-    library_dirs=blas["library_dirs"],
+    include_dirs=[numpy.get_include(), "csrc"] + blas["include_dirs"] + omp_include,
+    library_dirs=blas["library_dirs"] + omp_lib,
     libraries=blas["libraries"] + ["m"],
     define_macros=blas["define_macros"] + [
         ("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION"),
         ("NPY_TARGET_VERSION", "NPY_1_22_API_VERSION"),
     ],
-    extra_compile_args=["-std=gnu11", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                        "-Wno-missing-field-initializers", "-Wno-cast-function-type"] + opt,
-    extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN"] + link_opt,
+    extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                        "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
+    + omp_compile + opt,
+    extra_link_args=omp_link + ["-Wl,-rpath," + own_folder] + link_opt,
 )
+
+
+def without_run_paths(args):
+    """args without the linker options that write a run path: -Wl,-rpath,DIR,
+    -Wl,-rpath=DIR, -Wl,-R,DIR, -Wl,-RDIR, and -Wl,-rpath -Wl,DIR in two."""
+    kept, skip_next = [], False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg in ("-Wl,-rpath", "-Wl,--rpath", "-Wl,-R"):
+            skip_next = True
+        elif not arg.startswith(("-Wl,-rpath", "-Wl,--rpath", "-Wl,-R")):
+            kept.append(arg)
+    return kept
 
 
 def replace_file(src, dst):
@@ -122,6 +173,14 @@ def replace_file(src, dst):
 
 class BuildExtBundlingBlas(build_ext):
     """Copy the bundled BLAS library and its licences next to the module."""
+
+    def build_extensions(self):
+        # Python's link command (sysconfig LDSHARED) may carry the run path
+        # of the interpreter's own lib folder (pyenv, conda): not ours to ship
+        linker = getattr(self.compiler, "linker_so", None)
+        if linker:
+            self.compiler.linker_so = without_run_paths(linker)
+        super().build_extensions()
 
     def run(self):
         module_path = self.get_ext_fullpath("attnx._C")

@@ -41,7 +41,7 @@ def numpy_gaussian_attention(q, k, v, sigma):
 
 
 def numpy_features(name, x, projection=None, p=3):
-    """The feature maps of design.md 3.2, plainly."""
+    """The feature maps of docs/linear.md, plainly."""
     if name == "elu":
         return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
     if name == "relu":

@@ -1,4 +1,4 @@
-"""Kernelised ("linear") attention, design.md 3.2.
+"""Kernelised ("linear") attention (docs/linear.md).
 
     o_i = phi(q_i) S / max(phi(q_i) . z, eps),  S = sum_j psi(k_j) v_j^T,  z = sum_j psi(k_j)
 
@@ -11,6 +11,7 @@ projections run in Python.
 """
 import math
 import operator
+import os
 
 import numpy as np
 
@@ -187,10 +188,14 @@ def _performer_projection(q, projection, num_features, seed):
     if projection is not None:
         if seed is not None:
             raise ValueError("performer_attention: give projection= or seed= (to draw one), not both")
-        if num_features is not None and np.shape(projection)[0] != num_features:
+        # a projection of the wrong rank is left to the kernel's shape check
+        if (num_features is not None and np.ndim(projection) >= 1
+                and np.shape(projection)[0] != num_features):
             raise ValueError(f"projection has {np.shape(projection)[0]} rows but "
                              f"num_features={num_features}")
         return projection
+    if np.ndim(q) < 2:  # the projection's width is q's last axis
+        raise ValueError(f"q must have at least 2 dimensions, got shape {np.shape(q)}")
     d = np.shape(q)[-1]
     if num_features is None:
         num_features = max(1, round(d * math.log(d))) if d > 0 else 1
@@ -315,13 +320,35 @@ def random_features(r, d, seed=None):
     r, d = operator.index(r), operator.index(d)
     if r < 1 or d < 1:
         raise ValueError(f"random_features needs r >= 1 and d >= 1, got r={r}, d={d}")
+    _check_projection_fits(r, d)
     rng = np.random.default_rng(seed)
-    blocks = []
-    for _ in range(-(-r // d)):
+    # the result is claimed before any QR runs, so a size that cannot be
+    # allocated fails at once; blocks are written into it as they come
+    projection = np.empty((r, d))
+    for first in range(0, r, d):
         orthogonal, upper = np.linalg.qr(rng.standard_normal((d, d)))
-        blocks.append(orthogonal * np.where(np.diag(upper) < 0, -1.0, 1.0))
+        orthogonal *= np.where(np.diag(upper) < 0, -1.0, 1.0)
+        projection[first:first + d] = orthogonal[:r - first]
     norms = np.linalg.norm(rng.standard_normal((r, d)), axis=1)
-    return np.concatenate(blocks)[:r] * norms[:, None]
+    projection *= norms[:, None]
+    return projection
+
+
+def _check_projection_fits(r, d):
+    """Refuse an (r, d) projection that cannot fit, before any work: the
+    result and the Gaussian draw for its row norms are r * d doubles each."""
+    needed = 2 * r * d * 8
+    if needed > np.iinfo(np.intp).max:
+        raise ValueError(f"random_features(r={r}, d={d}): an ({r}, {d}) float64 projection "
+                         f"is larger than this platform can address")
+    try:  # physical memory where the platform reports it (not on Windows)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return
+    if memory > 0 and needed > memory:
+        raise MemoryError(f"random_features(r={r}, d={d}) needs {needed / 2**30:.3g} GiB "
+                          f"(the ({r}, {d}) float64 projection and its row-norm draw), more "
+                          f"than this machine's {memory / 2**30:.3g} GiB of memory")
 
 
 FRONT_ENDS = {

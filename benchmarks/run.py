@@ -307,7 +307,7 @@ def missing_notes(attnx):
 def report_body(results, probes, seconds):
     return "\n".join([report.tables(results), report.memory_table(probes), "",
                       report.legend(report.gemm_gflops(results)), "",
-                      "design targets (design.md section 5):"] +
+                      "design targets (docs/performance.md):"] +
                      report.targets(results, probes) + ["", "total time %.0f s" % seconds])
 
 

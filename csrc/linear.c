@@ -541,7 +541,7 @@ static void SFX(add_block)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t 
 /* out_i = num_i / max(den_i, eps_i) with eps_i = eps exp(-(log_scale_i + c)):
  * the features were divided by exp(log_scale_i) (query) and exp(c) (keys)
  * to stay finite, which cancels in the ratio but not in the clamp, so the
- * clamp is divided the same way (design.md, FAVOR+). A zero denominator
+ * clamp is divided the same way (docs/linear.md, FAVOR+). A zero denominator
  * gives a zero row. Unnormalised (similarities): out_i = num_i exp(log_scale_i + c). */
 static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scratch) *w, REAL *out)
 {
@@ -981,7 +981,8 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     p.threads = (int)ATTNX_MIN(threads, ATTNX_MAX(work, a->heads * p.needed * p.split));
     if (a->method == ATTNX_METHOD_CUMSUM) {
         size_t prefix_bytes = (size_t)(a->m + 1) * (size_t)p.state_size * sizeof(REAL);
-        size_t fitting = ATTNX_CUMSUM_LIMIT / prefix_bytes;
+        /* no features (r = 0): the prefix tensor is empty, nothing to ration */
+        size_t fitting = prefix_bytes ? ATTNX_CUMSUM_LIMIT / prefix_bytes : (size_t)p.threads;
         if ((size_t)p.threads > fitting) p.threads = (int)ATTNX_MAX(fitting, 1);
     }
     p.threads = ATTNX_MAX(p.threads, 1);

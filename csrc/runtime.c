@@ -1,11 +1,25 @@
 /* runtime.c - process-wide settings shared by every kernel: the thread
  * count, the BLAS kept single-threaded so that the OpenMP pool is the only
  * one (two pools on two cores would oversubscribe them), and the most
- * capable softmax backend calls may use. */
+ * capable softmax backend calls may use.
+ *
+ * Fork: a child created by fork() inherits GNU OpenMP's record of the
+ * parent's worker threads but not the threads themselves, so its first
+ * parallel region with more than one thread waits for them forever (GNU
+ * OpenMP has no fork support; multiprocessing's default start method on
+ * Linux, DataLoader workers and Pools all fork). A child therefore runs
+ * attnx on one thread: a team of one never touches the pool. The child
+ * cannot tell whether the parent ever started the pool, so this holds in
+ * every forked child; processes started by spawn or forkserver are new
+ * processes and use every thread. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#if !defined(_WIN32)
+#include <pthread.h>
+#endif
 
 #include "attnx.h"
 #include "blas.h"
@@ -13,10 +27,23 @@
 static int num_threads = 1;
 static int softmax_backend_limit = ATTNX_BACKEND_AMX;
 static const char *const softmax_backend_names[ATTNX_BACKENDS] = {"plain", "mk", "amx"};
+/* set in a process created by fork(): every call then runs on one thread */
+static int forked_child = 0;
 
 int attnx_get_num_threads(void) { return num_threads; }
 
-void attnx_set_num_threads(int threads) { num_threads = threads > 0 ? threads : 1; }
+void attnx_set_num_threads(int threads)
+{
+    num_threads = threads > 0 && !forked_child ? threads : 1;
+}
+
+#if !defined(_WIN32)
+static void on_fork_child(void)
+{
+    forked_child = 1;
+    num_threads = 1;
+}
+#endif
 
 int attnx_softmax_backend_limit(void) { return softmax_backend_limit; }
 
@@ -41,6 +68,11 @@ int attnx_runtime_init(void)
     /* omp_get_max_threads() honours OMP_NUM_THREADS. */
     num_threads = omp_get_max_threads();
     ATTNX_OPENBLAS(openblas_set_num_threads)(1);
+#if !defined(_WIN32)
+    /* registered once per process (module init runs once); a failure only
+     * loses the protection, so it is not an import error */
+    (void)pthread_atfork(NULL, NULL, on_fork_child);
+#endif
     /* ATTNX_AMX=0 keeps float32 softmax attention off AMX (the older
      * spelling of ATTNX_SOFTMAX_BACKEND=mk) */
     const char *amx = getenv("ATTNX_AMX");

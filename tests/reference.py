@@ -1,10 +1,10 @@
 """Plain numpy float64 reference implementations of the attnx variants.
 
-Written straight from the formulas of design.md (sections 2 and 3), with
+Written straight from the formulas of docs/ (conventions.md, softmax.md, linear.md), with
 explicit n x m matrices: slow, simple and meant to be obviously correct.
 Nothing here imports attnx.
 
-Conventions (design.md section 2):
+Conventions (docs/conventions.md):
 
 * ``q`` is ``(..., n, d)``, ``k`` is ``(..., m, d)``, ``v`` is ``(..., m, e)``;
   leading axes broadcast like numpy's matmul.
@@ -48,7 +48,7 @@ def _f64(x):
 def visibility(n, m, causal=False, mask=None, window=None):
     """Boolean ``(..., n, m)`` array: may query i see key j?
 
-    design.md "Visibility": all of these must hold
+    docs/conventions.md, "Visibility": all of these must hold
 
     * ``causal=True`` / ``"lower_right"``: ``j <= i + (m - n)``;
       ``causal="upper_left"``: ``j <= i``;
@@ -109,7 +109,7 @@ def _weighted_sum(w, v):
 
 
 # --------------------------------------------------------------------------
-# Softmax (scaled dot product) attention, design.md 3.1
+# Softmax (scaled dot product) attention, docs/softmax.md
 # --------------------------------------------------------------------------
 
 def softmax_logits(q, k, scale=None, bias=None):
@@ -194,7 +194,7 @@ def softmax_attention(q, k, v, scale=None, causal=False, mask=None, bias=None,
 
 
 # --------------------------------------------------------------------------
-# Gaussian kernel attention, design.md 3.1
+# Gaussian kernel attention, docs/softmax.md
 # --------------------------------------------------------------------------
 
 def _check_sigma(sigma):
@@ -255,7 +255,7 @@ def gaussian_attention(q, k, v, sigma=1.0, causal=False, mask=None, bias=None,
 
 
 # --------------------------------------------------------------------------
-# Kernelised (linear) attention, design.md 3.2
+# Kernelised (linear) attention, docs/linear.md
 # --------------------------------------------------------------------------
 
 def _fm_elu(x, **_):

@@ -1,4 +1,4 @@
-"""Tests of attnx's kernelised ("linear") family, design.md 3.2 / 3.3:
+"""Tests of attnx's kernelised ("linear") family, docs/linear.md and docs/inspecting.md:
 linear_attention with every feature map ("elu", "relu", "softmax",
 "taylor", "focused", "favor", "identity", a Python callable), the front
 ends cosformer_attention, focused_linear_attention, taylor_attention,
@@ -368,7 +368,7 @@ def test_eps_clamp(name, eps):
 
 
 def test_efficient_takes_no_eps():
-    """Efficient attention has no eps (design: "no eps")."""
+    """Efficient attention has no eps (docs/linear.md: "no eps")."""
     rng = np.random.default_rng(3)
     q, k, v = qkv(rng, (), 4, 5, 3, 2)
     with pytest.raises(TypeError, match="eps"):
@@ -459,7 +459,7 @@ WINDOWS = [0, 1, 3, (2, 0), (0, 2), (None, 0), (4, None), (1, 5)]
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", STATEFUL)
 def test_mask_and_window_quadratic(dtype, name):
-    """design.md 3.2: "An arbitrary mask or a window is honoured through the
+    """docs/linear.md: "An arbitrary mask or a window is honoured through the
     quadratic form"; the default method picks it."""
     rng = np.random.default_rng(22)
     for n, m in [(30, 30), (17, 44), (44, 17)]:
@@ -881,7 +881,7 @@ def _aligned_inputs(rng, W, count, small_rows=True, alpha_lo=0.85):
     instead a small random vector (all exponents near 0).
 
     Only queries get small rows: a key's features are scaled by the fixed
-    exp(-c), c = max |W_r|^2/2 (design.md 3.2), so a key whose exponents
+    exp(-c), c = max |W_r|^2/2 (docs/linear.md), so a key whose exponents
     all lie more than ~745 (float64) / ~103 (float32) below c underflows to
     zero features by design; a row seeing only such keys would return 0."""
     r, d = W.shape
@@ -897,7 +897,7 @@ def test_favor_large_exponents_no_overflow(dtype, bound):
     """A projection whose rows have |W_r|^2/2 = 1.1 x the largest exponent
     the dtype's exp can take (float64 709.8, float32 88.7), with queries
     and keys that reach it: the literal features overflow, the stabilised
-    kernel must not (design.md 3.2: per-row max for queries, the bound
+    kernel must not (docs/linear.md: per-row max for queries, the bound
     c = max |W_r|^2/2 for keys). One orthogonal block of 4 rows of equal
     norm; the inputs lean on row 0, so every term that matters stays within
     the dtype's range after stabilisation. Compared with the log-space
@@ -1539,7 +1539,7 @@ def test_fused_chunk_kernel_nan_and_inf():
 @pytest.mark.parametrize("method", [None, "chunk", "recurrent", "cumsum",
                                     "quadratic"])
 def test_nan_in_future_or_masked_keys_has_no_effect(name, method):
-    """design.md 2: NaN/inf never poison unrelated rows. Causal: a NaN value
+    """docs/conventions.md: NaN/inf never poison unrelated rows. Causal: a NaN value
     of key j does not reach rows i < j (any method, any chunk size, the
     key inside the query's chunk too); a key removed by key_mask can hold
     NaN/inf in its key and value."""
@@ -1828,7 +1828,7 @@ def test_efficient_options_not_available():
 
 
 # --------------------------------------------------------------------------
-# hypothesis: the properties of design.md section 4
+# hypothesis: the properties of docs/testing.md
 # --------------------------------------------------------------------------
 
 LEADS = [(), (1,), (3,), (2, 3), (2, 1)]

@@ -1,4 +1,4 @@
-"""In-place decoding: LinearAttentionState.step (design.md 3.2, streaming).
+"""In-place decoding: LinearAttentionState.step (docs/linear.md, streaming).
 
 step() must give what the functional streaming call gives (exactly, but
 for the rounding of single-token steps, which hold their keys back from S),

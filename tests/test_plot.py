@@ -381,7 +381,9 @@ def test_readme_figure_script(tmp_path):
     """examples/make_figures.py regenerates docs/images/weights.png: a PNG
     whose panels are the variants' weights under window=4."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
-    script = os.path.join(root, "examples", "make_figures.py")
+    # examples/ beside tests/ (the checkout's, or a copy run against an installed attnx)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples", "make_figures.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     result = subprocess.run([sys.executable, script, "--out", str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=120)

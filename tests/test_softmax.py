@@ -687,7 +687,7 @@ def test_nan_query_row_isolated(dtype, variant):
 
 def test_nan_in_masked_key_values_has_no_effect():
     """Masked keys are unrelated to the row: NaN/inf in their values must not
-    reach it (design.md: never poison unrelated rows; property 5)."""
+    reach it (docs/conventions.md: never poison unrelated rows; property 5)."""
     rng = np.random.default_rng(33)
     n = m = 40
     q, k, v = qkv(rng, (), n, m, 8, 4)
@@ -1407,7 +1407,7 @@ def test_amx_split_keeps_float32_accuracy(kernels):
 
 
 # --------------------------------------------------------------------------
-# hypothesis properties (design.md section 4)
+# hypothesis properties (docs/testing.md)
 # --------------------------------------------------------------------------
 
 SIZES = st.one_of(st.integers(1, 9),

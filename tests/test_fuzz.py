@@ -1,0 +1,33 @@
+"""Random, mostly wrong calls of every public function (tests/fuzz_calls.py)
+in child processes: each must return or raise ValueError, TypeError or
+MemoryError (or the exception a callable feature map raised), never crash,
+hang or raise anything else. ATTNX_FUZZ_CALLS sets the calls per seed
+(default 500); a failure names the seed and the call."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import attnx
+
+CALLS = int(os.environ.get("ATTNX_FUZZ_CALLS", 500))
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz_calls.py")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_calls_never_crash(seed):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(attnx.__file__)))
+    try:
+        run = subprocess.run([sys.executable, SCRIPT, str(seed), str(CALLS)], env=env,
+                             capture_output=True, text=True, timeout=60 + CALLS)
+    except subprocess.TimeoutExpired as hang:
+        lines = (hang.stdout or b"").decode(errors="replace").splitlines()
+        pytest.fail(f"seed {seed} hung; last call: {lines[-1] if lines else '?'}")
+    lines = run.stdout.splitlines()
+    unexpected = [f"{lines[i - 1]}\n  -> {line}" for i, line in enumerate(lines)
+                  if line.startswith("UNEXPECTED")]
+    assert run.returncode == 0 and lines and lines[-1] == "done", (
+        f"seed {seed}: exit status {run.returncode}; last call: "
+        f"{lines[-1] if lines else '?'}\n{run.stderr[-2000:]}")
+    assert not unexpected, "\n".join(unexpected)
