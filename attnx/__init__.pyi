@@ -152,14 +152,17 @@ def focused_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, p: float 
                              method: _Method = None, chunk_size: int | None = None,
                              eps: float = 1e-6, initial_state: LinearAttentionState | None = None,
                              return_state: Literal[False] = False,
-                             out: _Array | None = None) -> _Array: ...
+                             out: _Array | None = None, dwc_weight: ArrayLike | None = None,
+                             spatial: tuple[int, int] | None = None) -> _Array: ...
 @overload
 def focused_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, p: float = 3, *,
                              causal: _Causal = False, key_mask: ArrayLike | None = None,
                              mask: ArrayLike | None = None, window: _Window = None,
                              method: _Method = None, chunk_size: int | None = None,
                              eps: float = 1e-6, initial_state: LinearAttentionState | None = None,
-                             return_state: Literal[True], out: _Array | None = None
+                             return_state: Literal[True], out: _Array | None = None,
+                             dwc_weight: ArrayLike | None = None,
+                             spatial: tuple[int, int] | None = None
                              ) -> tuple[_Array, LinearAttentionState]: ...
 @overload
 def focused_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, p: float = 3, *,
@@ -167,7 +170,9 @@ def focused_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, p: float 
                              mask: ArrayLike | None = None, window: _Window = None,
                              method: _Method = None, chunk_size: int | None = None,
                              eps: float = 1e-6, initial_state: LinearAttentionState | None = None,
-                             return_state: bool = False, out: _Array | None = None
+                             return_state: bool = False, out: _Array | None = None,
+                             dwc_weight: ArrayLike | None = None,
+                             spatial: tuple[int, int] | None = None
                              ) -> _Array | tuple[_Array, LinearAttentionState]: ...
 @overload
 def taylor_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: _Causal = False,
@@ -241,6 +246,76 @@ def get_num_threads() -> int: ...
 def set_num_threads(num_threads: int, /) -> None: ...
 def show_config() -> None: ...
 
+# gradients of the kernelised family, and the other systems ----------------
+
+def linear_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                              feature_map: Any = ..., causal: Any = ..., key_mask: Any = ...,
+                              mask: Any = ..., window: Any = ..., method: Any = ...,
+                              chunk_size: Any = ..., eps: Any = ..., projection: Any = ...,
+                              p: Any = ..., initial_state: Any = ..., grad_state: Any = ...,
+                              projection_grad: Any = ..., dq: Any = ..., dk: Any = ...,
+                              dv: Any = ...) -> Gradients: ...
+def cosformer_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                                 causal: Any = ..., key_mask: Any = ..., M: Any = ...,
+                                 mask: Any = ..., window: Any = ..., method: Any = ...,
+                                 chunk_size: Any = ..., eps: Any = ...,
+                                 initial_state: Any = ..., grad_state: Any = ...,
+                                 dq: Any = ..., dk: Any = ..., dv: Any = ...) -> Gradients: ...
+def focused_linear_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike,
+                                      v: ArrayLike, p: Any = ..., *, causal: Any = ...,
+                                      key_mask: Any = ..., mask: Any = ..., window: Any = ...,
+                                      method: Any = ..., chunk_size: Any = ..., eps: Any = ...,
+                                      initial_state: Any = ..., grad_state: Any = ...,
+                                      dq: Any = ..., dk: Any = ..., dv: Any = ...,
+                                      dwc_weight: Any = ..., spatial: Any = ...) -> Gradients: ...
+def taylor_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                              causal: Any = ..., key_mask: Any = ..., mask: Any = ...,
+                              window: Any = ..., method: Any = ..., chunk_size: Any = ...,
+                              eps: Any = ..., initial_state: Any = ..., grad_state: Any = ...,
+                              dq: Any = ..., dk: Any = ..., dv: Any = ...) -> Gradients: ...
+def performer_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                 projection: Any = ..., num_features: Any = ...,
+                                 seed: Any = ..., *, causal: Any = ..., key_mask: Any = ...,
+                                 mask: Any = ..., window: Any = ..., method: Any = ...,
+                                 chunk_size: Any = ..., eps: Any = ...,
+                                 initial_state: Any = ..., grad_state: Any = ...,
+                                 projection_grad: Any = ..., dq: Any = ..., dk: Any = ...,
+                                 dv: Any = ...) -> Gradients: ...
+def efficient_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                                 key_mask: Any = ..., causal: Any = ..., dq: Any = ...,
+                                 dk: Any = ..., dv: Any = ...) -> Gradients: ...
+def multi_head_attention(x_q: ArrayLike, x_kv: ArrayLike, w_q: ArrayLike, w_k: ArrayLike,
+                         w_v: ArrayLike, w_o: ArrayLike, num_heads: Any, *, b_q: Any = ...,
+                         b_k: Any = ..., b_v: Any = ..., b_o: Any = ...,
+                         num_kv_heads: Any = ..., variant: Any = ...,
+                         positions: ArrayLike | None = ..., **options: Any) -> Any: ...
+def sinusoidal_positions(n: Any, d: Any, base: Any = ...) -> Any: ...
+def rotary(x: ArrayLike, positions: ArrayLike | None = ..., base: Any = ...,
+           interleaved: Any = ...) -> Any: ...
+def rotary_backward(dout: ArrayLike, positions: ArrayLike | None = ..., base: Any = ...,
+                    interleaved: Any = ...) -> Any: ...
+def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, layout: ArrayLike,
+                           block_size: Any, *, scale: Any = ..., causal: Any = ...,
+                           mask: Any = ..., bias: Any = ..., window: Any = ..., out: Any = ...,
+                           return_lse: Any = ...) -> Any: ...
+def block_sparse_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                    out: Any, lse: Any, layout: ArrayLike, block_size: Any, *,
+                                    scale: Any = ..., causal: Any = ..., mask: Any = ...,
+                                    bias: Any = ..., window: Any = ..., bias_grad: Any = ...,
+                                    dq: Any = ..., dk: Any = ..., dv: Any = ...) -> Gradients: ...
+def pooled_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, stride: Any, mode: Any = ...,
+                     **softmax_options: Any) -> Any: ...
+def pooled_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                              out: Any, lse: Any, stride: Any, mode: Any = ..., *,
+                              bias_grad: Any = ..., **softmax_options: Any) -> Gradients: ...
+def linformer_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, E: ArrayLike,
+                        F: ArrayLike | None = ..., **softmax_options: Any) -> Any: ...
+def linformer_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                 out: Any, lse: Any, E: ArrayLike, F: ArrayLike | None = ...,
+                                 *, bias_grad: Any = ..., **softmax_options: Any) -> Gradients: ...
+
+from . import layouts as layouts
+
 __all__ = [
     "softmax_attention",
     "gaussian_attention",
@@ -252,10 +327,27 @@ __all__ = [
     "taylor_attention",
     "performer_attention",
     "efficient_attention",
+    "linear_attention_backward",
+    "cosformer_attention_backward",
+    "focused_linear_attention_backward",
+    "taylor_attention_backward",
+    "performer_attention_backward",
+    "efficient_attention_backward",
     "random_features",
     "LinearAttentionState",
     "attention_weights",
     "similarity",
+    "multi_head_attention",
+    "sinusoidal_positions",
+    "rotary",
+    "rotary_backward",
+    "block_sparse_attention",
+    "block_sparse_attention_backward",
+    "pooled_attention",
+    "pooled_attention_backward",
+    "linformer_attention",
+    "linformer_attention_backward",
+    "layouts",
     "Gradients",
     "vjp",
     "get_num_threads",
