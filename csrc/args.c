@@ -818,11 +818,15 @@ int attnx_bind(attnx_call *call, PyObject *const *objs)
                                            "ATTNX_MAX_OPS arrays (args.h)");
         return -1;
     }
-    /* 1. the compute dtype */
+    /* 1. the compute dtype, from the required inputs */
     PyObject *promoted[ATTNX_MAX_OPS] = {NULL};
     const char *promoted_names[ATTNX_MAX_OPS] = {NULL};
     int n_promoted = 0;
     for (int i = 0; i < count; i++) {
+        if ((params[i].flags & (ATTNX_COMPUTE | ATTNX_REQUIRED)) && (!objs[i] || objs[i] == Py_None)) {
+            PyErr_Format(PyExc_TypeError, "%s must be an array, got None", params[i].name);
+            return -1;
+        }
         if (!(params[i].flags & ATTNX_COMPUTE)) continue;
         promoted[n_promoted] = objs[i];
         promoted_names[n_promoted++] = params[i].name;

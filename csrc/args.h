@@ -85,6 +85,8 @@ enum {
     ATTNX_BOOL = 1 << 2,         /* a boolean mask, read through any strides */
     ATTNX_EXACT_DTYPE = 1 << 8,  /* already an array of the compute dtype, never cast
                                     (TypeError): a state carried from a call of that dtype */
+    ATTNX_REQUIRED = 1 << 9,     /* an input that must be given (ATTNX_COMPUTE inputs are
+                                    required too): None is a TypeError */
     /* outputs (objs[i] NULL: not wanted, None: allocated, an array: out=) */
     ATTNX_OUTPUT = 1 << 3,
     ATTNX_RESULT_DTYPE = 1 << 4, /* the caller's dtype (float16 in, float16 out, computed

@@ -708,7 +708,7 @@ static const linear_bwd_kernel linear_bwd_kernels[2] = {attnx_linear_bwd_f32,
 enum { B_DOUT, B_Q, B_K, B_V, B_KEY_MASK, B_MASK, B_S0, B_Z0, B_DS_IN, B_DZ_IN, B_DQ, B_DK,
        B_DV, B_DS0, B_DZ0, B_NPARAMS };
 static const attnx_param backward_params[B_NPARAMS] = {
-    [B_DOUT] = {"dout", "n e", 0, ATTNX_LINB_DOUT},
+    [B_DOUT] = {"dout", "n e", ATTNX_REQUIRED, ATTNX_LINB_DOUT},
     [B_Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_LINB_Q},
     [B_K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_LINB_K},
     [B_V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_LINB_V},

@@ -14,12 +14,12 @@ static const softmax_bwd_kernel softmax_bwd_kernels[2] = {attnx_softmax_bwd_f32,
 /* The array arguments: the forward's, its result, and the gradients. */
 enum { DOUT, Q, K, V, OUT, LSE, BIAS, MASK, DQ, DK, DV, DBIAS, NPARAMS };
 static const attnx_param backward_params[NPARAMS] = {
-    [DOUT] = {"dout", "n e", 0, ATTNX_SMB_DOUT},
+    [DOUT] = {"dout", "n e", ATTNX_REQUIRED, ATTNX_SMB_DOUT},
     [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
     [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_SM_K},
     [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_SM_V},
-    [OUT] = {"out", "n e", 0, ATTNX_SM_OUT},
-    [LSE] = {"lse", "n", 0, ATTNX_SM_LSE},
+    [OUT] = {"out", "n e", ATTNX_REQUIRED, ATTNX_SM_OUT},
+    [LSE] = {"lse", "n", ATTNX_REQUIRED, ATTNX_SM_LSE},
     [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
     [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
     [DQ] = {"dq", "n d", ATTNX_OUTPUT, ATTNX_SMB_DQ},

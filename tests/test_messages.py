@@ -146,3 +146,22 @@ def test_linear_huge_broadcast_sizes_refused_before_any_copy():
                                  ("linear e", "e", "v")):
         assert re.search(r"ValueError: %s: %s = 2147483649 is too large: the kernels take "
                          r"d, e, m, r below 2\*\*31$" % (source, symbol), lines[name]), out
+
+
+@pytest.mark.parametrize("missing", ["q", "k", "v"])
+def test_a_required_array_given_as_none_is_a_type_error(missing):
+    # found by the fuzz test: None for k reached the kernel as a NULL pointer
+    arrays = {name: np.ones((3, 4)) for name in ("q", "k", "v")}
+    arrays[missing] = None
+    for front in (attnx.softmax_attention, attnx.gaussian_attention, attnx.linear_attention,
+                  attnx.cosformer_attention):
+        with pytest.raises(TypeError, match=f"{missing} must be an array, got None"):
+            front(arrays["q"], arrays["k"], arrays["v"])
+    q = np.ones((3, 4))
+    out, lse = attnx.softmax_attention(q, q, q, return_lse=True)
+    for name, args in (("dout", (None, q, q, q, out, lse)), ("out", (out, q, q, q, None, lse)),
+                       ("lse", (out, q, q, q, out, None))):
+        with pytest.raises(TypeError, match=f"{name} must be an array, got None"):
+            attnx.softmax_attention_backward(*args)
+    with pytest.raises(TypeError, match="dout must be an array, got None"):
+        attnx.linear_attention_backward(None, q, q, q)
