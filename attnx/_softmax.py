@@ -76,7 +76,10 @@ def gaussian_attention_backward(dout, q, k, v, out, lse, sigma=1.0, *, causal=Fa
                      seed, bias_grad, dq, dk, dv)
 
 
-def _vjp_rule(forward, backward):
+def lse_vjp_rule(forward, backward):
+    """The vjp rule of softmax attention or of a front end over it
+    (attnx/_systems.py): the forward with its lse, then the backward with
+    the bias gradient when a bias was given."""
     def rule(q, k, v, *args, **options):
         if options.get("return_lse"):
             raise TypeError("vjp: return_lse is not an option of the differentiated function")
@@ -92,5 +95,5 @@ def _vjp_rule(forward, backward):
     return rule
 
 
-register_vjp(_C.softmax_attention, _vjp_rule(_C.softmax_attention, softmax_attention_backward))
-register_vjp(_C.gaussian_attention, _vjp_rule(_C.gaussian_attention, gaussian_attention_backward))
+register_vjp(_C.softmax_attention, lse_vjp_rule(_C.softmax_attention, softmax_attention_backward))
+register_vjp(_C.gaussian_attention, lse_vjp_rule(_C.gaussian_attention, gaussian_attention_backward))

@@ -9,7 +9,7 @@ import numpy as np
 from . import _C
 from ._checks import count as _count
 from ._grad import Gradients, register_vjp, sum_to_shape
-from ._softmax import _finish, _grad_dtype, softmax_attention_backward
+from ._softmax import _finish, _grad_dtype, lse_vjp_rule, softmax_attention_backward
 
 _CAUSAL_MODES = {False: None, True: "lower_right", "lower_right": "lower_right", "upper_left": "upper_left"}
 
@@ -603,24 +603,6 @@ def linformer_attention_backward(dout, q, k, v, out, lse, E, F=None, *, bias_gra
     return Gradients(q=g.q, k=dk, v=dv, bias=g.bias, projection=(dE, dF))
 
 
-def _lse_vjp_rule(forward, backward):
-    """The vjp rule of a front end over softmax attention: the forward with
-    its lse, the backward with the bias gradient when a bias was given."""
-    def rule(q, k, v, *args, **options):
-        if options.get("return_lse"):
-            raise TypeError("vjp: return_lse is not an option of the differentiated function")
-        out, lse = forward(q, k, v, *args, return_lse=True, **options)
-        options.pop("out", None)
-
-        def pullback(dout):
-            return backward(dout, q, k, v, out, lse, *args, bias_grad=options.get("bias") is not None,
-                            **options)
-
-        return out, pullback
-
-    return rule
-
-
-register_vjp(block_sparse_attention, _lse_vjp_rule(block_sparse_attention, block_sparse_attention_backward))
-register_vjp(pooled_attention, _lse_vjp_rule(pooled_attention, pooled_attention_backward))
-register_vjp(linformer_attention, _lse_vjp_rule(linformer_attention, linformer_attention_backward))
+register_vjp(block_sparse_attention, lse_vjp_rule(block_sparse_attention, block_sparse_attention_backward))
+register_vjp(pooled_attention, lse_vjp_rule(pooled_attention, pooled_attention_backward))
+register_vjp(linformer_attention, lse_vjp_rule(linformer_attention, linformer_attention_backward))

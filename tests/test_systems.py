@@ -14,6 +14,7 @@ from attnx import _systems
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import assert_close, hypothesis_settings, vscale  # noqa: E402
+from reference_grad import reduce_to  # noqa: E402
 
 HYP = hypothesis_settings(60)
 
@@ -199,15 +200,6 @@ def test_block_sparse_complex_input_raises():
 # gradients: a dense float64 reference from the formulas
 # --------------------------------------------------------------------------
 
-def sum_to(grad, shape):
-    while grad.ndim > len(shape):
-        grad = grad.sum(axis=0)
-    for axis, size in enumerate(shape):
-        if size == 1 and grad.shape[axis] != 1:
-            grad = grad.sum(axis=axis, keepdims=True)
-    return grad
-
-
 def reference_gradients(dout, q, k, v, scale=None, visible=None, bias=None):
     """Gradients of sum(dout * softmax attention) with P = softmax(scale q k^T + b)
     over the visible keys: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
@@ -227,8 +219,8 @@ def reference_gradients(dout, q, k, v, scale=None, visible=None, bias=None):
     dS = P * (dP - np.sum(dout * out, axis=-1, keepdims=True))
     dQ = scale * dS @ k
     dK = scale * np.swapaxes(dS, -1, -2) @ q
-    grads = [sum_to(dQ, q.shape), sum_to(dK, k.shape), sum_to(dV, v.shape)]
-    grads.append(None if bias is None else sum_to(dS, np.shape(bias)))
+    grads = [reduce_to(dQ, q.shape), reduce_to(dK, k.shape), reduce_to(dV, v.shape)]
+    grads.append(None if bias is None else reduce_to(dS, np.shape(bias)))
     return out, grads
 
 
