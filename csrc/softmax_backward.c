@@ -9,12 +9,12 @@
  *   dV_j = sum_i p_ij dO_i            (from o_i = sum_j p_ij v_j)
  *   dP_ij = dO_i . v_j
  *   dS_ij = p_ij (dP_ij - D_i)        (the softmax's Jacobian)
- * With dropout, o_i = sum_j p_ij z_ij v_j where z_ij = keep_ij / (1 - p_drop)
- * (philox.h regenerates keep): dV_j = sum_i p_ij z_ij dO_i and
- * dS_ij = p_ij z_ij dP_ij - p_ij D_i.
  *   dQ_i = scale sum_j dS_ij k_j
  *   dK_j = scale sum_i dS_ij q_i + 2 coef (sum_i dS_ij) k_j
  *   dbias_ij = dS_ij
+ * With dropout, o_i = sum_j p_ij z_ij v_j where z_ij = keep_ij / (1 - p_drop)
+ * (philox.h regenerates keep): dV_j = sum_i p_ij z_ij dO_i and
+ * dS_ij = p_ij z_ij dP_ij - p_ij D_i.
  * Gaussian attention's lse includes the query's own term coef |q_i|^2; it
  * is taken off again here, and contributes no gradient: sum_j dS_ij =
  * D_i - D_i sum_j p_ij = 0.
@@ -43,7 +43,8 @@
 #include "softmax_internal.h"
 
 /* Query and key block sizes: the five products of a block pair are
- * (128 x 128) by d or e, big enough for BLAS to run near its peak. */
+ * (128 x 128) by d or e. (Measured on BLAS, one thread, n = 2048, d = 64:
+ * 128 x 128, 128 x 256, 256 x 128, 192 x 192 and 256 x 256 all within 4%.) */
 #define BR 128
 #define BC 128
 
