@@ -13,25 +13,6 @@ import attnx  # noqa: E402
 import attnx.torch as at  # noqa: E402
 
 
-def needs_backward(name):
-    return pytest.mark.skipif(not hasattr(attnx, name),
-                              reason=f"needs attnx.{name} (not built yet)")
-
-
-needs_linear_backward = needs_backward("linear_attention_backward")
-
-
-def _forward_has_dropout():
-    try:
-        attnx.softmax_attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), dropout_p=0.0)
-    except TypeError:
-        return False
-    return "dropout_p" in inspect.signature(attnx.softmax_attention_backward).parameters
-
-
-needs_dropout = pytest.mark.skipif(
-    not _forward_has_dropout(), reason="needs attnx.softmax_attention with dropout_p (not built yet)")
-
 TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6)}
 
 
@@ -355,8 +336,7 @@ class TinyBlock(torch.nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, n, dim))
 
 
-@pytest.mark.parametrize("attention", [
-    "softmax", pytest.param("cosformer", marks=needs_backward("cosformer_attention_backward"))])
+@pytest.mark.parametrize("attention", ["softmax", "cosformer"])
 def test_torch_compile_fullgraph(attention):
     torch.manual_seed(0)
     model = TinyBlock(attention=attention).double()
@@ -392,7 +372,6 @@ def linear_reference(q, k, v, features, causal=False, key_mask=None, eps=1e-6, p
     return (s @ v) / s.sum(-1, keepdim=True).clamp_min(eps)
 
 
-@needs_linear_backward
 @pytest.mark.parametrize("causal", [False, True])
 def test_linear_front_end_matches_reference(causal):
     q, k, v = randn(2, 2, 6, 4), randn(2, 2, 6, 4), randn(2, 2, 6, 3)
@@ -405,7 +384,6 @@ def test_linear_front_end_matches_reference(causal):
         assert_close(a, b, torch.float64)
 
 
-@needs_backward("cosformer_attention_backward")
 def test_cosformer_front_end_matches_reference():
     n = 7
     q, k, v = randn(2, n, 4), randn(2, n, 4), randn(2, n, 3)
@@ -444,7 +422,6 @@ def test_opcheck_linear_forward():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@needs_linear_backward
 def test_opcheck_and_gradcheck_linear():
     q, k, v = randn(2, 5, 3), randn(2, 5, 3), randn(2, 5, 2)
     key_mask = torch.rand(2, 5) > 0.2
@@ -456,7 +433,6 @@ def test_opcheck_and_gradcheck_linear():
     assert torch.autograd.gradcheck(lambda q, k, v, W: at.performer_attention(q, k, v, W), (q, k, v, W))
 
 
-@needs_linear_backward
 def test_callable_feature_map_trains_through_autograd():
     torch.manual_seed(0)
     learned = torch.nn.Linear(4, 6).double()  # a learned map (T2R / Hedgehog style)
@@ -487,7 +463,6 @@ def test_callable_feature_map_forward_and_errors():
         at.linear_attention(q, k, v, feature_map=lambda x: x - 10)
 
 
-@needs_dropout
 def test_sdpa_dropout_repeatable_and_differentiable():
     q, k, v = randn(2, 5, 4), randn(2, 7, 4), randn(2, 7, 3)
     torch.manual_seed(3)
@@ -567,13 +542,10 @@ W_FIXED = torch.from_numpy(attnx.random_features(6, 3, seed=1))
     ("linear_attention_backward", lambda q, k, v: at.attention_weights(q, k, "linear")),
 ])
 def test_linear_family_gradcheck(name, call):
-    if not hasattr(attnx, name):
-        pytest.skip(f"needs attnx.{name} (not built yet)")
     q, k, v = randn(2, 5, 3, seed=1), randn(2, 5, 3, seed=2), randn(2, 5, 2, seed=3)
     assert torch.autograd.gradcheck(call, (q, k, v))
 
 
-@needs_backward("performer_attention_backward")
 def test_performer_projection_gets_its_gradient():
     q, k, v = randn(2, 5, 3, seed=1), randn(2, 5, 3, seed=2), randn(2, 5, 2, seed=3)
     W = W_FIXED.clone().requires_grad_()
