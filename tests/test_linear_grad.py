@@ -9,6 +9,7 @@ References, independent of the C code:
 * central finite differences of the forward on tiny cases.
 """
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -228,9 +229,13 @@ def test_numpy_reference(kind, causal):
 def test_against_torch(kind, causal, method, dtype):
     if not causal and method == "recurrent":
         method = None
-    rng = np.random.default_rng(hash((kind, str(causal), method)) % 2**32)
+    # a seed of the case itself (hash() of strings changes from run to run)
+    rng = np.random.default_rng(zlib.crc32(repr((kind, causal, method)).encode()))
     n, m = (13, 17) if causal != "upper_left" else (17, 13)
     dout, q, k, v = inputs(rng, (2, 1), n, m, 5, 4, kind)
+    # the reference sees the inputs as the kernel does (rounded to dtype), so
+    # that the comparison measures the kernel's arithmetic alone
+    dout, q, k, v = (x.astype(dtype).astype(np.float64) for x in (dout, q, k, v))
     key_mask = rng.random((2, 3, m)) > 0.25  # widens the batch to (2, 3): dq, dk, dv summed
     opts = options_for(kind, 5, rng)
     cast = lambda x: x.astype(dtype)
