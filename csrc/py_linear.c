@@ -212,6 +212,24 @@ static int feature_size(const linear_options *o, PyObject *projection_obj, attnx
     return status;
 }
 
+/* The feature map and the band of a call with options o, for the forward
+ * and the backward kernels alike: a window is honoured by the quadratic
+ * method only (the others take causal alone). */
+static attnx_feature_map options_features(const linear_options *o, npy_intp d, npy_intp r,
+                                          PyArrayObject *projection, npy_intp offset)
+{
+    return (attnx_feature_map){.kind = o->kind, .d = d, .r = r, .power = o->power,
+                               .projection = projection ? PyArray_DATA(projection) : NULL,
+                               .period = o->period, .first_position = offset};
+}
+
+static attnx_band options_band(const linear_options *o, npy_intp n, npy_intp m)
+{
+    return o->method == ATTNX_METHOD_QUADRATIC
+               ? attnx_make_band(n, m, o->causal, o->has_left, o->left, o->has_right, o->right)
+               : attnx_make_band(n, m, o->causal, 0, 0, 0, 0);
+}
+
 /* favor's projection W (r, d) in the compute dtype, C order */
 static int projection_convert(PyObject *projection_obj, const attnx_call *call,
                               PyArrayObject **projection)
@@ -566,12 +584,8 @@ static PyObject *run_linear(const linear_call *c)
         .key_mask_col = attnx_core_stride(&call, KEY_MASK, -1),
         .mask_row = attnx_core_stride(&call, MASK, -2),
         .mask_col = attnx_core_stride(&call, MASK, -1),
-        .features = {.kind = o.kind, .d = d, .r = r, .power = o.power,
-                     .projection = projection ? PyArray_DATA(projection) : NULL,
-                     .period = o.period, .first_position = offset},
-        .band = o.method == ATTNX_METHOD_QUADRATIC
-                    ? attnx_make_band(n, m, o.causal, o.has_left, o.left, o.has_right, o.right)
-                    : attnx_make_band(n, m, o.causal, 0, 0, 0, 0),
+        .features = options_features(&o, d, r, projection, offset),
+        .band = options_band(&o, n, m),
         .method = o.method,
         .chunk = chunk,
         .eps = o.eps,
@@ -801,12 +815,8 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         .key_mask_col = attnx_core_stride(&call, B_KEY_MASK, -1),
         .mask_row = attnx_core_stride(&call, B_MASK, -2),
         .mask_col = attnx_core_stride(&call, B_MASK, -1),
-        .features = {.kind = o.kind, .d = d, .r = r, .power = o.power,
-                     .projection = projection ? PyArray_DATA(projection) : NULL,
-                     .period = o.period, .first_position = offset},
-        .band = o.method == ATTNX_METHOD_QUADRATIC
-                    ? attnx_make_band(n, m, o.causal, o.has_left, o.left, o.has_right, o.right)
-                    : attnx_make_band(n, m, o.causal, 0, 0, 0, 0),
+        .features = options_features(&o, d, r, projection, offset),
+        .band = options_band(&o, n, m),
         .method = o.method,
         .chunk = chunk,
         .eps = o.eps,
