@@ -1377,7 +1377,7 @@ static void SFX(bwd_finish_queries)(const bwd_plan *p, const SFX(bhead) *hd, ptr
 {
     const attnx_linear_bwd_args *a = p->a;
     SFX(attnx_features_bwd)(&a->features, 0, hd->q + i0 * a->q_row, a->q_row, rows, i0, w->phi,
-                            w->dphi, NULL, hd->dq + i0 * a->d, a->d, w->dW);
+                            w->dphi, NULL, hd->dq + i0 * a->dq_row, a->dq_row, w->dW);
 }
 
 /* (dS, dz) += phi^T (a, b) of a block of rows */
@@ -1398,7 +1398,8 @@ static void SFX(bwd_keys_from_state)(const bwd_plan *p, const SFX(bhead) *hd, pt
     const ptrdiff_t r = p->r, e = p->a->e;
     SFX(gemm)(0, 1, cols, r, e, 1, vals.v, vals.v_row, dS, dS_row, 0, w->dpsi, r);
     for (ptrdiff_t t = 0; t < cols; t++) SFX(axpy)(w->dpsi + t * r, 1, dz, r);
-    SFX(gemm)(0, 0, cols, e, r, 1, w->psi, r, dS, dS_row, 0, hd->dv + j0 * e, e);
+    SFX(gemm)(0, 0, cols, e, r, 1, w->psi, r, dS, dS_row, 0, hd->dv + j0 * p->a->dv_row,
+              p->a->dv_row);
 }
 
 /* The key block's share of the rows [i0, i0 + rows) (phi, a, b in w):
@@ -1411,7 +1412,8 @@ static void SFX(bwd_keys_from_rows)(const bwd_plan *p, const SFX(bhead) *hd, ptr
     SFX(bwd_scores)(p, hd, i0, rows, j0, cols, w, NULL);
     SFX(bwd_dscores)(p, hd, i0, rows, j0, cols, vals, w);
     SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->dscores, w->phi, r, r, w->dpsi, r);
-    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->scores, w->ga, e, e, hd->dv + j0 * e, e);
+    SFX(bwd_block_product)(p, hd, i0, rows, j0, cols, 1, w->scores, w->ga, e, e,
+                           hd->dv + j0 * p->a->dv_row, p->a->dv_row);
 }
 
 /* dk of the key block from w->dpsi (masked keys: 0) */
@@ -1422,11 +1424,11 @@ static void SFX(bwd_finish_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdif
     for (ptrdiff_t t = 0; t < cols; t++)
         if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(w->dpsi + t * p->r, 0, (size_t)p->r * sizeof(REAL));
     SFX(attnx_features_bwd)(&a->features, 1, hd->k + j0 * a->k_row, a->k_row, cols, j0, w->psi,
-                            w->dpsi, w->col_dot, hd->dk + j0 * a->d, a->d, w->dW);
+                            w->dpsi, w->col_dot, hd->dk + j0 * a->dk_row, a->dk_row, w->dW);
     /* a removed key's zero psi row is not its features: its derivative
      * may be anything (NaN for a NaN key), and the key has no gradient */
     for (ptrdiff_t t = 0; t < cols; t++)
-        if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(hd->dk + (j0 + t) * a->d, 0, (size_t)a->d * sizeof(REAL));
+        if (!SFX(bwd_key_kept)(p, hd, j0 + t)) memset(hd->dk + (j0 + t) * a->dk_row, 0, (size_t)a->d * sizeof(REAL));
 }
 
 /* keys [j0, j1) that no row of the pass below sees: only the state gradient */
@@ -1527,7 +1529,7 @@ static int SFX(bwd_fused_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_
     if (!SFX(bwd_fused_applies)(p, hd, i0, rows, j0, cols, vals, w, visible)) return 0;
     mk_linear_bwd_keys_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, hd->dout + i0 * a->dout_row,
                            a->dout_row, a->e, visible, w->inv_den + i0, w->row_b + i0, w->dS,
-                           w->dz, hd->dv + j0 * a->e, a->e, w->dpsi, w->lanes);
+                           w->dz, hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, w->lanes);
     return 1;
 #else
     (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w;
@@ -1677,7 +1679,7 @@ static void SFX(bwd_cumsum_head)(const bwd_plan *p, const SFX(bhead) *hd, const 
         SFX(values) vals = SFX(bwd_keys)(p, hd, j0, cols, w);
         for (ptrdiff_t t = 0; t < cols; t++) {
             const REAL *G = prefix + (j0 + t + 1) * size;
-            REAL *dv_t = hd->dv + (j0 + t) * e;
+            REAL *dv_t = hd->dv + (j0 + t) * a->dv_row;
             memset(dv_t, 0, (size_t)e * sizeof(REAL));
             for (ptrdiff_t f = 0; f < r; f++) {
                 w->dpsi[t * r + f] = SFX(dot)(G + f * e, vals.v + t * vals.v_row, e) + G[r * e + f];
@@ -1732,7 +1734,8 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
             SFX(bwd_keys_from_state)(p, hd, j0, cols, vals, hd->dS_in, a->dS_in_row, hd->dz_in, w);
         } else {
             memset(w->dpsi, 0, (size_t)(cols * r) * sizeof(REAL));
-            memset(hd->dv + j0 * e, 0, (size_t)(cols * e) * sizeof(REAL));
+            for (ptrdiff_t t = 0; t < cols; t++)
+                memset(hd->dv + (j0 + t) * a->dv_row, 0, (size_t)e * sizeof(REAL));
         }
         for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
             ptrdiff_t rows = ATTNX_MIN(C, n - i0);

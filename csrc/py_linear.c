@@ -746,11 +746,13 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
     int projection_grad;
     Py_ssize_t chunk, offset;
     linear_options o = {0};
-    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnp:linear_attention_backward", &objs[B_DOUT],
+    objs[B_DQ] = objs[B_DK] = objs[B_DV] = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnp|OOO:linear_attention_backward", &objs[B_DOUT],
                           &objs[B_Q], &objs[B_K], &objs[B_V], &o.kind, &causal_obj,
                           &objs[B_KEY_MASK], &objs[B_MASK], &window_obj, &o.method, &chunk, &o.eps,
                           &o.power, &o.period, &projection_obj, &objs[B_S0], &objs[B_Z0],
-                          &objs[B_DS_IN], &objs[B_DZ_IN], &offset, &projection_grad))
+                          &objs[B_DS_IN], &objs[B_DZ_IN], &offset, &projection_grad, &objs[B_DQ],
+                          &objs[B_DK], &objs[B_DV]))
         return NULL;
     if (o.kind < ATTNX_FM_ELU || o.kind > ATTNX_FM_EFFICIENT || o.method < ATTNX_METHOD_CHUNK ||
         o.method > ATTNX_METHOD_QUADRATIC || chunk < 0 || offset < 0 || !(o.eps >= 0)) {
@@ -777,7 +779,6 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
     if (check_cumsum_size(&o, objs[B_Q], objs[B_K], objs[B_V], projection_obj) < 0 ||
         feature_size(&o, projection_obj, &call) < 0)
         goto done;
-    objs[B_DQ] = objs[B_DK] = objs[B_DV] = Py_None;
     objs[B_DS0] = objs[B_S0] != Py_None ? Py_None : NULL;
     objs[B_DZ0] = objs[B_S0] != Py_None ? Py_None : NULL;
     if (attnx_bind(&call, objs) < 0) goto done;
@@ -811,6 +812,9 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         .k_row = attnx_row_stride(call.ops[B_K].array),
         .v_row = attnx_row_stride(call.ops[B_V].array),
         .dout_row = attnx_row_stride(call.ops[B_DOUT].array),
+        .dq_row = attnx_row_stride(call.ops[B_DQ].array),
+        .dk_row = attnx_row_stride(call.ops[B_DK].array),
+        .dv_row = attnx_row_stride(call.ops[B_DV].array),
         .S0_row = S0_array ? attnx_row_stride(S0_array) : e,
         .dS_in_row = dS_array ? attnx_row_stride(dS_array) : e,
         .key_mask_col = attnx_core_stride(&call, B_KEY_MASK, -1),
@@ -858,7 +862,7 @@ const char attnx_linear_flush_doc[] = (
 "attnx.LinearAttentionState.S property).");
 
 const char attnx_linear_attention_backward_doc[] = (
-"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad)\n"
+"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad, dq=None, dk=None, dv=None)\n"
 "--\n\n"
 "The kernel behind attnx.linear_attention_backward and the other kernelised\n"
 "backward functions (options already resolved; use those). Returns\n"

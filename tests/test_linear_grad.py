@@ -647,6 +647,36 @@ def test_preallocated_gradients_and_inputs_unchanged():
         assert (x == y).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_preallocated_gradients_written_in_place(dtype):
+    """dq, dk, dv of the call's whole batch are written by the kernel itself:
+    strided rows are honoured, and no gradient-sized temporary is made"""
+    import tracemalloc
+    rng = np.random.default_rng(23)
+    dout, q, k, v = (x.astype(dtype) for x in inputs(rng, (2, 3), 200, 200, 16, 16))
+    want = attnx.linear_attention_backward(dout, q, k, v, causal=True)
+    wide = np.full(q.shape[:-1] + (40,), np.nan, dtype)
+    dq = wide[..., 5:21]                        # rows 40 apart
+    dk, dv = np.empty_like(k), np.empty_like(v)
+    tracemalloc.start()
+    g = attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert g.q is dq and g.k is dk and g.v is dv
+    assert peak < q.nbytes / 4, peak
+    for got, ref in zip(g[:3], want[:3]):
+        np.testing.assert_array_equal(got, ref)
+    assert np.isnan(wide[..., :5]).all() and np.isnan(wide[..., 21:]).all()
+    # broadcast keys: dk is a sum over the query heads, computed then reduced
+    k1, v1 = k[:, :1], v[:, :1]
+    dk1 = np.empty_like(k1)
+    g = attnx.linear_attention_backward(dout, q, k1, v1, causal=True, dk=dk1)
+    assert g.k is dk1
+    np.testing.assert_allclose(dk1, attnx.linear_attention_backward(dout, q, k1, v1, causal=True).k)
+    with pytest.raises(ValueError, match="overlap"):
+        attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=q)
+
+
 def test_bad_arguments():
     rng = np.random.default_rng(22)
     dout, q, k, v = inputs(rng, (1,), 4, 4, 3, 2)
