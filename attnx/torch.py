@@ -654,6 +654,9 @@ def attention_weights(q, k, variant="softmax", **options):
     return _FRONT_ENDS[variant](q, k, identity, **options)
 
 
+from ._torch_systems import *  # noqa: E402,F401,F403  rotary, block_sparse_attention, ..., MultiheadAttention
+
+
 # ------------------------------------------------ Hugging Face transformers
 
 def _transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
