@@ -876,3 +876,73 @@ def test_multi_head_backward_float32_without_biases_and_errors():
         assert_close(getattr(g, name), getattr(g64, name), np.float32, scale=vscale(getattr(g64, name)))
     with pytest.raises(ValueError, match=r"dout must have the layer output's shape \(3, 7, 6\)"):
         attnx.multi_head_attention_backward(dout[:, :5], x, None, w["q"], w["k"], w["v"], w["o"], 2)
+
+
+# --------------------------------------------------------------------------
+# attention_weights and similarity of the systems over fewer keys
+# --------------------------------------------------------------------------
+
+def assert_rows_sum_to_one(weights, visible_rows):
+    sums = weights.sum(axis=-1)
+    np.testing.assert_allclose(sums[visible_rows], 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(sums[~visible_rows], 0.0)
+    assert np.all(weights >= 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights_block_sparse(causal):
+    rng = np.random.default_rng(80)
+    q, k, v = rng.standard_normal((2, 11, 4)), rng.standard_normal((2, 11, 4)), rng.standard_normal((2, 11, 3))
+    layout = rng.random((3, 3)) < 0.5
+    layout[0, 0] = False
+    w = attnx.attention_weights(q, k, "block_sparse", layout=layout, block_size=4, causal=causal)
+    assert w.shape == (2, 11, 11)
+    visible = expanded_mask(layout, 4, 11, 11)
+    if causal:
+        visible &= np.tril(np.ones((11, 11), bool))
+    assert np.all(w[:, ~visible] == 0)
+    assert_rows_sum_to_one(w, np.broadcast_to(visible.any(axis=-1), (2, 11)))
+    np.testing.assert_allclose(w @ v, attnx.block_sparse_attention(q, k, v, layout, 4, causal=causal),
+                               rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, ref.softmax_weights(q, k, mask=visible), rtol=1e-12, atol=1e-13)
+    s = attnx.similarity(q, k, "block_sparse", layout=layout, block_size=4, causal=causal)
+    np.testing.assert_allclose(s, np.where(visible, np.exp(q @ np.swapaxes(k, -1, -2) / 2), 0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_attention_weights_pooled(mode):
+    rng = np.random.default_rng(81)
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 10, 4)), rng.standard_normal((2, 10, 3))
+    w = attnx.attention_weights(q, k, "pooled", stride=4, mode=mode, causal=True)
+    assert w.shape == (2, 6, 3)  # ceil(10 / 4) pooled keys
+    # lower-right causal over 3 pooled keys: query i sees j <= i - 3
+    assert_rows_sum_to_one(w, np.broadcast_to(np.arange(6) >= 3, (2, 6)))
+    np.testing.assert_allclose(w @ loop_pool(v, 4, mode), attnx.pooled_attention(q, k, v, 4, mode, causal=True),
+                               rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, ref.softmax_weights(q, loop_pool(k, 4, mode), causal=True), rtol=1e-12, atol=1e-13)
+
+
+def test_attention_weights_linformer():
+    rng = np.random.default_rng(82)
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 10, 4)), rng.standard_normal((2, 10, 3))
+    E, F = rng.standard_normal((5, 10)) / 3, rng.standard_normal((5, 10)) / 3
+    bias = rng.standard_normal((6, 5))
+    w = attnx.attention_weights(q, k, "linformer", E=E, F=F, bias=bias)
+    assert w.shape == (2, 6, 5)
+    assert_rows_sum_to_one(w, np.ones((2, 6), bool))
+    np.testing.assert_allclose(w @ (F @ v), attnx.linformer_attention(q, k, v, E, F, bias=bias), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, ref.softmax_weights(q, E @ k, bias=bias), rtol=1e-12, atol=1e-13)
+    s = attnx.similarity(q, k, "linformer", E=E)
+    np.testing.assert_allclose(s, np.exp(q @ np.swapaxes(E @ k, -1, -2) / 2), rtol=1e-12)
+
+
+@pytest.mark.parametrize("variant, options, match", [
+    ("block_sparse", dict(block_size=4), "needs layout="),
+    ("pooled", {}, "needs stride="),
+    ("linformer", {}, "needs E="),
+    ("linformer", dict(E=np.ones((3, 10)), out=np.ones(1)), "take no out="),
+])
+def test_attention_weights_systems_need_their_options(variant, options, match):
+    x = np.ones((10, 4))
+    with pytest.raises(TypeError, match=match):
+        attnx.attention_weights(x, x, variant, **options)
