@@ -1,13 +1,11 @@
 """The multi-head attention layer over numpy arrays: projections, heads,
 positions, any attnx variant, and the output projection; and its backward,
 the chain rule through those steps around the variant's own backward."""
-from collections import namedtuple
-
 import numpy as np
 
 from . import _C, _linear, _systems
 from ._checks import count
-from ._grad import register_vjp, vjp
+from ._grad import MultiHeadGradients, register_vjp, vjp
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._softmax import _grad_dtype
 
@@ -196,18 +194,6 @@ def _weight_grad(x, dy):
     dy (..., L, b) -> (a, b)."""
     x = np.broadcast_to(x, dy.shape[:-1] + x.shape[-1:])
     return x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
-
-
-MultiHeadGradients = namedtuple("MultiHeadGradients", "x_q x_kv w_q w_k w_v w_o b_q b_k b_v b_o bias projection",
-                                defaults=(None,) * 12)
-MultiHeadGradients.__doc__ = """Gradients of sum(dout * multi_head_attention(...)).
-
-``x_q``, ``x_kv``: of the inputs (``x_kv`` None for self-attention, x_kv=None:
-then ``x_q`` holds both shares); ``w_q``, ``w_k``, ``w_v``, ``w_o`` and
-``b_q``, ``b_k``, ``b_v``, ``b_o``: of the weights and biases (a bias not
-given: None); ``bias``: of an attention bias option; ``projection``: of the
-variant's own weights (Linformer's ``(dE, dF)``, FLatten's ``dwc_weight``).
-Each in its input's shape and dtype."""
 
 
 def multi_head_attention(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, b_k=None, b_v=None,

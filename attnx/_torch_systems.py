@@ -1,6 +1,6 @@
 """attnx.torch's operators for the other systems: rotary positions and the
 sinusoidal table, block-sparse, pooled and Linformer attention, FLatten's
-depthwise-convolution term on focused linear attention, and the multi-head
+depthwise-convolution term of focused linear attention, and the multi-head
 layer as an ``nn.Module``. attnx/torch.py imports this module's public
 names into its own namespace; use them from there (``attnx.torch.rotary``).
 
@@ -14,11 +14,16 @@ numpy backward functions, like the rest of attnx.torch:
   attention (softmax attention over a layout of blocks, over pooled keys,
   over keys projected along the sequence), with
   ``softmax_system_backward``;
-* ``torch.ops.attnx.depthwise_convolution`` with its backward.
+* ``torch.ops.attnx.depthwise_convolution`` with its backward, which
+  attnx.torch.focused_linear_attention adds for ``dwc_weight=``.
+
+attnx.torch imports this module last; import attnx.torch, not this module
+on its own (the two import each other).
 """
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 import attnx
 
@@ -27,7 +32,6 @@ from . import torch as _at
 from ._checks import count
 from ._multihead import _PER_HEAD_OPTIONS
 from .torch import (
-    Tensor,
     _batch_shape,
     _check_inputs,
     _check_tensor,
@@ -48,7 +52,6 @@ __all__ = [
     "block_sparse_attention",
     "pooled_attention",
     "linformer_attention",
-    "focused_linear_attention",
     "MultiheadAttention",
 ]
 
@@ -209,20 +212,20 @@ def _system_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     """dq, dk, dv, dE, dF, dbias of sum(dout * out) (dE for Linformer,
     dF when F was given, dbias when bias_grad; empty tensors otherwise)."""
     options = _system_options(scale, causal, mask, bias, window, dropout_p, seed)
-    arrays = tuple(_np(t) for t in (dout, q, k, v, out, lse))
+    args: List[Any] = [_np(t) for t in (dout, q, k, v, out, lse)]
+    backward: Any
     if system == "block_sparse":
-        g = attnx.block_sparse_attention_backward(*arrays, _np(layout), size, bias_grad=bias_grad,
-                                                  **options)
+        backward, args = attnx.block_sparse_attention_backward, args + [_np(layout), size]
     elif system == "pooled":
-        g = attnx.pooled_attention_backward(*arrays, size, mode, bias_grad=bias_grad, **options)
+        backward, args = attnx.pooled_attention_backward, args + [size, mode]
     else:
-        g = attnx.linformer_attention_backward(*arrays, _np(E), _np(F), bias_grad=bias_grad,
-                                               **options)
+        backward, args = attnx.linformer_attention_backward, args + [_np(E), _np(F)]
+    g = backward(*args, bias_grad=bias_grad, **options)
     dE, dF = g.projection if g.projection is not None else (None, None)
     return (_from_numpy(g.q, q.dtype), _from_numpy(g.k, k.dtype), _from_numpy(g.v, v.dtype),
-            q.new_empty((0,)) if dE is None else _from_numpy(dE, E.dtype),
-            q.new_empty((0,)) if dF is None else _from_numpy(dF, F.dtype),
-            _from_numpy(g.bias, bias.dtype) if bias_grad else q.new_empty((0,)))
+            q.new_empty((0,)) if dE is None or E is None else _from_numpy(dE, E.dtype),
+            q.new_empty((0,)) if dF is None or F is None else _from_numpy(dF, F.dtype),
+            _from_numpy(g.bias, bias.dtype) if bias_grad and bias is not None else q.new_empty((0,)))
 
 
 @_system_backward_op.register_fake
@@ -373,17 +376,12 @@ def _dwc_grad(ctx, dout):
 
 _dwc_op.register_autograd(_dwc_grad, setup_context=_dwc_setup_context)
 
-_focused_without_convolution = _at.focused_linear_attention
-
-
-def focused_linear_attention(q, k, v, p=3, *, dwc_weight=None, spatial=None, **options):
-    """attnx.focused_linear_attention on tensors, differentiable in q, k, v
-    and the depthwise-convolution weight: the other options (causal,
-    key_mask, mask, window, method, chunk_size, eps) as the numpy function.
-    dwc_weight (e, ks), or (e, kh, kw) over the grid spatial=(H, W) (n = H *
-    W, row-major): FLatten's depthwise convolution of v (zero padding, odd
-    kernel sizes) added to the output; needs n == m."""
-    out = _focused_without_convolution(q, k, v, p, **options)
+def add_depthwise_convolution(out, q, v, dwc_weight, spatial):
+    """out + FLatten's depthwise convolution of v (attnx.torch's
+    focused_linear_attention with dwc_weight=, spatial=): weight (e, ks)
+    along the sequence, or (e, kh, kw) over the grid spatial=(H, W) (n = H *
+    W, row-major), zero padding, odd kernel sizes; needs n == m. out
+    unchanged when dwc_weight is None."""
     if dwc_weight is None:
         if spatial is not None:
             raise ValueError("spatial is given but dwc_weight is None")
@@ -410,7 +408,7 @@ _FRONT_ENDS = {
     "gaussian": _at.gaussian_attention,
     "linear": _at.linear_attention,
     "cosformer": _at.cosformer_attention,
-    "focused": focused_linear_attention,
+    "focused": _at.focused_linear_attention,
     "taylor": _at.taylor_attention,
     "performer": _at.performer_attention,
     "efficient": _at.efficient_attention,
@@ -564,7 +562,3 @@ class MultiheadAttention(torch.nn.Module):
         else:
             name, padding = "mask", keep[..., None, None, None, :]
         options[name] = padding if options.get(name) is None else options[name] & padding
-
-
-# attnx.torch imports these with *; its __all__ lists them too
-_at.__all__ += [name for name in __all__ if name not in _at.__all__]
