@@ -47,6 +47,8 @@ def vjp(fn, *args, **options):
 
     ``fn`` is a public attnx function that has a backward, e.g.
     ``out, pullback = attnx.vjp(attnx.softmax_attention, q, k, v, causal=True)``.
+    For ``attnx.multi_head_attention`` the pullback returns
+    :class:`MultiHeadGradients` (the inputs', weights' and biases' gradients).
     """
     rule = _VJP_RULES.get(fn)
     if rule is None:

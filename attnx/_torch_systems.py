@@ -470,7 +470,7 @@ class MultiheadAttention(torch.nn.Module):
                              f"{', '.join(map(repr, _FRONT_ENDS))}")
         if positions not in (None, "rotary", "sinusoidal"):
             raise ValueError(f"positions must be None, 'rotary' or 'sinusoidal', got {positions!r}")
-        refused = {"out", "return_lse", "return_state", "initial_state", "bias"} & options.keys()
+        refused = {"out", "return_lse", "return_state", "initial_state"} & options.keys()
         if refused:
             raise TypeError(f"MultiheadAttention takes no {', '.join(sorted(refused))} option")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, heads, kv_heads

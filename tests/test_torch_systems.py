@@ -528,3 +528,86 @@ def test_multihead_bad_key_padding_mask():
     pooled = at.MultiheadAttention(8, 2, variant="pooled", stride=2)
     with pytest.raises(ValueError, match="pooled or projected keys"):
         pooled(x, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("variant, options, padding", VARIANTS)
+def test_multihead_gradients_equal_the_numpy_backward(variant, options, padding):
+    """The module's autograd (torch's chain rule around attnx's operators)
+    against attnx.multi_head_attention_backward (numpy's), every variant."""
+    torch.manual_seed(5)
+    module = at.MultiheadAttention(16, 4, num_kv_heads=2, variant=variant, positions="rotary",
+                                   dtype=torch.float64, **options)
+    x = randn(2, 12, 16, seed=64, scale=0.5)
+    dout = randn(2, 12, 16, grad=False, seed=65)
+    _, grads = grads_of(lambda: module(x, is_causal=variant not in ("efficient",)), [x] + list(module.parameters()),
+                        dout)
+    args, np_kwargs = numpy_layer_arguments(module)
+    causal = {} if variant == "efficient" else dict(causal="upper_left")
+    g = attnx.multi_head_attention_backward(numpy(dout), numpy(x), None, *args, variant=variant, positions="rotary",
+                                            **np_kwargs, **options, **causal)
+    names = [name for name, _ in module.named_parameters()]
+    want = dict(zip(["x"] + names, grads))
+    np.testing.assert_allclose(g.x_q, want["x"].numpy(), rtol=1e-10, atol=1e-11)
+    for p in "qkv":
+        np.testing.assert_allclose(getattr(g, f"w_{p}"), want[f"{p}_proj.weight"].numpy().T, rtol=1e-10, atol=1e-11)
+        np.testing.assert_allclose(getattr(g, f"b_{p}"), want[f"{p}_proj.bias"].numpy(), rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(g.w_o, want["out_proj.weight"].numpy().T, rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(g.b_o, want["out_proj.bias"].numpy(), rtol=1e-10, atol=1e-11)
+    if variant == "linformer":
+        np.testing.assert_allclose(g.projection[0], want["E"].numpy(), rtol=1e-10, atol=1e-11)
+
+
+def test_multihead_per_head_options_match_the_numpy_layer():
+    torch.manual_seed(6)
+    rng = np.random.default_rng(66)
+    mask = rng.random((4, 12, 12)) < 0.7
+    mask[..., 0] = True
+    layout = rng.random((4, 3, 3)) < 0.6
+    layout[..., 0] = True
+    x = randn(2, 12, 16, seed=67)
+    for variant, options in (("softmax", dict(mask=mask)), ("block_sparse", dict(layout=layout, block_size=4))):
+        module = at.MultiheadAttention(16, 4, num_kv_heads=2, variant=variant, dtype=torch.float64, **options)
+        args, np_kwargs = numpy_layer_arguments(module)
+        want = attnx.multi_head_attention(numpy(x), None, *args, variant=variant, **np_kwargs, **options)
+        np.testing.assert_allclose(numpy(module(x)), want, rtol=1e-11, atol=1e-11)
+    module = at.MultiheadAttention(16, 4, mask=np.ones((3, 12, 12), bool))
+    with pytest.raises(ValueError, match="head axis"):
+        module(x.float())
+
+
+@pytest.mark.parametrize("n, m", [(0, 6), (5, 0)])
+def test_systems_empty_inputs(n, m):
+    q, k, v = randn(2, n, 4, seed=68), randn(2, m, 4, seed=69), randn(2, m, 3, seed=70)
+    layout = torch.ones(max(1, -(-n // 2)), max(1, -(-m // 2)), dtype=torch.bool)
+    for call in (lambda: at.block_sparse_attention(q, k, v, layout, 2), lambda: at.pooled_attention(q, k, v, 2),
+                 lambda: at.linformer_attention(q, k, v, torch.ones(3, m, dtype=torch.float64))):
+        out, grads = grads_of(call, [q, k, v], torch.ones(2, n, 3, dtype=torch.float64))
+        assert torch.equal(out, torch.zeros(2, n, 3, dtype=torch.float64))
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_systems_half_precision(dtype):
+    q, k, v = (randn(2, 8, 4, seed=s).detach() for s in (71, 72, 73))
+    E = torch.full((3, 8), 0.2, dtype=torch.float64)
+    layout = attnx.layouts.local(4, 1)
+    for call in (lambda q, k, v: at.block_sparse_attention(q, k, v, layout, 2),
+                 lambda q, k, v: at.pooled_attention(q, k, v, 3, "max"),
+                 lambda q, k, v: at.linformer_attention(q, k, v, E.to(q.dtype))):
+        half = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = call(*half)
+        assert out.dtype == dtype
+        want = call(*(t.to(dtype).double() for t in (q, k, v)))
+        torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
+        out.sum().backward()
+        assert all(t.grad.dtype == dtype for t in half)
+
+
+def test_systems_save_nothing_without_grad():
+    q, k, v = randn(2, 6, 4, seed=74), randn(2, 6, 4, seed=75), randn(2, 6, 3, seed=76)
+    with torch.no_grad():
+        out = at.pooled_attention(q, k, v, 2)
+    assert out.grad_fn is None
+    with torch.inference_mode():
+        out = at.rotary(q)
+    assert out.is_inference()
