@@ -9,8 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 import attnx  # noqa: E402
 import attnx.torch as at  # noqa: E402
+from helpers import hypothesis_settings  # noqa: E402
 
 TOL = {torch.float64: dict(rtol=1e-11, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=5e-6)}
 
@@ -333,13 +337,15 @@ def test_multihead_equals_torch_multihead_attention(dtype, causal, cross):
     torch.manual_seed(0)
     layer = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype)
     ours = copy_from_torch(layer, E)
+    m = 11 if cross else n
     x = randn(B, n, E, dtype=dtype, seed=53)
-    kv = randn(B, n, E, dtype=dtype, seed=54) if cross else x
-    val = randn(B, n, E, dtype=dtype, seed=55) if cross else x
-    padding = torch.zeros(B, n, dtype=torch.bool)
+    kv = randn(B, m, E, dtype=dtype, seed=54) if cross else x
+    val = randn(B, m, E, dtype=dtype, seed=55) if cross else x
+    padding = torch.zeros(B, m, dtype=torch.bool)
     padding[1, 6:] = True
     padding[2, 3:5] = True
-    causal_mask = torch.ones(n, n, dtype=torch.bool).triu(1) if causal else None
+    # is_causal is torch's upper-left rule: query i sees keys j <= i
+    causal_mask = torch.ones(n, m, dtype=torch.bool).triu(1) if causal else None
     dout = randn(B, n, E, dtype=dtype, grad=False, seed=56)
     inputs = [x, kv, val] if cross else [x]
     out, grads = grads_of(lambda: ours(x, kv, val, key_padding_mask=padding, is_causal=causal),
@@ -611,3 +617,31 @@ def test_systems_save_nothing_without_grad():
     with torch.inference_mode():
         out = at.rotary(q)
     assert out.is_inference()
+
+
+@hypothesis_settings(25)
+@given(heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3), (3, 3)]), head_dim=st.sampled_from([2, 4]),
+       n=st.integers(1, 9), m=st.integers(1, 9), causal=st.booleans(),
+       positions=st.sampled_from([None, "rotary", "sinusoidal"]),
+       variant=st.sampled_from(["softmax", "gaussian", "linear", "cosformer"]), seed=st.integers(0, 2**16))
+def test_multihead_matches_the_numpy_layer_property(heads, head_dim, n, m, causal, positions, variant, seed):
+    torch.manual_seed(seed)
+    if variant == "cosformer" and causal:
+        m = n  # attnx refuses causal cosFormer with n != m (a clear ValueError)
+    num_heads, kv_heads = heads
+    E = num_heads * head_dim
+    module = at.MultiheadAttention(E, num_heads, num_kv_heads=kv_heads, variant=variant, positions=positions,
+                                   dtype=torch.float64)
+    x, y = randn(2, n, E, seed=seed, scale=0.5), randn(2, m, E, seed=seed + 1, scale=0.5)
+    out = module(x, y, is_causal=causal)
+    args, np_kwargs = numpy_layer_arguments(module)
+    want = attnx.multi_head_attention(numpy(x), numpy(y), *args, variant=variant, positions=positions,
+                                      causal="upper_left" if causal else False, **np_kwargs)
+    np.testing.assert_allclose(numpy(out), want, rtol=1e-10, atol=1e-11)
+    dout = randn(2, n, E, grad=False, seed=seed + 2)
+    _, grads = grads_of(lambda: module(x, y, is_causal=causal), [x, y], dout)
+    g = attnx.multi_head_attention_backward(numpy(dout), numpy(x), numpy(y), *args, variant=variant,
+                                            positions=positions, causal="upper_left" if causal else False,
+                                            **np_kwargs)
+    np.testing.assert_allclose(g.x_q, grads[0].numpy(), rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(g.x_kv, grads[1].numpy(), rtol=1e-9, atol=1e-10)
