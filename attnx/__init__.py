@@ -40,7 +40,7 @@ from ._systems import (
     pooled_attention,
     pooled_attention_backward,
 )
-from ._multihead import multi_head_attention
+from ._multihead import MultiHeadGradients, multi_head_attention, multi_head_attention_backward
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -85,6 +85,8 @@ __all__ = [
     "attention_weights",
     "similarity",
     "multi_head_attention",
+    "multi_head_attention_backward",
+    "MultiHeadGradients",
     "sinusoidal_positions",
     "rotary",
     "rotary_backward",

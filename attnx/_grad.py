@@ -20,6 +20,17 @@ which that input was broadcast); a field that does not apply is None:
 ``projection_grad=True`` (FAVOR+) or for Linformer's ``(dE, dF)``,
 ``state`` unless an ``initial_state`` was given (then ``(dS, dz)``)."""
 
+MultiHeadGradients = namedtuple("MultiHeadGradients", "x_q x_kv w_q w_k w_v w_o b_q b_k b_v b_o bias projection",
+                                defaults=(None,) * 12)
+MultiHeadGradients.__doc__ = """Gradients of sum(dout * multi_head_attention(...)).
+
+``x_q``, ``x_kv``: of the inputs (``x_kv`` None for self-attention, x_kv=None:
+then ``x_q`` holds both shares); ``w_q``, ``w_k``, ``w_v``, ``w_o`` and
+``b_q``, ``b_k``, ``b_v``, ``b_o``: of the weights and biases (a bias not
+given: None); ``bias``: of an attention bias option; ``projection``: of the
+variant's own weights (Linformer's ``(dE, dF)``, FLatten's ``dwc_weight``).
+Each in its input's shape and dtype."""
+
 _VJP_RULES = {}
 
 
@@ -36,6 +47,8 @@ def vjp(fn, *args, **options):
 
     ``fn`` is a public attnx function that has a backward, e.g.
     ``out, pullback = attnx.vjp(attnx.softmax_attention, q, k, v, causal=True)``.
+    For ``attnx.multi_head_attention`` the pullback returns
+    :class:`MultiHeadGradients` (the inputs', weights' and biases' gradients).
     """
     rule = _VJP_RULES.get(fn)
     if rule is None:
