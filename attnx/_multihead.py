@@ -7,7 +7,7 @@ from . import _C, _linear, _systems
 from ._checks import count
 from ._grad import MultiHeadGradients, register_vjp, vjp
 from ._positions import rotary, rotary_backward, sinusoidal_positions
-from ._softmax import _grad_dtype
+from ._grad import grad_dtype
 
 VARIANTS = {
     "softmax": _C.softmax_attention,
@@ -163,7 +163,7 @@ class _Layer:
         compute = out.dtype
 
         def finish(grad, x):
-            return None if grad is None else grad.astype(_grad_dtype(x, compute), copy=False)
+            return None if grad is None else grad.astype(grad_dtype(x, compute), copy=False)
 
         def bias_grad(b, grad):
             return None if b is None else finish(grad.reshape(-1, grad.shape[-1]).sum(axis=0), b)
