@@ -180,6 +180,74 @@ def _from_numpy(array, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
+# ------------------------------------------- bfloat16 <-> float32 ops
+
+def _bf16_bits(t):
+    """A numpy int16 view of bfloat16 tensor `t`'s bits (no copy)."""
+    return t.detach().resolve_neg().view(torch.int16).numpy()
+
+
+@torch.library.custom_op("attnx::bfloat16_to_float32", mutates_args=(), device_types="cpu")
+def _widen_op(x: Tensor) -> Tensor:
+    """x (bfloat16, any strides) as a new C-contiguous float32 tensor:
+    exact, on attnx's threads (attnx._C._convert_bf16)."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    attnx._C._convert_bf16(_bf16_bits(x), out.numpy())
+    return out
+
+
+@_widen_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("attnx::float32_to_bfloat16", mutates_args=(), device_types="cpu")
+def _narrow_op(x: Tensor) -> Tensor:
+    """x (float32, any strides) rounded to nearest-even bfloat16 in a new
+    C-contiguous tensor, on attnx's threads."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    attnx._C._convert_bf16(x.detach().resolve_neg().numpy(), _bf16_bits(out))
+    return out
+
+
+@_narrow_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+def _widen_backward(ctx, grad):
+    return torch.ops.attnx.float32_to_bfloat16(grad)
+
+
+def _narrow_backward(ctx, grad):
+    return torch.ops.attnx.bfloat16_to_float32(grad)
+
+
+_widen_op.register_autograd(_widen_backward)
+_narrow_op.register_autograd(_narrow_backward)
+
+
+def _in_compute_dtype(*tensors):
+    """Half-precision tensors converted to float32, the one conversion on
+    the way in (differentiable: their gradients are converted back once);
+    others as they are. bfloat16 converts in C (attnx's threads, strided
+    tensors read in place), float16 by torch."""
+    return [None if t is None
+            else torch.ops.attnx.bfloat16_to_float32(t) if t.dtype == torch.bfloat16
+            else t.to(torch.float32) if t.dtype == torch.float16
+            else t for t in tensors]
+
+
+def _in_dtype(t, dtype):
+    """A result computed in float32 returned in the input's `dtype`, the
+    one conversion on the way out (differentiable)."""
+    if t.dtype == dtype:
+        return t
+    if dtype == torch.bfloat16:
+        return torch.ops.attnx.float32_to_bfloat16(t)
+    return t.to(dtype)
+
+
 # ------------------------------------------------ softmax and gaussian op
 
 def _softmax_options(variant, param, causal, window, dropout_p, seed):
@@ -289,13 +357,6 @@ def _softmax_backward(ctx, dout, dlse):
 _softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
-def _in_compute_dtype(*tensors):
-    """Half-precision tensors converted to float32, the one conversion on
-    the way in (differentiable: their gradients are converted back once by
-    autograd); others as they are."""
-    return [t.to(torch.float32) if t is not None and t.dtype in _HALF else t for t in tensors]
-
-
 def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     """The softmax operator on tensors of any supported dtype: (out in q's
     dtype, lse in the computing dtype)."""
@@ -303,7 +364,7 @@ def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_
     q, k, v, bias = _in_compute_dtype(q, k, v, bias)
     out, lse = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
                                                  window, dropout_p, seed)
-    return out.to(dtype), lse
+    return _in_dtype(out, dtype), lse
 
 
 def _split_mask(mask, n, name="mask"):
@@ -560,10 +621,10 @@ def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None,
         _check_tensor("projection", projection)
     dtype = q.dtype
     q, k, v, projection = _in_compute_dtype(q, k, v, projection)
-    return torch.ops.attnx.linear_attention(
+    return _in_dtype(torch.ops.attnx.linear_attention(
         q, k, v, key_mask, mask, projection, front, feature_map, _encode_causal(causal),
         _encode_window(window), method, chunk_size, float(eps), float(p),
-        None if M is None else float(M)).to(dtype)
+        None if M is None else float(M)), dtype)
 
 
 def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
