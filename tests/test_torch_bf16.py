@@ -3,6 +3,8 @@ which attnx.torch uses for bfloat16 tensors: both narrowing paths (the
 avx512_bf16 instruction and the portable rounding) against a reference
 written from the definition of round-to-nearest-even, every layout, and the
 torch operators built on it."""
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,8 +13,29 @@ from hypothesis import strategies as st
 import attnx
 
 CONVERT = attnx._C._convert_bf16
-AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read() if __import__("os").path.exists(
-    "/proc/cpuinfo") else False
+
+
+def _cpu_flags():
+    """The CPU's flags as Linux lists them (None elsewhere)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return None
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return None
+
+
+def _instruction_path_available():
+    try:
+        before = attnx._C._set_bf16_conversion("avx512_bf16")
+    except ValueError:
+        return False
+    attnx._C._set_bf16_conversion(before)
+    return True
+
+
+AVX512_BF16 = _instruction_path_available()
 PATHS = ["portable", pytest.param("avx512_bf16", marks=pytest.mark.skipif(
     not AVX512_BF16, reason="this CPU has no avx512_bf16"))]
 
@@ -101,6 +124,17 @@ def check_narrow(x, got):
 
 
 # ------------------------------------------------------------ the rounding
+
+@pytest.mark.skipif(_cpu_flags() is None, reason="needs Linux's /proc/cpuinfo to know the CPU")
+def test_the_instruction_path_is_used_where_the_cpu_has_it():
+    flags = _cpu_flags()
+    has = {"avx512f", "avx512_bf16"} <= flags
+    assert AVX512_BF16 == has
+    assert attnx._C.build_info()["bf16_conversion"] == ("avx512_bf16" if has else "portable")
+    if not has:
+        with pytest.raises(ValueError, match="needs a CPU with avx512_bf16"):
+            attnx._C._set_bf16_conversion("avx512_bf16")
+
 
 def test_reference_narrow_on_hand_checked_values():
     # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: to even (1); 1 + 3 * 2^-8 to
