@@ -25,7 +25,8 @@
   and gradients are written in place into tensors torch allocates;
   bfloat16 and float16 tensors are converted to float32 once on the way
   in (autograd saves those copies) and the results once on the way out;
-  their gradients likewise reach the caller in the input dtype.
+  their gradients likewise reach the caller in the input dtype (bfloat16
+  converted in C, rounding to nearest even; float16 by torch).
   CUDA tensors raise ValueError.
 * A mask constant along the query axis (size 1 there, or an expanded
   padding mask with stride 0) is read as key padding, O(m) not O(n m).
@@ -192,7 +193,7 @@ def _bf16_bits(t):
 @torch.library.custom_op("attnx::bfloat16_to_float32", mutates_args=(), device_types="cpu")
 def _widen_op(x: Tensor) -> Tensor:
     """x (bfloat16, any strides) as a new C-contiguous float32 tensor:
-    exact, on attnx's threads (attnx._C._convert_bf16)."""
+    exact, in C (attnx._C._convert_bf16)."""
     out = torch.empty(x.shape, dtype=torch.float32)
     attnx._C._convert_bf16(_bf16_bits(x), out.numpy())
     return out
@@ -206,7 +207,7 @@ def _(x):
 @torch.library.custom_op("attnx::float32_to_bfloat16", mutates_args=(), device_types="cpu")
 def _narrow_op(x: Tensor) -> Tensor:
     """x (float32, any strides) rounded to nearest-even bfloat16 in a new
-    C-contiguous tensor, on attnx's threads."""
+    C-contiguous tensor, in C."""
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     attnx._C._convert_bf16(x.detach().resolve_neg().numpy(), _bf16_bits(out))
     return out
@@ -232,8 +233,8 @@ _narrow_op.register_autograd(_narrow_backward)
 def _in_compute_dtype(*tensors):
     """Half-precision tensors converted to float32, the one conversion on
     the way in (differentiable: their gradients are converted back once);
-    others as they are. bfloat16 converts in C (attnx's threads, strided
-    tensors read in place), float16 by torch."""
+    others as they are. bfloat16 converts in C (strided tensors read in
+    place), float16 by torch."""
     return [None if t is None
             else torch.ops.attnx.bfloat16_to_float32(t) if t.dtype == torch.bfloat16
             else t.to(torch.float32) if t.dtype == torch.float16
