@@ -12,7 +12,6 @@
  * 0 .. total-1 in C order and cut into pieces of PIECE elements; a piece
  * walks the source rows it covers with an odometer over the leading axes
  * (one division per axis per piece, none per row). */
-#include <omp.h>
 #include <string.h>
 
 #include "attnx.h"
