@@ -13,7 +13,8 @@
   ``cosformer_attention``, ``focused_linear_attention``,
   ``taylor_attention``, ``performer_attention``, ``efficient_attention``
   and ``attention_weights`` keep the names and options of the numpy front
-  ends (without ``out=`` and the streaming state) and take tensors.
+  ends (without ``out=``) and take tensors; the linear ones stream with
+  ``initial_state=`` / ``return_state=True``, differentiably.
 * They are ``torch.library.custom_op`` operators in the namespace
   ``attnx`` (``torch.ops.attnx.softmax_attention`` ...) with fake
   (meta) implementations and autograd formulas, so ``torch.compile``
@@ -24,7 +25,8 @@
   and gradients are written in place into tensors torch allocates;
   bfloat16 and float16 tensors are converted to float32 once on the way
   in (autograd saves those copies) and the results once on the way out;
-  their gradients likewise reach the caller in the input dtype.
+  their gradients likewise reach the caller in the input dtype (bfloat16
+  converted in C, rounding to nearest even; float16 by torch).
   CUDA tensors raise ValueError.
 * A mask constant along the query axis (size 1 there, or an expanded
   padding mask with stride 0) is read as key padding, O(m) not O(n m).
@@ -34,7 +36,7 @@
 import inspect
 import math
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -54,6 +56,7 @@ __all__ = [
     "performer_attention",
     "efficient_attention",
     "attention_weights",
+    "LinearAttentionState",
     "register_transformers",
 ]
 
@@ -180,6 +183,74 @@ def _from_numpy(array, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
+# ------------------------------------------- bfloat16 <-> float32 ops
+
+def _bf16_bits(t):
+    """A numpy int16 view of bfloat16 tensor `t`'s bits (no copy)."""
+    return t.detach().resolve_neg().view(torch.int16).numpy()
+
+
+@torch.library.custom_op("attnx::bfloat16_to_float32", mutates_args=(), device_types="cpu")
+def _widen_op(x: Tensor) -> Tensor:
+    """x (bfloat16, any strides) as a new C-contiguous float32 tensor:
+    exact, in C (attnx._C._convert_bf16)."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    attnx._C._convert_bf16(_bf16_bits(x), out.numpy())
+    return out
+
+
+@_widen_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("attnx::float32_to_bfloat16", mutates_args=(), device_types="cpu")
+def _narrow_op(x: Tensor) -> Tensor:
+    """x (float32, any strides) rounded to nearest-even bfloat16 in a new
+    C-contiguous tensor, in C."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    attnx._C._convert_bf16(x.detach().resolve_neg().numpy(), _bf16_bits(out))
+    return out
+
+
+@_narrow_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+def _widen_backward(ctx, grad):
+    return torch.ops.attnx.float32_to_bfloat16(grad)
+
+
+def _narrow_backward(ctx, grad):
+    return torch.ops.attnx.bfloat16_to_float32(grad)
+
+
+_widen_op.register_autograd(_widen_backward)
+_narrow_op.register_autograd(_narrow_backward)
+
+
+def _in_compute_dtype(*tensors):
+    """Half-precision tensors converted to float32, the one conversion on
+    the way in (differentiable: their gradients are converted back once);
+    others as they are. bfloat16 converts in C (strided tensors read in
+    place), float16 by torch."""
+    return [None if t is None
+            else torch.ops.attnx.bfloat16_to_float32(t) if t.dtype == torch.bfloat16
+            else t.to(torch.float32) if t.dtype == torch.float16
+            else t for t in tensors]
+
+
+def _in_dtype(t, dtype):
+    """A result computed in float32 returned in the input's `dtype`, the
+    one conversion on the way out (differentiable)."""
+    if t.dtype == dtype:
+        return t
+    if dtype == torch.bfloat16:
+        return torch.ops.attnx.float32_to_bfloat16(t)
+    return t.to(dtype)
+
+
 # ------------------------------------------------ softmax and gaussian op
 
 def _softmax_options(variant, param, causal, window, dropout_p, seed):
@@ -289,13 +360,6 @@ def _softmax_backward(ctx, dout, dlse):
 _softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
-def _in_compute_dtype(*tensors):
-    """Half-precision tensors converted to float32, the one conversion on
-    the way in (differentiable: their gradients are converted back once by
-    autograd); others as they are."""
-    return [t.to(torch.float32) if t is not None and t.dtype in _HALF else t for t in tensors]
-
-
 def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     """The softmax operator on tensors of any supported dtype: (out in q's
     dtype, lse in the computing dtype)."""
@@ -303,7 +367,7 @@ def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_
     q, k, v, bias = _in_compute_dtype(q, k, v, bias)
     out, lse = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
                                                  window, dropout_p, seed)
-    return out.to(dtype), lse
+    return _in_dtype(out, dtype), lse
 
 
 def _split_mask(mask, n, name="mask"):
@@ -524,6 +588,158 @@ def _linear_backward(ctx, dout):
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
+# ------------------------------------- linear family op with a streaming state
+
+class LinearAttentionState(NamedTuple):
+    """The state a torch linear front end returns with ``return_state=True``
+    and takes back as ``initial_state=`` (as attnx.LinearAttentionState):
+    S (..., r, e) = sum_j psi(k_j) v_j^T and z (..., r) = sum_j psi(k_j)
+    over the keys so far, tensors in the computing dtype (float32 for
+    half inputs) that carry gradients, and offset, the key positions
+    consumed. Pieces of a sequence chained through it give what one call
+    gives, outputs and gradients (to every piece's q, k, v, to the
+    projection, and to the first initial_state's S and z)."""
+    S: Tensor
+    z: Tensor
+    offset: int
+
+
+def _feature_count(front, feature_map, d, projection):
+    """r, the features of front end `front` (as the C binding counts them)."""
+    kind = {"cosformer": "cosformer", "taylor": "taylor", "performer": "favor"}.get(
+        front, feature_map)
+    if kind == "favor":
+        return projection.shape[0]
+    return 2 * d if kind == "cosformer" else d + 1 if kind == "taylor" else d
+
+
+def _numpy_state(S0, z0, offset, dtype):
+    if S0 is None:
+        return None
+    return attnx.LinearAttentionState(_np(S0, dtype), _np(z0, dtype), offset)
+
+
+@torch.library.custom_op("attnx::linear_attention_state", mutates_args=(), device_types="cpu")
+def _linear_state_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                     projection: Optional[Tensor], S0: Optional[Tensor], z0: Optional[Tensor],
+                     offset: int, front: str, feature_map: str, causal: str,
+                     method: Optional[str], chunk_size: Optional[int], eps: float, p: float,
+                     M: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The kernelised front end `front` continuing the state (S0, z0,
+    offset) (S0, z0 None: from the start): out (..., n, e) and the state
+    after these keys, S (..., r, e) and z (..., r)."""
+    dtype = _compute_dtype(q.dtype)
+    options = _linear_options(front, feature_map, causal, key_mask, None, None, method,
+                              chunk_size, eps, projection, p, M, dtype)
+    out, state = _linear.FRONT_ENDS[front](
+        _np(q, dtype), _np(k, dtype), _np(v, dtype), initial_state=_numpy_state(S0, z0, offset, dtype),
+        return_state=True, **options)
+    return (torch.from_numpy(out), torch.from_numpy(np.ascontiguousarray(state.S)),
+            torch.from_numpy(np.ascontiguousarray(state.z)))
+
+
+def _state_batch_shape(q, k, v, key_mask, S0):
+    shape = _batch_shape(q, k, v)
+    if key_mask is not None:
+        shape = torch.broadcast_shapes(shape, key_mask.shape[:-1])
+    if S0 is not None:
+        shape = torch.broadcast_shapes(shape, S0.shape[:-2])
+    return shape
+
+
+@_linear_state_op.register_fake
+def _(q, k, v, key_mask, projection, S0, z0, offset, front, feature_map, causal, method,
+      chunk_size, eps, p, M):
+    shape = _state_batch_shape(q, k, v, key_mask, S0)
+    dtype = _compute_dtype(q.dtype)
+    r = _feature_count(front, feature_map, q.shape[-1], projection)
+    return (q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype),
+            q.new_empty(shape + (r, v.shape[-1]), dtype=dtype),
+            q.new_empty(shape + (r,), dtype=dtype))
+
+
+@torch.library.custom_op("attnx::linear_attention_state_backward", mutates_args=(),
+                         device_types="cpu")
+def _linear_state_backward_op(dout: Tensor, dS: Tensor, dz: Tensor, q: Tensor, k: Tensor,
+                              v: Tensor, key_mask: Optional[Tensor],
+                              projection: Optional[Tensor], S0: Optional[Tensor],
+                              z0: Optional[Tensor], offset: int, front: str, feature_map: str,
+                              causal: str, method: Optional[str], chunk_size: Optional[int],
+                              eps: float, p: float, M: Optional[float], projection_grad: bool
+                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dprojection (empty unless projection_grad) and dS0, dz0
+    (empty without S0) of sum(dout * out) + sum(dS * S) + sum(dz * z)."""
+    backward = getattr(attnx, _BACKWARD_NAMES[front])
+    dtype = _compute_dtype(q.dtype)
+    options = _linear_options(front, feature_map, causal, key_mask, None, None, method,
+                              chunk_size, eps, projection, p, M, dtype)
+    if projection_grad:
+        options["projection_grad"] = True
+    g = backward(*(_np(t, dtype) for t in (dout, q, k, v)),
+                 initial_state=_numpy_state(S0, z0, offset, dtype),
+                 grad_state=(_np(dS, dtype), _np(dz, dtype)), **options)
+    grads = [_from_numpy(grad, t.dtype) for grad, t in zip((g.q, g.k, g.v), (q, k, v))]
+    dprojection = (_from_numpy(g.projection, projection.dtype) if projection_grad
+                   else q.new_empty((0,)))
+    dS0, dz0 = ((_from_numpy(g.state[0], S0.dtype), _from_numpy(g.state[1], z0.dtype))
+                if S0 is not None else (q.new_empty((0,)), q.new_empty((0,))))
+    return (*grads, dprojection, dS0, dz0)
+
+
+@_linear_state_backward_op.register_fake
+def _(dout, dS, dz, q, k, v, key_mask, projection, S0, z0, offset, front, feature_map, causal,
+      method, chunk_size, eps, p, M, projection_grad):
+    dprojection = projection.new_empty(projection.shape) if projection_grad else q.new_empty((0,))
+    if S0 is None:
+        dS0, dz0 = q.new_empty((0,)), q.new_empty((0,))
+    else:
+        dS0, dz0 = S0.new_empty(S0.shape), z0.new_empty(z0.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dprojection, dS0,
+            dz0)
+
+
+def _linear_state_setup_context(ctx, inputs, output):
+    q, k, v, key_mask, projection, S0, z0 = inputs[:7]
+    ctx.offset = inputs[7]
+    ctx.options = inputs[8:]
+    ctx.projection_grad = projection is not None and ctx.needs_input_grad[4]
+    ctx.save_for_backward(q, k, v, key_mask, projection, S0, z0)
+
+
+def _linear_state_backward(ctx, dout, dS, dz):
+    q, k, v, key_mask, projection, S0, z0 = ctx.saved_tensors
+    dq, dk, dv, dprojection, dS0, dz0 = torch.ops.attnx.linear_attention_state_backward(
+        dout, dS, dz, q, k, v, key_mask, projection, S0, z0, ctx.offset, *ctx.options,
+        ctx.projection_grad)
+    state_grads = (dS0, dz0) if S0 is not None else (None, None)
+    return ((dq, dk, dv, None, dprojection if ctx.projection_grad else None) + state_grads
+            + (None,) * 9)
+
+
+_linear_state_op.register_autograd(_linear_state_backward,
+                                   setup_context=_linear_state_setup_context)
+
+
+def _state_tensors(initial_state, dtype):
+    """(S, z, offset) of an initial_state (attnx.torch's, or attnx's numpy
+    LinearAttentionState) as tensors of `dtype` (differentiable)."""
+    if initial_state is None:
+        return None, None, 0
+    if not all(hasattr(initial_state, name) for name in ("S", "z", "offset")):
+        raise TypeError("initial_state must be the state a call with return_state=True "
+                        f"returned (with S, z and offset), got {type(initial_state).__name__}")
+    S, z = (t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))
+            for t in (initial_state.S, initial_state.z))
+    for name, t in (("initial_state.S", S), ("initial_state.z", z)):
+        _check_tensor(name, t)
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
+    offset = initial_state.offset
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"initial_state.offset must be an int >= 0, got {offset!r}")
+    return S.to(dtype), z.to(dtype), int(offset)
+
+
 def _torch_features(feature_map, q, k):
     """phi(q), phi(k) from a callable written in torch (differentiated by
     autograd), checked like the numpy front end's."""
@@ -544,7 +760,8 @@ def _torch_features(feature_map, q, k):
 
 
 def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None, mask=None,
-                 window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3, M=None):
+                 window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3, M=None,
+                 initial_state=None, return_state=False):
     _check_inputs(("q", "k", "v"), q, k, v)
     for name, t in (("key_mask", key_mask), ("mask", mask)):
         if t is not None:
@@ -553,6 +770,10 @@ def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None,
                 raise TypeError(f"{name} must be a bool tensor (True = attend), got {t.dtype}")
     if mask is not None:
         mask = _key_padding_view(mask, q.shape[-2])
+    streaming = initial_state is not None or return_state
+    if streaming and (mask is not None or window is not None):
+        raise ValueError("mask= and window= cannot be combined with initial_state or "
+                         "return_state: a state keeps no key positions")
     if callable(feature_map):
         q, k = _torch_features(feature_map, q, k)
         feature_map = "identity"
@@ -560,52 +781,83 @@ def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None,
         _check_tensor("projection", projection)
     dtype = q.dtype
     q, k, v, projection = _in_compute_dtype(q, k, v, projection)
-    return torch.ops.attnx.linear_attention(
-        q, k, v, key_mask, mask, projection, front, feature_map, _encode_causal(causal),
-        _encode_window(window), method, chunk_size, float(eps), float(p),
-        None if M is None else float(M)).to(dtype)
+    options = (front, feature_map, _encode_causal(causal))
+    numbers = (method, chunk_size, float(eps), float(p), None if M is None else float(M))
+    if not streaming:
+        return _in_dtype(torch.ops.attnx.linear_attention(
+            q, k, v, key_mask, mask, projection, *options, _encode_window(window), *numbers),
+            dtype)
+    S0, z0, offset = _state_tensors(initial_state, q.dtype)
+    out, S, z = torch.ops.attnx.linear_attention_state(q, k, v, key_mask, projection, S0, z0,
+                                                       offset, *options, *numbers)
+    out = _in_dtype(out, dtype)
+    if return_state:
+        return out, LinearAttentionState(S, z, offset + k.shape[-2])
+    return out
+
+
+_STREAMING_DOC = """
+
+    Streaming: return_state=True returns (out, LinearAttentionState);
+    pass the state as initial_state= to the next call (it may also be
+    attnx's numpy state). Pieces give what one call over the whole
+    sequence gives, and gradients flow through the states to every piece
+    and to the first initial_state's S and z."""
 
 
 def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
-                     window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3):
+                     window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3,
+                     initial_state=None, return_state=False):
     """attnx.linear_attention on tensors, differentiable in q, k, v (and a
     FAVOR projection). feature_map may be a callable written in torch,
     f(x) -> (..., r) non-negative: torch applies it (autograd through it,
     so learned maps train) and attnx computes attention on the features."""
     return _linear_call("linear", q, k, v, feature_map, causal, key_mask, mask, window, method,
-                        chunk_size, eps, projection, p)
+                        chunk_size, eps, projection, p, initial_state=initial_state,
+                        return_state=return_state)
 
 
 def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
-                        method=None, chunk_size=None, eps=1e-6):
-    """attnx.cosformer_attention on tensors, differentiable in q, k, v."""
+                        method=None, chunk_size=None, eps=1e-6, initial_state=None,
+                        return_state=False):
+    """attnx.cosformer_attention on tensors, differentiable in q, k, v
+    (streaming needs a fixed M=)."""
     return _linear_call("cosformer", q, k, v, "elu", causal, key_mask, mask, window, method,
-                        chunk_size, eps, M=M)
+                        chunk_size, eps, M=M, initial_state=initial_state,
+                        return_state=return_state)
 
 
 def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None, window=None,
-                             method=None, chunk_size=None, eps=1e-6, dwc_weight=None, spatial=None):
+                             method=None, chunk_size=None, eps=1e-6, initial_state=None,
+                             return_state=False, dwc_weight=None, spatial=None):
     """attnx.focused_linear_attention on tensors, differentiable in q, k, v
     and dwc_weight (FLatten's depthwise convolution of v added to the output)."""
-    out = _linear_call("focused", q, k, v, "elu", causal, key_mask, mask, window, method,
-                       chunk_size, eps, p=p)
-    return _add_depthwise_convolution(out, q, v, dwc_weight, spatial)
+    if dwc_weight is not None and (return_state or initial_state is not None):
+        raise ValueError("dwc_weight cannot be combined with streaming (initial_state, "
+                         "return_state): the convolution looks at neighbours on both sides")
+    result = _linear_call("focused", q, k, v, "elu", causal, key_mask, mask, window, method,
+                          chunk_size, eps, p=p, initial_state=initial_state,
+                          return_state=return_state)
+    if return_state:
+        out, state = result
+        return _add_depthwise_convolution(out, q, v, dwc_weight, spatial), state
+    return _add_depthwise_convolution(result, q, v, dwc_weight, spatial)
 
 
 def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None, method=None,
-                     chunk_size=None, eps=1e-6):
+                     chunk_size=None, eps=1e-6, initial_state=None, return_state=False):
     """attnx.taylor_attention on tensors, differentiable in q, k, v."""
     return _linear_call("taylor", q, k, v, "elu", causal, key_mask, mask, window, method,
-                        chunk_size, eps)
+                        chunk_size, eps, initial_state=initial_state, return_state=return_state)
 
 
 def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
                         key_mask=None, mask=None, window=None, method=None, chunk_size=None,
-                        eps=1e-6):
+                        eps=1e-6, initial_state=None, return_state=False):
     """attnx.performer_attention on tensors. projection: a tensor (r, d),
     differentiable (a learned projection gets its gradient); when None, one
     is drawn with attnx.random_features(num_features, d, seed=seed) as a
-    constant."""
+    constant (pass the same projection or seed to every streamed piece)."""
     if projection is None:
         d = q.shape[-1]
         if num_features is None:
@@ -617,7 +869,13 @@ def performer_attention(q, k, v, projection=None, num_features=None, seed=None, 
     elif seed is not None:
         raise ValueError("performer_attention: give projection= or seed= (to draw one), not both")
     return _linear_call("performer", q, k, v, "favor", causal, key_mask, mask, window, method,
-                        chunk_size, eps, projection)
+                        chunk_size, eps, projection, initial_state=initial_state,
+                        return_state=return_state)
+
+
+for _front_end in (linear_attention, cosformer_attention, focused_linear_attention,
+                   taylor_attention, performer_attention):
+    _front_end.__doc__ += _STREAMING_DOC
 
 
 def efficient_attention(q, k, v, *, key_mask=None, causal=False):
@@ -644,8 +902,9 @@ def attention_weights(q, k, variant="softmax", **options):
     if variant not in _FRONT_ENDS:
         raise ValueError(f"unknown variant {variant!r}; expected one of "
                          f"{', '.join(map(repr, _FRONT_ENDS))}")
-    if {"return_lse", "dropout_p"} & options.keys():
-        raise TypeError("attention_weights takes no return_lse= or dropout_p=")
+    if {"return_lse", "dropout_p", "initial_state", "return_state"} & options.keys():
+        raise TypeError("attention_weights takes no return_lse=, dropout_p=, initial_state= or "
+                        "return_state=")
     _check_tensor("k", k)
     if k.dim() < 2:
         raise ValueError(f"k must have at least 2 dimensions, got shape {tuple(k.shape)}")

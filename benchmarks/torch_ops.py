@@ -7,7 +7,8 @@ F.scaled_dot_product_attention forward + backward, on CPU tensors.
 Cases: (1, 8, n, 64) for n = 1024, 2048, 4096 (no mask, and causal), and a
 padded encoder batch (4, 12, 256, 32) whose padding mask is given as
 transformers gives it (the (B, n) padding expanded to (B, 1, n, n) with
-stride 0), in float32 and bfloat16. One call is q, k, v -> out, then the
+stride 0), in float32 and bfloat16 (attnx computes bfloat16 in float32,
+converting each tensor once in C). One call is q, k, v -> out, then the
 gradients of sum(dout * out) by torch.autograd.grad. Competitors are timed
 interleaved (benchmarks/harness.py); medians per call and the ratio
 torch / attnx (above 1: attnx is faster) are printed. Both use the
@@ -69,7 +70,8 @@ def main():
         attnx.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)
     settings = harness.Settings(max_rounds=5, budget_s=5.0) if args.quick else harness.Settings()
-    print(f"attnx {attnx.__version__}: {attnx.get_num_threads()} threads; torch {torch.__version__}: "
+    print(f"attnx {attnx.__version__}: {attnx.get_num_threads()} threads, bfloat16 conversion "
+          f"{attnx._C.build_info()['bf16_conversion']}; torch {torch.__version__}: "
           f"{torch.get_num_threads()} threads")
     print(f"{'case':<34} {'dtype':<9} {'torch ms':>10} {'attnx ms':>10} {'torch/attnx':>12} {'max |dq| diff':>14}")
     for dtype_name in args.dtypes.split(","):

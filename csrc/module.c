@@ -8,6 +8,7 @@
 #include "amx.h"
 #include "attnx.h"
 #include "bindings.h"
+#include "convert.h"
 
 static PyObject *get_num_threads(PyObject *self, PyObject *unused)
 {
@@ -61,6 +62,125 @@ static int softmax_backend_available(int backend)
     }
 }
 
+/* _set_bf16_conversion(name): the bfloat16 narrowing path, 'avx512_bf16'
+ * (VCVTNEPS2BF16) or 'portable' (for tests: both give the same bits);
+ * returns the name of the one before */
+static PyObject *set_bf16_conversion(PyObject *self, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (PyUnicode_Check(arg) && !name) return NULL;
+    int path = -1;
+    if (name && strcmp(name, "portable") == 0) path = ATTNX_BF16_PORTABLE;
+    if (name && strcmp(name, "avx512_bf16") == 0) path = ATTNX_BF16_AVX512;
+    if (path < 0) {
+        PyErr_Format(PyExc_ValueError, "bf16 conversion must be 'avx512_bf16' or 'portable', got %R",
+                     arg);
+        return NULL;
+    }
+    int before = attnx_set_bf16_path(path);
+    if (before < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bf16 conversion 'avx512_bf16' needs a CPU with avx512_bf16 (this one has none)");
+        return NULL;
+    }
+    return PyUnicode_FromString(attnx_bf16_path_name(before));
+}
+
+/* the lowest and one past the highest byte `array` can touch */
+static void byte_extent(PyArrayObject *array, char **low, char **high)
+{
+    char *start = PyArray_BYTES(array), *end = start;
+    for (int a = 0; a < PyArray_NDIM(array); a++) {
+        npy_intp span = (PyArray_DIM(array, a) - 1) * PyArray_STRIDE(array, a);
+        if (PyArray_DIM(array, a) == 0) {
+            *low = *high = start;
+            return;
+        }
+        if (span < 0) start += span;
+        else end += span;
+    }
+    *low = start;
+    *high = end + PyArray_ITEMSIZE(array);
+}
+
+static int is_bf16_bits(PyArrayObject *array)
+{
+    return PyArray_TYPE(array) == NPY_INT16 || PyArray_TYPE(array) == NPY_UINT16;
+}
+
+/* _convert_bf16(src, dst): dst = src widened (src bfloat16 bits as int16
+ * or uint16, dst float32) or narrowed (src float32, dst int16 or uint16)
+ * to nearest, ties to even. src: any strides; dst: C-contiguous, writable,
+ * the shape of src, not overlapping it. Returns dst. */
+static PyObject *convert_bf16(PyObject *self, PyObject *args)
+{
+    PyArrayObject *src, *dst;
+    if (!PyArg_ParseTuple(args, "O!O!:_convert_bf16", &PyArray_Type, &src, &PyArray_Type, &dst))
+        return NULL;
+    int widen = is_bf16_bits(src) && PyArray_TYPE(dst) == NPY_FLOAT32;
+    int narrow = PyArray_TYPE(src) == NPY_FLOAT32 && is_bf16_bits(dst);
+    if (!widen && !narrow) {
+        PyErr_Format(PyExc_TypeError, "_convert_bf16 takes bfloat16 bits (int16 or uint16) and "
+                     "float32, one each; got src %S and dst %S", PyArray_DESCR(src),
+                     PyArray_DESCR(dst));
+        return NULL;
+    }
+    int ndim = PyArray_NDIM(src);
+    if (PyArray_NDIM(dst) != ndim ||
+        !PyArray_CompareLists(PyArray_DIMS(src), PyArray_DIMS(dst), ndim)) {
+        PyObject *src_shape = PyArray_IntTupleFromIntp(ndim, PyArray_DIMS(src));
+        PyObject *dst_shape = PyArray_IntTupleFromIntp(PyArray_NDIM(dst), PyArray_DIMS(dst));
+        if (src_shape && dst_shape)
+            PyErr_Format(PyExc_ValueError, "dst must have the shape of src %S, got %S", src_shape,
+                         dst_shape);
+        Py_XDECREF(src_shape);
+        Py_XDECREF(dst_shape);
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(dst) || !PyArray_ISWRITEABLE(dst) || !PyArray_ISBEHAVED(dst)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dst must be a C-contiguous, writable, aligned array in native byte order");
+        return NULL;
+    }
+    if (!PyArray_ISALIGNED(src) || !PyArray_ISNOTSWAPPED(src)) {
+        PyErr_SetString(PyExc_ValueError, "src must be aligned and in native byte order");
+        return NULL;
+    }
+    char *src_low, *src_high, *dst_low, *dst_high;
+    byte_extent(src, &src_low, &src_high);
+    byte_extent(dst, &dst_low, &dst_high);
+    if (src_low < dst_high && dst_low < src_high) {
+        PyErr_SetString(PyExc_ValueError, "dst must not overlap src");
+        return NULL;
+    }
+    ptrdiff_t shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    for (int a = 0; a < ndim; a++) {
+        shape[a] = PyArray_DIM(src, a);
+        strides[a] = PyArray_STRIDE(src, a) / PyArray_ITEMSIZE(src);
+    }
+    if (ndim == 0) {
+        /* a 0-d array is one element */
+        shape[0] = 1;
+        strides[0] = 0;
+        ndim = 1;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    if (widen)
+        status = attnx_bf16_to_float((float *)PyArray_DATA(dst), (const uint16_t *)PyArray_DATA(src),
+                                     ndim, shape, strides);
+    else
+        status = attnx_float_to_bf16((uint16_t *)PyArray_DATA(dst), (const float *)PyArray_DATA(src),
+                                     ndim, shape, strides);
+    Py_END_ALLOW_THREADS
+    if (status != 0) {
+        PyErr_Format(PyExc_ValueError, "_convert_bf16 takes at most 64 dimensions, got %d", ndim);
+        return NULL;
+    }
+    Py_INCREF(dst);
+    return (PyObject *)dst;
+}
+
 static PyObject *build_info(PyObject *self, PyObject *unused)
 {
     int limit = attnx_softmax_backend_limit();
@@ -77,9 +197,10 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
         }
         Py_DECREF(name);
     }
-    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:i,s:s}", "blas", attnx_blas_name(), "simd",
+    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:i,s:s}", "blas", attnx_blas_name(), "simd",
                          attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
                          attnx_softmax_backend_name(limit), "softmax_backends", backends,
+                         "bf16_conversion", attnx_bf16_path_name(attnx_bf16_path()),
                          "num_threads", attnx_get_num_threads(), "compiler",
 #ifdef __VERSION__
                          "gcc " __VERSION__
@@ -105,9 +226,14 @@ static PyMethodDef methods[] = {
     {"_set_softmax_backend", set_softmax_backend, METH_O,
      "The most capable softmax backend calls may use, 'plain', 'mk' or 'amx' (for tests); "
      "returns the previous one."},
+    {"_set_bf16_conversion", set_bf16_conversion, METH_O,
+     "The bfloat16 narrowing, 'avx512_bf16' or 'portable' (for tests); returns the previous one."},
+    {"_convert_bf16", convert_bf16, METH_VARARGS,
+     "_convert_bf16(src, dst): bfloat16 bits (int16/uint16) <-> float32, rounding to nearest even; "
+     "returns dst."},
     {"build_info", build_info, METH_NOARGS,
      "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
-     "threads, compiler."},
+     "bfloat16 conversion, threads, compiler."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -123,5 +249,7 @@ PyMODINIT_FUNC PyInit__C(void)
     }
     if (attnx_linear_names_init() < 0) return NULL;
     attnx_interrupt_init();
+    /* the fastest bfloat16 narrowing this CPU has (kept portable without) */
+    (void)attnx_set_bf16_path(ATTNX_BF16_AVX512);
     return PyModule_Create(&module);
 }

@@ -1,0 +1,250 @@
+/* convert.c - bfloat16 <-> float32 over strided arrays (convert.h).
+ *
+ * attnx.torch computes bfloat16 tensors in float32: every input is widened
+ * once on the way in and every result and gradient narrowed once on the way
+ * out. Done here rather than by torch's .to() so that it runs on attnx's
+ * own threads, reads strided tensors (a transposed head layout, a
+ * gradient expanded with stride 0) without a contiguous copy first, and
+ * starts no parallel region for tensors too small to gain from one
+ * (PER_THREAD).
+ *
+ * Work split: the destination is C-ordered, so the elements are numbered
+ * 0 .. total-1 in C order and cut into pieces of PIECE elements; a piece
+ * walks the source rows it covers with an odometer over the leading axes
+ * (one division per axis per piece, none per row). */
+#include <string.h>
+
+#include "attnx.h"
+#include "convert.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define CONVERT_X86 1
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#define CONVERT_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CONVERT_HOT
+#endif
+
+/* 16 Ki elements: 64 KiB of float32, a few microseconds of work */
+#define PIECE ((ptrdiff_t)16384)
+/* elements a second thread must have before it is started. One thread
+ * converts about 1.5 G elements/s (4 Mi elements in 0.6-0.8 ms, memory
+ * bound), so below this a second thread would save under half a
+ * millisecond; a parallel region on a machine shared with other work
+ * waits for its slowest thread to be scheduled, and measured on 2 busy
+ * cores, 2 threads took 12-24 ms where 1 took 0.07-0.8 ms (1-4 Mi elements) */
+#define PER_THREAD ((ptrdiff_t)1 << 22)
+/* numpy's limit on dimensions */
+#define CONVERT_MAX_DIMS 64
+
+/* ---------------------------------------------------------- one element */
+
+static inline float widen_one(uint16_t half)
+{
+    uint32_t bits = (uint32_t)half << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* round to nearest, ties to even: add just under half a bfloat16 unit,
+ * plus one when the kept part is odd, then drop the low 16 bits (a carry
+ * into the exponent is the correct rounding up, up to infinity). NaN is
+ * kept quiet with its sign (the addition could turn it into infinity). */
+static inline uint16_t narrow_one(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40u)
+                                              : (uint16_t)rounded;
+}
+
+/* ---------------------------------------------------------- one row */
+
+static CONVERT_HOT void widen_row(float *dst, const uint16_t *src, ptrdiff_t stride,
+                                  ptrdiff_t count)
+{
+    if (stride == 1) {
+        for (ptrdiff_t i = 0; i < count; i++) dst[i] = widen_one(src[i]);
+    } else {
+        for (ptrdiff_t i = 0; i < count; i++) dst[i] = widen_one(src[i * stride]);
+    }
+}
+
+static CONVERT_HOT void narrow_row_portable(uint16_t *dst, const float *src, ptrdiff_t stride,
+                                            ptrdiff_t count)
+{
+    if (stride == 1) {
+        for (ptrdiff_t i = 0; i < count; i++) dst[i] = narrow_one(src[i]);
+    } else {
+        for (ptrdiff_t i = 0; i < count; i++) dst[i] = narrow_one(src[i * stride]);
+    }
+}
+
+#ifdef CONVERT_X86
+/* VCVTNEPS2BF16 rounds to nearest even and quiets NaN as narrow_one does,
+ * but reads denormal inputs as zero; lanes holding one are redone by
+ * narrow_one so that both paths give the same bits. */
+__attribute__((target("avx512f,avx512bf16"))) static void narrow_row_avx512(
+    uint16_t *dst, const float *src, ptrdiff_t stride, ptrdiff_t count)
+{
+    if (stride != 1) {
+        narrow_row_portable(dst, src, stride, count);
+        return;
+    }
+    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+    const __m512i mantissa = _mm512_set1_epi32(0x007fffff);
+    ptrdiff_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        __m512 x = _mm512_loadu_ps(src + i);
+        __m256bh narrowed = _mm512_cvtneps_pbh(x);
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)narrowed);
+        __m512i bits = _mm512_castps_si512(x);
+        __mmask16 denormal = _mm512_testn_epi32_mask(bits, exponent)
+                           & _mm512_test_epi32_mask(bits, mantissa);
+        for (int lane = 0; denormal; lane++, denormal >>= 1)
+            if (denormal & 1) dst[i + lane] = narrow_one(src[i + lane]);
+    }
+    for (; i < count; i++) dst[i] = narrow_one(src[i]);
+}
+#endif
+
+/* ---------------------------------------------------------- the path */
+
+static int bf16_path = ATTNX_BF16_PORTABLE;
+
+int attnx_bf16_avx512_available(void)
+{
+#ifdef CONVERT_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+int attnx_bf16_path(void) { return bf16_path; }
+
+int attnx_set_bf16_path(int path)
+{
+    if (path != ATTNX_BF16_PORTABLE && (path != ATTNX_BF16_AVX512 || !attnx_bf16_avx512_available()))
+        return -1;
+    int before = bf16_path;
+    bf16_path = path;
+    return before;
+}
+
+const char *attnx_bf16_path_name(int path)
+{
+    return path == ATTNX_BF16_AVX512 ? "avx512_bf16" : "portable";
+}
+
+/* ---------------------------------------------------------- the walk */
+
+/* the source layout with size-1 axes dropped and axes that step through
+ * memory as one (stride[a] == stride[a+1] * shape[a+1]) merged */
+typedef struct {
+    int ndim;
+    ptrdiff_t shape[CONVERT_MAX_DIMS];
+    ptrdiff_t strides[CONVERT_MAX_DIMS];
+} layout;
+
+static ptrdiff_t collapse(layout *out, int ndim, const ptrdiff_t *shape, const ptrdiff_t *strides)
+{
+    ptrdiff_t total = 1;
+    out->ndim = 0;
+    for (int a = 0; a < ndim; a++) {
+        total *= shape[a];
+        if (shape[a] == 1) continue;
+        int last = out->ndim - 1;
+        if (last >= 0 && out->strides[last] == strides[a] * shape[a]) {
+            out->shape[last] *= shape[a];
+            out->strides[last] = strides[a];
+        } else {
+            out->shape[out->ndim] = shape[a];
+            out->strides[out->ndim] = strides[a];
+            out->ndim++;
+        }
+    }
+    if (out->ndim == 0) {
+        /* one element */
+        out->shape[0] = 1;
+        out->strides[0] = 1;
+        out->ndim = 1;
+    }
+    return total;
+}
+
+typedef void (*widen_fn)(float *, const uint16_t *, ptrdiff_t, ptrdiff_t);
+typedef void (*narrow_fn)(uint16_t *, const float *, ptrdiff_t, ptrdiff_t);
+
+/* elements [first, last) of the C order: dst + first on, source rows
+ * located through the odometer `index` over the leading axes */
+static void convert_span(widen_fn widen, narrow_fn narrow, void *dst, const void *src,
+                         const layout *from, ptrdiff_t first, ptrdiff_t last)
+{
+    const int lead = from->ndim - 1;
+    const ptrdiff_t cols = from->shape[lead], col_stride = from->strides[lead];
+    ptrdiff_t index[CONVERT_MAX_DIMS];
+    ptrdiff_t row = first / cols, col = first % cols, offset = 0;
+    for (int a = lead - 1; a >= 0; a--) {
+        index[a] = row % from->shape[a];
+        row /= from->shape[a];
+        offset += index[a] * from->strides[a];
+    }
+    for (ptrdiff_t at = first; at < last;) {
+        ptrdiff_t count = cols - col < last - at ? cols - col : last - at;
+        ptrdiff_t source = offset + col * col_stride;
+        if (widen)
+            widen((float *)dst + at, (const uint16_t *)src + source, col_stride, count);
+        else
+            narrow((uint16_t *)dst + at, (const float *)src + source, col_stride, count);
+        at += count;
+        col = 0;
+        for (int a = lead - 1; a >= 0; a--) {
+            offset += from->strides[a];
+            if (++index[a] < from->shape[a]) break;
+            offset -= from->strides[a] * from->shape[a];
+            index[a] = 0;
+        }
+    }
+}
+
+static int convert(widen_fn widen, narrow_fn narrow, void *dst, const void *src, int ndim,
+                   const ptrdiff_t *shape, const ptrdiff_t *src_strides)
+{
+    if (ndim < 1 || ndim > CONVERT_MAX_DIMS) return -1;
+    layout from;
+    ptrdiff_t total = collapse(&from, ndim, shape, src_strides);
+    if (total == 0) return 0;
+    ptrdiff_t pieces = (total + PIECE - 1) / PIECE;
+    int threads = attnx_get_num_threads();
+    if (total / PER_THREAD < threads) threads = total / PER_THREAD > 1 ? (int)(total / PER_THREAD) : 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (ptrdiff_t piece = 0; piece < pieces; piece++) {
+        ptrdiff_t first = piece * PIECE;
+        ptrdiff_t last = first + PIECE < total ? first + PIECE : total;
+        convert_span(widen, narrow, dst, src, &from, first, last);
+    }
+    return 0;
+}
+
+int attnx_bf16_to_float(float *dst, const uint16_t *src, int ndim, const ptrdiff_t *shape,
+                        const ptrdiff_t *src_strides)
+{
+    return convert(widen_row, NULL, dst, src, ndim, shape, src_strides);
+}
+
+int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff_t *shape,
+                        const ptrdiff_t *src_strides)
+{
+    narrow_fn narrow = narrow_row_portable;
+#ifdef CONVERT_X86
+    if (bf16_path == ATTNX_BF16_AVX512) narrow = narrow_row_avx512;
+#endif
+    return convert(NULL, narrow, dst, src, ndim, shape, src_strides);
+}

@@ -1,0 +1,372 @@
+"""bfloat16 <-> float32 conversion (csrc/convert.c, attnx._C._convert_bf16),
+which attnx.torch uses for bfloat16 tensors: both narrowing paths (the
+avx512_bf16 instruction and the portable rounding) against a reference
+written from the definition of round-to-nearest-even, every layout, and the
+torch operators built on it."""
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnx
+
+CONVERT = attnx._C._convert_bf16
+
+
+def _cpu_flags():
+    """The CPU's flags as Linux lists them (None elsewhere)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return None
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return None
+
+
+def _instruction_path_available():
+    try:
+        before = attnx._C._set_bf16_conversion("avx512_bf16")
+    except ValueError:
+        return False
+    attnx._C._set_bf16_conversion(before)
+    return True
+
+
+AVX512_BF16 = _instruction_path_available()
+PATHS = ["portable", pytest.param("avx512_bf16", marks=pytest.mark.skipif(
+    not AVX512_BF16, reason="this CPU has no avx512_bf16"))]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    before = attnx._C._set_bf16_conversion(request.param)
+    yield request.param
+    attnx._C._set_bf16_conversion(before)
+
+
+# ------------------------------------------------------------- references
+
+def reference_narrow(x):
+    """float32 -> bfloat16 bits by the definition: of the two bfloat16
+    values around |x| (truncation, and one unit further from zero), the
+    nearer, judged in float64; on a tie the one whose last bit is even.
+    Infinity stays; NaN gives NaN (checked separately)."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    sign = bits & np.uint32(0x80000000)
+    magnitude = bits & np.uint32(0x7fffffff)
+    low = magnitude & np.uint32(0xffff0000)
+    high = low + np.uint32(0x10000)              # 0x7f800000 = infinity past the largest
+    exponent = (low >> np.uint32(23)).astype(np.int64)
+    # a bfloat16 unit at low's exponent (denormals share exponent 1's)
+    unit = np.ldexp(1.0, np.maximum(exponent, 1) - 127 - 7)
+    with np.errstate(invalid="ignore"):     # NaN and infinity, replaced below
+        low_value = low.view(np.float32).astype(np.float64)
+        target = magnitude.view(np.float32).astype(np.float64)
+        below, above = target - low_value, low_value + unit - target
+    odd = (low >> np.uint32(16)) & np.uint32(1)
+    up = (above < below) | ((above == below) & (odd == 1))
+    rounded = np.where(up, high, low)
+    rounded = np.where(magnitude == np.uint32(0x7f800000), magnitude, rounded)
+    return ((rounded | sign) >> np.uint32(16)).astype(np.uint16)
+
+
+def reference_widen(bits):
+    """bfloat16 bits -> value in float64 from the fields: sign, 8-bit
+    exponent, 7-bit fraction (denormals at exponent 0)."""
+    bits = np.asarray(bits, dtype=np.uint16).astype(np.int64)
+    sign = np.where(bits >> 15, -1.0, 1.0)
+    exponent, fraction = (bits >> 7) & 0xff, bits & 0x7f
+    normal = np.ldexp(1.0 + fraction / 128.0, exponent - 127)
+    denormal = np.ldexp(fraction / 128.0, -126)
+    value = np.where(exponent == 0, denormal, normal)
+    value = np.where(exponent == 255, np.where(fraction == 0, np.inf, np.nan), value)
+    return sign * value
+
+
+def narrow(x):
+    x = np.asarray(x)
+    out = np.empty(x.shape, np.uint16)
+    assert CONVERT(x, out) is out
+    return out
+
+
+def widen(bits):
+    bits = np.asarray(bits)
+    out = np.empty(bits.shape, np.float32)
+    CONVERT(bits, out)
+    return out
+
+
+def special_floats():
+    """Bit patterns where rounding is decided: zeros, denormals, ties of
+    both parities and their neighbours, the largest finite values (some
+    round to infinity), infinities, NaNs with payloads."""
+    patterns = [0x00000000, 0x00000001, 0x00007fff, 0x00008000, 0x00008001, 0x00018000,
+                0x0000ffff, 0x007fffff, 0x007f8000, 0x00800000, 0x3f800000, 0x3f808000,
+                0x3f818000, 0x3f807fff, 0x3f808001, 0x3f81ffff, 0x7f7f7fff, 0x7f7f8000,
+                0x7f7fffff, 0x7f7effff, 0x7f800000, 0x7f800001, 0x7fc00000, 0x7fffffff,
+                0x7f8000ff, 0x7fbf0000, 0x4b7fffff, 0x33800000]
+    patterns = np.array(patterns, dtype=np.uint32)
+    return np.concatenate([patterns, patterns | np.uint32(0x80000000)]).view(np.float32)
+
+
+def check_narrow(x, got):
+    x = np.asarray(x, np.float32)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], reference_narrow(x[~nan]))
+    # NaN stays NaN, quiet, with its sign
+    assert np.all((got[nan] & 0x7f80) == 0x7f80) and np.all(got[nan] & 0x0040)
+    np.testing.assert_array_equal(got[nan] >> 15, x[nan].view(np.uint32) >> 31)
+
+
+# ------------------------------------------------------------ the rounding
+
+@pytest.mark.skipif(_cpu_flags() is None, reason="needs Linux's /proc/cpuinfo to know the CPU")
+def test_the_instruction_path_is_used_where_the_cpu_has_it():
+    flags = _cpu_flags()
+    has = {"avx512f", "avx512_bf16"} <= flags
+    assert AVX512_BF16 == has
+    assert attnx._C.build_info()["bf16_conversion"] == ("avx512_bf16" if has else "portable")
+    if not has:
+        with pytest.raises(ValueError, match="needs a CPU with avx512_bf16"):
+            attnx._C._set_bf16_conversion("avx512_bf16")
+
+
+def test_reference_narrow_on_hand_checked_values():
+    # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: to even (1); 1 + 3 * 2^-8 to
+    # 1 + 2^-6 (even); just above a tie goes up; the largest float32 rounds to
+    # infinity, the largest bfloat16 stays
+    x = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -1.5, 3.0e38, 3.3895314e38],
+                 np.float32)
+    expected = [0x3f80, 0x3f82, 0x3f81, 0xbfc0, 0x7f62, 0x7f7f]
+    np.testing.assert_array_equal(reference_narrow(x), np.array(expected, np.uint16))
+    assert reference_narrow(np.float32(np.finfo(np.float32).max)) == 0x7f80
+
+
+def test_narrow_special_values(path):
+    x = special_floats()
+    check_narrow(x, narrow(x))
+
+
+def test_narrow_random_bit_patterns_both_paths_agree():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
+    results = {}
+    for name in ["portable"] + (["avx512_bf16"] if AVX512_BF16 else []):
+        before = attnx._C._set_bf16_conversion(name)
+        try:
+            results[name] = narrow(x)
+        finally:
+            attnx._C._set_bf16_conversion(before)
+        check_narrow(x, results[name])
+    if AVX512_BF16:
+        # the same bits, NaN included
+        np.testing.assert_array_equal(results["avx512_bf16"], results["portable"])
+
+
+def test_narrow_denormals_are_kept_by_both_paths(path):
+    # VCVTNEPS2BF16 alone reads these as zero
+    x = np.arange(1, 1 << 23, 997, dtype=np.uint32).view(np.float32)
+    x = np.concatenate([x, -x])
+    got = narrow(x)
+    check_narrow(x, got)
+    assert np.count_nonzero(got & 0x7fff) > len(x) // 2
+
+
+def test_widen_every_bit_pattern_is_exact():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(invalid="ignore"):     # signalling NaNs
+        got = widen(bits).astype(np.float64)
+    expected = reference_widen(bits)
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(got[~nan], expected[~nan])
+    assert np.all(np.isnan(got[nan]))
+    # and back: narrowing a widened value gives its bits (NaN aside)
+    np.testing.assert_array_equal(narrow(widen(bits))[~nan], bits[~nan])
+    # int16 views of the same bits are read alike
+    np.testing.assert_array_equal(widen(bits.view(np.int16)), widen(bits))
+
+
+# ----------------------------------------------------------------- layouts
+
+@st.composite
+def layouts(draw):
+    """(base shape, view): a view of 0-4 axes taken with steps, reversals,
+    a transpose and a broadcast (stride 0) axis, its last axis contiguous
+    or not."""
+    ndim = draw(st.integers(0, 4))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
+    steps = tuple(draw(st.sampled_from([1, 2, -1])) for _ in shape)
+    swap = ndim >= 2 and draw(st.booleans())
+    broadcast = draw(st.integers(0, ndim - 1)) if ndim and draw(st.booleans()) else None
+
+    def view(base):
+        v = base[tuple(slice(None, None, step) for step in steps)]
+        v = v[tuple(slice(0, s) for s in shape)]
+        if swap:
+            v = v.swapaxes(0, -1)
+        if broadcast is not None:
+            v = np.broadcast_to(v.take(range(min(1, v.shape[broadcast])), axis=broadcast), v.shape)
+        return v
+
+    return tuple(2 * s + 1 for s in shape), view
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
+def test_every_layout_converts_like_its_contiguous_copy(layout, seed):
+    base_shape, view = layout
+    base = np.random.default_rng(seed).standard_normal(base_shape).astype(np.float32)
+    x = view(base)
+    np.testing.assert_array_equal(narrow(x), reference_narrow(np.ascontiguousarray(x)))
+    # the same layout over bfloat16 bits is widened in place
+    bits = view(narrow(base))
+    np.testing.assert_array_equal(widen(bits), reference_widen(np.ascontiguousarray(bits)))
+
+
+def test_large_arrays_on_several_threads_match_one_thread():
+    # above the size from which the conversion starts a second thread
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 1 << 20), dtype=np.float32)[:, ::-1, :]
+    threads = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(1)
+        one = narrow(x), widen(narrow(x)[:, :, ::2])
+        attnx.set_num_threads(max(2, threads))
+        many = narrow(x), widen(narrow(x)[:, :, ::2])
+    finally:
+        attnx.set_num_threads(threads)
+    for a, b in zip(one, many):
+        np.testing.assert_array_equal(a, b)
+    check_narrow(x.ravel(), one[0].ravel())
+
+
+# ------------------------------------------------------------------ errors
+
+def test_bad_arguments_raise_clear_errors():
+    x = np.zeros((3, 4), np.float32)
+    with pytest.raises(TypeError, match="bfloat16 bits"):
+        CONVERT(x, np.empty((3, 4), np.float64))
+    with pytest.raises(TypeError, match="bfloat16 bits"):
+        CONVERT(x.astype(np.uint16), np.empty((3, 4), np.uint16))
+    with pytest.raises(ValueError, match=r"shape of src \(3, 4\), got \(4, 3\)"):
+        CONVERT(x, np.empty((4, 3), np.uint16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        CONVERT(x, np.empty((4, 3), np.uint16).T)
+    readonly = np.empty((3, 4), np.uint16)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        CONVERT(x, readonly)
+    both = np.zeros(24, np.uint16)
+    with pytest.raises(ValueError, match="overlap"):
+        CONVERT(both[:12].view(np.float32).reshape(3, 2), both[10:16].reshape(3, 2))
+    with pytest.raises(ValueError, match="overlap"):
+        CONVERT(both.view(np.float32)[2:8], both[0:6])
+    with pytest.raises(ValueError, match="native byte order"):
+        CONVERT(x.astype(">f4"), np.empty((3, 4), np.uint16))
+    with pytest.raises(TypeError):
+        CONVERT([1.0], np.empty(1, np.uint16))
+    with pytest.raises(ValueError, match="'avx512_bf16' or 'portable'"):
+        attnx._C._set_bf16_conversion("fast")
+    assert attnx._C.build_info()["bf16_conversion"] in ("avx512_bf16", "portable")
+
+
+def test_inputs_are_not_modified():
+    x = np.random.default_rng(1).standard_normal((5, 7)).astype(np.float32)
+    before = x.copy()
+    bits = narrow(x)
+    bits_before = bits.copy()
+    widen(bits)
+    np.testing.assert_array_equal(x, before)
+    np.testing.assert_array_equal(bits, bits_before)
+
+
+# --------------------------------------------------- attnx.torch on bfloat16
+
+@pytest.fixture
+def torch():
+    torch = pytest.importorskip("torch")
+    import attnx.torch  # noqa: F401  (registers the torch.ops.attnx operators)
+    return torch
+
+
+def _bf16(torch, *shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+def test_conversion_ops_match_torch_and_pass_opcheck(torch, path):
+    x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)) * 1e3
+    half = torch.ops.attnx.float32_to_bfloat16(x)
+    assert half.dtype == torch.bfloat16 and half.is_contiguous()
+    assert torch.equal(half, x.to(torch.bfloat16))
+    wide = torch.ops.attnx.bfloat16_to_float32(half.transpose(0, 2))
+    assert wide.dtype == torch.float32 and wide.is_contiguous()
+    assert torch.equal(wide, half.transpose(0, 2).float())
+    torch.library.opcheck(torch.ops.attnx.float32_to_bfloat16.default, (x.requires_grad_(),))
+    torch.library.opcheck(torch.ops.attnx.bfloat16_to_float32.default, (half.requires_grad_(),))
+
+
+def test_sdpa_bf16_is_the_float32_computation_rounded_once(torch, path):
+    """out and every gradient equal attnx's float32 computation on the
+    widened inputs, rounded once (bit for bit): the only rounding of the
+    bfloat16 path. Inputs in transformers' layout (a permuted view of one
+    (B, n, 3, H, d) tensor, read in place), a float mask in bfloat16, and
+    the gradient of out.sum() (an expanded, stride-0 dout)."""
+    import attnx.torch as at
+
+    B, n, H, d = 2, 37, 3, 16
+    qkv = _bf16(torch, B, n, 3, H, d, seed=1).requires_grad_()
+    bias = _bf16(torch, B, 1, n, n, seed=2).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    out = at.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
+    dout = _bf16(torch, B, H, n, d, seed=3)
+    dqkv, dbias = torch.autograd.grad(out, (qkv, bias), dout)
+
+    wide = qkv.detach().float().requires_grad_()
+    wide_bias = bias.detach().float().requires_grad_()
+    q32, k32, v32 = wide.permute(2, 0, 3, 1, 4)
+    out32 = at.scaled_dot_product_attention(q32, k32, v32, attn_mask=wide_bias, is_causal=True)
+    dqkv32, dbias32 = torch.autograd.grad(out32, (wide, wide_bias), dout.float())
+    for ours, single in ((out, out32), (dqkv, dqkv32), (dbias, dbias32)):
+        assert ours.dtype == torch.bfloat16
+        assert torch.equal(ours, single.to(torch.bfloat16))
+
+    # the gradient of out.sum(): dout arrives expanded with stride 0
+    grads = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v).sum(), qkv)[0]
+    grads32 = torch.autograd.grad(at.scaled_dot_product_attention(q32, k32, v32).sum(), wide)[0]
+    assert torch.equal(grads, grads32.to(torch.bfloat16))
+
+
+def test_linear_bf16_is_the_float32_computation_rounded_once(torch, path):
+    import attnx.torch as at
+
+    q, k, v = (_bf16(torch, 2, 3, 20, 8, seed=s).requires_grad_() for s in (4, 5, 6))
+    W = _bf16(torch, 12, 8, seed=7).requires_grad_()
+    dout = _bf16(torch, 2, 3, 20, 8, seed=8)
+    out = at.performer_attention(q, k, v, W, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v, W), dout)
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v, W)]
+    out32 = at.performer_attention(*wide, causal=True)
+    grads32 = torch.autograd.grad(out32, wide, dout.float())
+    for ours, single in zip((out,) + grads, (out32,) + grads32):
+        assert ours.dtype == torch.bfloat16
+        assert torch.equal(ours, single.to(torch.bfloat16))
+
+
+def test_bf16_sdpa_compiles_without_graph_breaks(torch):
+    import attnx.torch as at
+
+    def attend(q, k, v):
+        return at.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+
+    q, k, v = (_bf16(torch, 1, 2, 9, 8, seed=s).requires_grad_() for s in (1, 2, 3))
+    compiled = torch.compile(attend, fullgraph=True, backend="inductor")
+    eager = torch.autograd.grad(attend(q, k, v), (q, k, v))
+    traced = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(eager, traced):
+        assert torch.equal(a, b)
