@@ -1131,8 +1131,7 @@ static SFX(bscratch) SFX(bscratch_at)(const bwd_plan *p, REAL *block)
     w.row_b = w.inv_den + a->n;
     w.dW = a->dW ? w.row_b + a->n : NULL;
     w.prefix = (a->dW ? w.dW + r * a->d : w.row_b + a->n);
-    w.lanes = p->chunk_kernel ? w.prefix + (a->method == ATTNX_METHOD_CUMSUM ? (a->m + 1) * (r * e + r) : 0)
-                              : NULL;
+    w.lanes = p->chunk_kernel ? w.prefix : NULL;  /* the chunk method keeps no prefix states */
     memset(w.zeros, 0, (size_t)ATTNX_MAX(r, e) * sizeof(REAL));
     return w;
 }
