@@ -40,6 +40,7 @@ from ._systems import (
     pooled_attention,
     pooled_attention_backward,
 )
+from ._lsh import lsh_attention, lsh_attention_backward, lsh_buckets, lsh_rotations
 from ._multihead import multi_head_attention
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
@@ -94,6 +95,10 @@ __all__ = [
     "pooled_attention_backward",
     "linformer_attention",
     "linformer_attention_backward",
+    "lsh_attention",
+    "lsh_attention_backward",
+    "lsh_buckets",
+    "lsh_rotations",
     "layouts",
     "Gradients",
     "vjp",
