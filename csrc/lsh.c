@@ -146,7 +146,8 @@ typedef struct {
     REAL *round_out, *round_lse;        /* forward: (H, n, e), (H, n) */
     REAL *delta;                        /* backward: (n,) D_i */
     REAL *round_grads;                  /* backward: rounds x (n, 2d + e): dq, g, dv */
-    REAL *g_total;                      /* backward: (n, d) */
+    REAL *g_total;                      /* backward: (n, d) g_j / |q_j| (the key blocks'
+                                           ds' = ds scale / |q_j| carries the factor) */
     unsigned char *has_key;             /* backward: (H, n) round r counted a key for i */
 } SFX(lsh_head);
 
@@ -480,7 +481,7 @@ static void SFX(lsh_bwd_head)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh
         REAL *dq_i = h->dq_w + i * a->dq_row, inv = h->inv_norm[i], along = 0;
         for (ptrdiff_t x = 0; x < d; x++) along += q_i[x] * g_i[x];
         along *= inv * inv;
-        for (ptrdiff_t x = 0; x < d; x++) dq_i[x] += inv * (g_i[x] - along * q_i[x]);
+        for (ptrdiff_t x = 0; x < d; x++) dq_i[x] += g_i[x] - along * q_i[x];
         int seen = 0;
         for (ptrdiff_t r = 0; r < H; r++) seen |= h->has_key[r * n + i];
         if (!seen) {
