@@ -216,6 +216,29 @@ static void SFX(lsh_gather)(const attnx_lsh_args *a, const SFX(lsh_head) *h,
     }
 }
 
+/* C (M, N) = op(A) B, op(A) = A (M, K) or, trans_a, A^T (A stored (K, M)).
+ * With `sparse` the terms whose coefficient in A is 0 are left out: a block
+ * that holds inf or NaN (in B, or in the row a product pairs with) must not
+ * spread NaN through 0 * inf into queries that do not see that token. */
+static void SFX(lsh_product)(int trans_a, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const REAL *A,
+                             ptrdiff_t lda, const REAL *B, ptrdiff_t ldb, REAL *C, ptrdiff_t ldc,
+                             int sparse)
+{
+    if (!sparse) {
+        SFX(gemm)(trans_a, 0, M, N, K, 1, A, lda, B, ldb, 0, C, ldc);
+        return;
+    }
+    for (ptrdiff_t i = 0; i < M; i++) {
+        REAL *c_row = C + i * ldc;
+        memset(c_row, 0, (size_t)N * sizeof(REAL));
+        for (ptrdiff_t p = 0; p < K; p++) {
+            REAL coef = trans_a ? A[p * lda + i] : A[i * lda + p];
+            if (coef == 0) continue;
+            for (ptrdiff_t j = 0; j < N; j++) c_row[j] += coef * B[p * ldb + j];
+        }
+    }
+}
+
 /* Scores of queries at places [t0, t1) against keys at places [lo, hi):
  * s (rows, cols) holds q_i . q_j and becomes scale q_i . khat_j where the
  * round counts (i, j), -inf elsewhere. */
@@ -250,6 +273,7 @@ static void SFX(lsh_fwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
     REAL *round_out = h->round_out + round * n * e, *round_lse = h->round_lse + round * n;
     ptrdiff_t p0 = chunk_index * C, p1 = ATTNX_MIN(p0 + C, n), k0 = ATTNX_MAX(p0 - C, 0);
     SFX(lsh_gather)(a, h, order, k0, p1, w);
+    int v_bad = SFX(has_nonfinite)(w->vb, p1 - k0, e, e);
     for (ptrdiff_t t0 = p0; t0 < p1; t0 += TILE) {
         ptrdiff_t t1 = ATTNX_MIN(t0 + TILE, p1), rows = t1 - t0, lo, hi;
         lsh_key_range(bucket, order, k0, p1, t0, t1, a->causal, &lo, &hi);
@@ -281,7 +305,8 @@ static void SFX(lsh_fwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
             for (ptrdiff_t c = 0; c < cols; c++) s_row[c] *= inv;
         }
         /* pass 3: out_r = p v */
-        SFX(gemm)(0, 0, rows, e, cols, 1, w->s, cols, w->vb + (lo - k0) * e, e, 0, w->tile_out, e);
+        SFX(lsh_product)(0, rows, e, cols, w->s, cols, w->vb + (lo - k0) * e, e, w->tile_out, e,
+                         v_bad);
         for (ptrdiff_t r = 0; r < rows; r++)
             memcpy(round_out + order[t0 + r] * e, w->tile_out + r * e, (size_t)e * sizeof(REAL));
     }
@@ -298,6 +323,7 @@ static void SFX(lsh_bwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
     const int32_t *order = h->sorted.order + round * n, *bucket = h->sorted.bucket + round * n;
     ptrdiff_t p0 = chunk_index * C, p1 = ATTNX_MIN(p0 + C, n), k0 = ATTNX_MAX(p0 - C, 0);
     SFX(lsh_gather)(a, h, order, k0, p1, w);
+    int x_bad = SFX(has_nonfinite)(w->x, p1 - k0, d, d);
     for (ptrdiff_t t0 = p0; t0 < p1; t0 += TILE) {
         ptrdiff_t t1 = ATTNX_MIN(t0 + TILE, p1), rows = t1 - t0, lo, hi;
         lsh_key_range(bucket, order, k0, p1, t0, t1, a->causal, &lo, &hi);
@@ -319,7 +345,8 @@ static void SFX(lsh_bwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
             memcpy(w->dout_tile + r * e, h->dout + i * a->dout_row, (size_t)e * sizeof(REAL));
         }
         /* dV_j += sum_i p_ij dO_i */
-        SFX(gemm)(1, 0, cols, e, rows, 1, w->s, cols, w->dout_tile, e, 0, w->dv_block, e);
+        SFX(lsh_product)(1, cols, e, rows, w->s, cols, w->dout_tile, e, w->dv_block, e,
+                         SFX(has_nonfinite)(w->dout_tile, rows, e, e));
         for (ptrdiff_t c = 0; c < cols; c++) {
             REAL *dv_j = dv_r + order[lo + c] * e;
             const REAL *part = w->dv_block + c * e;
@@ -336,13 +363,13 @@ static void SFX(lsh_bwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
                             : p_row[c] * (dp_row[c] - delta_i) * scale * h->inv_norm[order[lo + c]];
         }
         /* query role: dq_i += sum_j ds'_ij q_j;  key role: g_j += sum_i ds'_ij q_i */
-        SFX(gemm)(0, 0, rows, d, cols, 1, w->dp, cols, x_k, d, 0, w->dq_tile, d);
+        SFX(lsh_product)(0, rows, d, cols, w->dp, cols, x_k, d, w->dq_tile, d, x_bad);
         for (ptrdiff_t r = 0; r < rows; r++) {
             REAL *dq_i = dq_r + order[t0 + r] * d;
             const REAL *part = w->dq_tile + r * d;
             for (ptrdiff_t x = 0; x < d; x++) dq_i[x] += part[x];
         }
-        SFX(gemm)(1, 0, cols, d, rows, 1, w->dp, cols, x_q, d, 0, w->g_block, d);
+        SFX(lsh_product)(1, cols, d, rows, w->dp, cols, x_q, d, w->g_block, d, x_bad);
         for (ptrdiff_t c = 0; c < cols; c++) {
             REAL *g_j = g_r + order[lo + c] * d;
             const REAL *part = w->g_block + c * d;
