@@ -378,11 +378,9 @@ def test_bad_input_raises_a_clear_error(call, error, words):
 # gradients
 # --------------------------------------------------------------------------
 
-torch = pytest.importorskip("torch")
-
-
 def torch_reference(q, v, vis):
     """masked_attention in torch, for autograd: q (n, d), v (n, e) tensors."""
+    import torch
     d = q.shape[-1]
     keys = q / q.norm(dim=-1, keepdim=True)
     s = (q @ keys.T) / d ** 0.5
@@ -396,6 +394,7 @@ def torch_reference(q, v, vis):
        chunk=st.integers(1, 9), causal=st.booleans(),
        dtype=st.sampled_from([np.float64, np.float32]), seed=st.integers(0, 2**16))
 def test_gradients_equal_torch_autograd(n, d, e, n_buckets, n_hashes, chunk, causal, dtype, seed):
+    torch = pytest.importorskip("torch")
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((n, d)).astype(dtype)
     v = rng.standard_normal((n, e)).astype(dtype)
@@ -435,3 +434,55 @@ def test_gradient_of_a_token_alone_goes_to_its_value_only():
     g = pullback(dout)
     np.testing.assert_array_equal(g.q, 0)
     np.testing.assert_array_equal(g.v, dout)
+
+
+# --------------------------------------------------------------------------
+# attnx.torch.lsh_attention
+# --------------------------------------------------------------------------
+
+def test_torch_operator_opcheck_and_gradcheck():
+    torch = pytest.importorskip("torch")
+    import attnx.torch as at
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 18, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 18, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    for causal in (False, True):
+        args = (q, v, 4, 2, 5, causal, 3)
+        torch.library.opcheck(torch.ops.attnx.lsh_attention.default, args)
+        out, lse = torch.ops.attnx.lsh_attention(*args)
+        dout = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+        torch.library.opcheck(torch.ops.attnx.lsh_attention_backward.default,
+                              (dout, q.detach(), v.detach(), out.detach(), lse, 4, 2, 5, causal, 3))
+        assert torch.autograd.gradcheck(lambda a, b: at.lsh_attention(a, b, 4, 2, 5, causal, 3),
+                                        (q, v))
+        np.testing.assert_array_equal(
+            at.lsh_attention(q, v, 4, 2, 5, causal, 3).detach().numpy(),
+            attnx.lsh_attention(q.detach().numpy(), v.detach().numpy(), 4, 2, 5, causal, 3))
+
+
+def test_torch_operator_gradients_dtypes_and_compile():
+    torch = pytest.importorskip("torch")
+    import attnx.torch as at
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 24, 8))
+    v, dout = rng.standard_normal((3, 24, 5)), rng.standard_normal((3, 24, 5))
+    tq = torch.tensor(q, requires_grad=True)
+    tv = torch.tensor(v, requires_grad=True)
+    out = at.lsh_attention(tq, tv, 6, 3, 4, seed=2)
+    (out * torch.from_numpy(dout)).sum().backward()
+    _, pullback = attnx.vjp(attnx.lsh_attention, q, v, 6, 3, 4, seed=2)
+    g = pullback(dout)
+    np.testing.assert_array_equal(tq.grad.numpy(), g.q)
+    np.testing.assert_array_equal(tv.grad.numpy(), g.v)
+    compiled = torch.compile(lambda a, b: at.lsh_attention(a, b, 6, 3, 4, seed=2), fullgraph=True)
+    np.testing.assert_array_equal(compiled(tq, tv).detach().numpy(), out.detach().numpy())
+    half = at.lsh_attention(tq.detach().to(torch.bfloat16), tv.detach().to(torch.bfloat16), 6, 3, 4)
+    assert half.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="n_buckets must be even"):
+        at.lsh_attention(tq, tv, 5)
+    with pytest.raises(ValueError, match="causal"):
+        at.lsh_attention(tq, tv, 4, causal="sideways")
+    with pytest.raises(TypeError, match="chunk must be an integer"):
+        at.lsh_attention(tq, tv, 4, chunk=2.0)
