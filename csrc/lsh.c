@@ -91,28 +91,25 @@ static void lsh_sort(const int32_t *bucket, ptrdiff_t n, ptrdiff_t n_buckets, in
     }
 }
 
-/* 1 when a round before `round` showed key j to query i (same bucket, and
- * j's chunk is i's or the one before): the pair is that round's. */
-static inline int lsh_seen_before(const lsh_sorted *h, ptrdiff_t n, ptrdiff_t chunk, int round,
-                                  int32_t i, int32_t j)
-{
-    for (int r = 0; r < round; r++) {
-        const int32_t *bucket = h->bucket + r * n, *rank = h->rank + r * n;
-        if (bucket[i] != bucket[j]) continue;
-        ptrdiff_t chunk_i = rank[i] / chunk, chunk_j = rank[j] / chunk;
-        if (chunk_j == chunk_i || chunk_j == chunk_i - 1) return 1;
-    }
-    return 0;
-}
+/* A tile's key columns (places [lo, hi) of a round), gathered once per
+ * tile so that each query row tests them with contiguous loops: the token,
+ * and its bucket and chunk in each round up to this one; keep, a row's
+ * verdicts. */
+typedef struct {
+    int32_t *tok, *bucket, *chunk, *keep;  /* (cols), (rounds, cols) twice, (cols) */
+} lsh_columns;
 
-/* Does round `round` count key j for query i? The chunk condition of this
- * round holds for every key of the block the caller passes. */
-static inline int lsh_counts(const lsh_sorted *h, ptrdiff_t n, ptrdiff_t chunk, int causal,
-                             int round, int32_t i, int32_t j)
+static void lsh_gather_columns(const lsh_sorted *h, ptrdiff_t n, ptrdiff_t chunk, int round,
+                               ptrdiff_t lo, ptrdiff_t cols, lsh_columns *k)
 {
-    const int32_t *bucket = h->bucket + round * n;
-    return j != i && (!causal || j < i) && bucket[j] == bucket[i] &&
-           !lsh_seen_before(h, n, chunk, round, i, j);
+    const int32_t *order = h->order + round * n;
+    for (ptrdiff_t c = 0; c < cols; c++) k->tok[c] = order[lo + c];
+    for (int r = 0; r <= round; r++)
+        for (ptrdiff_t c = 0; c < cols; c++) {
+            int32_t j = k->tok[c];
+            k->bucket[r * cols + c] = h->bucket[r * n + j];
+            k->chunk[r * cols + c] = (int32_t)(h->rank[r * n + j] / chunk);
+        }
 }
 
 /* Places [lo, hi) of the key block [k0, end) that a tile of queries at
@@ -154,6 +151,8 @@ typedef struct {
 /* A thread's tiles. */
 typedef struct {
     REAL *x, *vb, *s, *tile_out, *dp, *dout_tile, *dq_tile, *g_block, *dv_block, *xr;
+    REAL *key_scale;        /* (2C) scale / |q_j| of a tile's key columns */
+    lsh_columns columns;
 } SFX(lsh_work);
 
 static SFX(lsh_head) SFX(lsh_position)(const attnx_lsh_args *a, ptrdiff_t head,
@@ -239,28 +238,83 @@ static void SFX(lsh_product)(int trans_a, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
     }
 }
 
+/* keep[c] = 1 when round `round` counts key column c for query i: same
+ * bucket, not i, before i when causal (the chunk condition holds for every
+ * column of the block), and no earlier round counted the pair (same bucket
+ * there, and the key's chunk the query's or the one before). Type-free,
+ * instantiated with the family only to be compiled for the wide vectors. */
+static ATTNX_HOT void SFX(lsh_keep_row)(const lsh_sorted *h, ptrdiff_t n, ptrdiff_t chunk,
+                                         int round,
+                                         int causal, int32_t i, const lsh_columns *k,
+                                         ptrdiff_t cols)
+{
+    int32_t *keep = k->keep;
+    const int32_t *tok = k->tok, *key_bucket = k->bucket + round * cols;
+    int32_t bucket = h->bucket[round * n + i];
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < cols; c++)
+        keep[c] = (key_bucket[c] == bucket) & (tok[c] != i) & (!causal | (tok[c] < i));
+    for (int r = 0; r < round; r++) {
+        int32_t earlier_bucket = h->bucket[r * n + i];
+        int32_t earlier_chunk = (int32_t)(h->rank[r * n + i] / chunk);
+        const int32_t *col_bucket = k->bucket + r * cols, *col_chunk = k->chunk + r * cols;
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < cols; c++) {
+            int32_t behind = earlier_chunk - col_chunk[c];
+            keep[c] &= !((col_bucket[c] == earlier_bucket) & ((behind == 0) | (behind == 1)));
+        }
+    }
+}
+
 /* Scores of queries at places [t0, t1) against keys at places [lo, hi):
  * s (rows, cols) holds q_i . q_j and becomes scale q_i . khat_j where the
  * round counts (i, j), -inf elsewhere. */
-static void SFX(lsh_scores)(const attnx_lsh_args *a, const SFX(lsh_head) *h, int round,
-                                 ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t lo,
-                                 ptrdiff_t hi, REAL *s)
+static ATTNX_HOT void SFX(lsh_scores)(const attnx_lsh_args *a, const SFX(lsh_head) *h, int round,
+                            ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t lo, ptrdiff_t hi, REAL *s,
+                            SFX(lsh_work) *w)
 {
     const ptrdiff_t n = a->n, rows = t1 - t0, cols = hi - lo;
     const int32_t *order = h->sorted.order + round * n;
-    REAL scale = (REAL)a->scale;
+    lsh_gather_columns(&h->sorted, n, a->chunk, round, lo, cols, &w->columns);
+    const int32_t *keep = w->columns.keep;
+    for (ptrdiff_t c = 0; c < cols; c++)
+        w->key_scale[c] = (REAL)a->scale * h->inv_norm[w->columns.tok[c]];
     for (ptrdiff_t r = 0; r < rows; r++) {
-        int32_t i = order[t0 + r];
         REAL *s_row = s + r * cols;
-        for (ptrdiff_t c = 0; c < cols; c++) {
-            int32_t j = order[lo + c];
-            if (lsh_counts(&h->sorted, n, a->chunk, a->causal, round, i, j)) {
-                s_row[c] *= scale * h->inv_norm[j];
-            } else {
-                s_row[c] = -(REAL)INFINITY;
-            }
-        }
+        SFX(lsh_keep_row)(&h->sorted, n, a->chunk, round, a->causal, order[t0 + r], &w->columns, cols);
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < cols; c++)
+            s_row[c] = keep[c] ? s_row[c] * w->key_scale[c] : -(REAL)INFINITY;
     }
+}
+
+/* A row of scores becomes its softmax weights; returns its lse. A row with
+ * nothing counted (all -inf) becomes 0 with lse -inf, unless a NaN (a
+ * query of NaN) hides there: then NaN. */
+static ATTNX_HOT REAL SFX(lsh_row_softmax)(REAL *s_row, ptrdiff_t cols)
+{
+    REAL top = -(REAL)INFINITY;
+#pragma omp simd reduction(max : top)
+    for (ptrdiff_t c = 0; c < cols; c++) top = s_row[c] > top ? s_row[c] : top;
+    if (top == -(REAL)INFINITY) {
+        int nan = 0;
+        for (ptrdiff_t c = 0; c < cols; c++) nan |= s_row[c] != s_row[c];
+        if (!nan) {
+            memset(s_row, 0, (size_t)cols * sizeof(REAL));
+            return -(REAL)INFINITY;
+        }
+        top = (REAL)NAN;
+    }
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t c = 0; c < cols; c++) {
+        s_row[c] = SFX(vexp)(s_row[c] - top);
+        sum += s_row[c];
+    }
+    REAL inv = 1 / sum;
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < cols; c++) s_row[c] *= inv;
+    return top + (REAL)log((double)sum);
 }
 
 /* The forward of one chunk of one round: (lse_r, out_r) of its queries over
@@ -281,29 +335,10 @@ static void SFX(lsh_fwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
         /* pass 1: q_i . q_j, then scaled by 1/|q_j| and masked */
         SFX(gemm)(0, 1, rows, cols, d, 1, w->x + (t0 - k0) * d, d, w->x + (lo - k0) * d, d, 0,
                   w->s, cols);
-        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s);
+        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s, w);
         /* pass 2: row softmax; a row this round counts nothing for is 0, lse -inf */
-        for (ptrdiff_t r = 0; r < rows; r++) {
-            REAL *s_row = w->s + r * cols, top = -(REAL)INFINITY;
-            for (ptrdiff_t c = 0; c < cols; c++)
-                if (s_row[c] > top || s_row[c] != s_row[c]) top = s_row[c];
-            int32_t i = order[t0 + r];
-            if (top == -(REAL)INFINITY) {
-                memset(s_row, 0, (size_t)cols * sizeof(REAL));
-                round_lse[i] = -(REAL)INFINITY;
-                continue;
-            }
-            REAL sum = 0;
-#pragma omp simd reduction(+ : sum)
-            for (ptrdiff_t c = 0; c < cols; c++) {
-                s_row[c] = SFX(vexp)(s_row[c] - top);
-                sum += s_row[c];
-            }
-            round_lse[i] = top + (REAL)log((double)sum);
-            REAL inv = 1 / sum;
-#pragma omp simd
-            for (ptrdiff_t c = 0; c < cols; c++) s_row[c] *= inv;
-        }
+        for (ptrdiff_t r = 0; r < rows; r++)
+            round_lse[order[t0 + r]] = SFX(lsh_row_softmax)(w->s + r * cols, cols);
         /* pass 3: out_r = p v */
         SFX(lsh_product)(0, rows, e, cols, w->s, cols, w->vb + (lo - k0) * e, e, w->tile_out, e,
                          v_bad);
@@ -333,7 +368,7 @@ static void SFX(lsh_bwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
         const REAL *v_k = w->vb + (lo - k0) * e;
         /* p_ij = exp(s_ij - lse_i) over the pairs this round counts */
         SFX(gemm)(0, 1, rows, cols, d, 1, x_q, d, x_k, d, 0, w->s, cols);
-        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s);
+        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s, w);
         for (ptrdiff_t r = 0; r < rows; r++) {
             int32_t i = order[t0 + r];
             REAL *s_row = w->s + r * cols, lse_i = h->lse[i];
@@ -535,10 +570,11 @@ static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
     ptrdiff_t per_set_real = 2 * n + (backward ? n + grad_rounds * n * (2 * d + e) + n * d
                                                : H * n * (e + 1));
     ptrdiff_t per_set_int = 3 * H * n + H * n_buckets;
-    ptrdiff_t per_work = 2 * C * (d + e) + TILE * 2 * C + TILE * e + HASH_ROWS * a->half +
+    ptrdiff_t per_work_int = 2 * C * (2 * H + 2);
+    ptrdiff_t per_work = 2 * C * (d + e + 1) + TILE * 2 * C + TILE * e + HASH_ROWS * a->half +
                          (backward ? TILE * 2 * C + TILE * d + 2 * C * (d + e) : 0);
     REAL *reals = malloc((size_t)(per_set_real * sets + per_work * threads) * sizeof(REAL));
-    int32_t *ints = malloc((size_t)(per_set_int * sets) * sizeof(int32_t));
+    int32_t *ints = malloc((size_t)(per_set_int * sets + per_work_int * threads) * sizeof(int32_t));
     unsigned char *flags = backward ? malloc((size_t)(H * n * sets)) : NULL;
     SFX(lsh_work) *works = malloc((size_t)threads * sizeof *works);
     SFX(lsh_head) *head_sets = malloc((size_t)sets * sizeof *head_sets);
@@ -571,8 +607,12 @@ static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
         w.s = w.vb + 2 * C * e;
         w.tile_out = w.s + TILE * 2 * C;
         w.xr = w.tile_out + TILE * e;
+        w.key_scale = w.xr + HASH_ROWS * a->half;
+        int32_t *ibase = ints + per_set_int * sets + per_work_int * t;
+        w.columns = (lsh_columns){ibase, ibase + 2 * C, ibase + 2 * C + 2 * C * H,
+                                  ibase + 2 * C + 4 * C * H};
         if (backward) {
-            w.dp = w.xr + HASH_ROWS * a->half;
+            w.dp = w.key_scale + 2 * C;
             w.dout_tile = w.tile_out;
             w.dq_tile = w.dp + TILE * 2 * C;
             w.g_block = w.dq_tile + TILE * d;
