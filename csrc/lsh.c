@@ -566,6 +566,12 @@ static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
      * (and forward chunks) over the threads */
     int outer = heads >= threads;
     int sets = outer ? threads : 1;
+    /* the sizes below in ptrdiff_t: refuse (as memory) what would overflow */
+    double words = (double)sets * (3.0 * H * n + H * (double)n_buckets +
+                                   (double)n * (H + 2) * (2.0 * d + e + 4)) +
+                   (double)threads * (2.0 * C * (2 * H + 4) * (d + e + 4) + (double)TILE * 4 * C +
+                                      (double)HASH_ROWS * a->half);
+    if (words > (double)PTRDIFF_MAX / 16) return ATTNX_ENOMEM;
     ptrdiff_t grad_rounds = outer ? 1 : H;
     ptrdiff_t per_set_real = 2 * n + (backward ? n + grad_rounds * n * (2 * d + e) + n * d
                                                : H * n * (e + 1));

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import attnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import assert_close, hypothesis_settings, vscale  # noqa: E402
+from helpers import assert_close, hypothesis_settings, run_isolated, vscale  # noqa: E402
 
 HYP = hypothesis_settings(60)
 
@@ -486,3 +486,47 @@ def test_torch_operator_gradients_dtypes_and_compile():
         at.lsh_attention(tq, tv, 4, causal="sideways")
     with pytest.raises(TypeError, match="chunk must be an integer"):
         at.lsh_attention(tq, tv, 4, chunk=2.0)
+
+
+def test_random_wrong_calls_raise_documented_errors_and_never_crash():
+    """Mostly wrong calls (shapes, dtypes, layouts, options) in a child
+    process, so that a crash is a failure rather than the end of the run."""
+    run_isolated("""
+        import itertools
+        rng = np.random.default_rng(0)
+        pick = lambda options: options[rng.integers(len(options))]
+        expected = (ValueError, TypeError, MemoryError)
+        succeeded = 0
+        for index in range(400):
+            lead = tuple(pick([1, 2, 3]) for _ in range(rng.integers(0, 3)))
+            n, n2, d, e = (pick([0, 1, 2, 5, 17, 70]) for _ in range(4))
+            dtype = pick([np.float32, np.float64, np.float16, np.int32, np.bool_, np.complex64])
+            q = rng.standard_normal(pick([lead + (n, d), lead + (n, d), (d,), lead + (n, d, 1)]))
+            v = rng.standard_normal(pick([lead + (n, e), lead + (n, e), lead + (n2, e), (2, 2, 2, n, e)]))
+            q, v = q.astype(dtype), v.astype(pick([dtype, np.float32, np.float64]))
+            if rng.random() < 0.2:
+                q = np.repeat(q, 2, axis=-1)[..., ::2]   # a strided last axis: copied once
+            options = dict(n_buckets=pick([2, 4, 6, 8, 3, 0, -2, 2.0, True, "4", 2**40]),
+                           n_hashes=pick([1, 2, 3, 0, -1, 1.5, 2**40]),
+                           chunk=pick([1, 3, 64, 0, -1, 2**62, 2.5, None]),
+                           causal=pick([False, True, "upper_left", "sideways", None, 1]),
+                           seed=pick([0, 5, -1, 2**63, 1.5]))
+            if rng.random() < 0.6:  # valid options, so that the arrays are what is wrong
+                options.update(n_buckets=pick([2, 4, 8]), n_hashes=pick([1, 2, 3]),
+                               chunk=pick([1, 3, 64, 2**62]), causal=pick([False, True]), seed=5)
+            fn = pick(["forward", "buckets", "backward"])
+            try:
+                if fn == "forward":
+                    attnx.lsh_attention(q, v, **options, return_lse=bool(rng.integers(2)))
+                elif fn == "buckets":
+                    del options["chunk"], options["causal"]
+                    attnx.lsh_buckets(q, **options)
+                else:
+                    out = np.zeros(np.broadcast_shapes(q.shape[:-1], v.shape[:-1]) + v.shape[-1:])
+                    attnx.lsh_attention_backward(out, q, v, out, out.sum(axis=-1), **options)
+                succeeded += 1
+            except expected:
+                pass
+        assert succeeded > 20, succeeded  # the valid calls are exercised too
+        print("done")
+    """)
