@@ -93,8 +93,8 @@ static void lsh_sort(const int32_t *bucket, ptrdiff_t n, ptrdiff_t n_buckets, in
 
 /* A tile's key columns (places [lo, hi) of a round), gathered once per
  * tile so that each query row tests them with contiguous loops: the token,
- * and its bucket and chunk in each round up to this one; keep, a row's
- * verdicts. */
+ * its bucket in each round up to this one and its chunk in the earlier
+ * ones; keep, a row's verdicts. */
 typedef struct {
     int32_t *tok, *bucket, *chunk, *keep;  /* (cols), (rounds, cols) twice, (cols) */
 } lsh_columns;
@@ -108,7 +108,8 @@ static void lsh_gather_columns(const lsh_sorted *h, ptrdiff_t n, ptrdiff_t chunk
         for (ptrdiff_t c = 0; c < cols; c++) {
             int32_t j = k->tok[c];
             k->bucket[r * cols + c] = h->bucket[r * n + j];
-            k->chunk[r * cols + c] = (int32_t)(h->rank[r * n + j] / chunk);
+            /* this round's chunks are those of the block: not needed */
+            if (r < round) k->chunk[r * cols + c] = (int32_t)(h->rank[r * n + j] / chunk);
         }
 }
 
@@ -175,7 +176,8 @@ static SFX(lsh_head) SFX(lsh_position)(const attnx_lsh_args *a, ptrdiff_t head,
 }
 
 /* bucket (n,) of round `round`: argmax over [q R, -q R], the first maximum
- * (so ties and NaN go to the lowest index, as numpy's argmax). */
+ * (ties to the lowest index, as numpy's argmax; a token with NaN, whose
+ * projections are all NaN, goes to bucket 0). */
 static void SFX(lsh_hash_round)(const attnx_lsh_args *a, const REAL *q, int round,
                                 int32_t *bucket, REAL *xr)
 {
@@ -244,9 +246,8 @@ static void SFX(lsh_product)(int trans_a, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
  * there, and the key's chunk the query's or the one before). Type-free,
  * instantiated with the family only to be compiled for the wide vectors. */
 static ATTNX_HOT void SFX(lsh_keep_row)(const lsh_sorted *h, ptrdiff_t n, ptrdiff_t chunk,
-                                         int round,
-                                         int causal, int32_t i, const lsh_columns *k,
-                                         ptrdiff_t cols)
+                                         int round, int causal, int32_t i,
+                                         const lsh_columns *k, ptrdiff_t cols)
 {
     int32_t *keep = k->keep;
     const int32_t *tok = k->tok, *key_bucket = k->bucket + round * cols;
