@@ -18,7 +18,9 @@ def gaussian_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, sigma: float = 
 def softmax_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
                      lse: ArrayLike, scale: float | None, sigma: float | None, causal: bool | str,
                      mask: ArrayLike | None, bias: ArrayLike | None, window: Any,
-                     dropout_p: float, seed: int | None, bias_grad: bool) -> Any: ...
+                     dropout_p: float, seed: int | None, bias_grad: bool,
+                     dq: NDArray[Any] | None = None, dk: NDArray[Any] | None = None,
+                     dv: NDArray[Any] | None = None) -> Any: ...
 def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, variant: str, feature_map: str,
                      causal: bool | str, key_mask: ArrayLike | None, mask: ArrayLike | None,
                      window: Any, method: str | None, chunk_size: int | None, eps: float,
@@ -30,7 +32,9 @@ def linear_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
                               mask: ArrayLike | None, window: Any, method: int, chunk: int,
                               eps: float, power: float, period: float,
                               projection: ArrayLike | None, S0: Any, z0: Any, dS: Any, dz: Any,
-                              offset: int, projection_grad: bool) -> Any: ...
+                              offset: int, projection_grad: bool,
+                              dq: NDArray[Any] | None = None, dk: NDArray[Any] | None = None,
+                              dv: NDArray[Any] | None = None) -> Any: ...
 def lsh_attention(q: ArrayLike, v: ArrayLike, rotations: ArrayLike, chunk: int,
                   causal: bool | str, out: NDArray[Any] | None) -> Any: ...
 def lsh_backward(dout: ArrayLike, q: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike,

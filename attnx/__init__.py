@@ -41,7 +41,7 @@ from ._systems import (
     pooled_attention_backward,
 )
 from ._lsh import lsh_attention, lsh_attention_backward, lsh_buckets, lsh_rotations
-from ._multihead import multi_head_attention
+from ._multihead import MultiHeadGradients, multi_head_attention, multi_head_attention_backward
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
     LinearAttentionState,
@@ -86,6 +86,8 @@ __all__ = [
     "attention_weights",
     "similarity",
     "multi_head_attention",
+    "multi_head_attention_backward",
+    "MultiHeadGradients",
     "sinusoidal_positions",
     "rotary",
     "rotary_backward",

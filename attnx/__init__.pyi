@@ -28,6 +28,20 @@ class LinearAttentionState:
     def step(self, q: ArrayLike, k: ArrayLike, v: ArrayLike,
              out: _Array | None = None) -> _Array: ...
 
+class MultiHeadGradients(NamedTuple):
+    x_q: _Array | None = None
+    x_kv: _Array | None = None
+    w_q: _Array | None = None
+    w_k: _Array | None = None
+    w_v: _Array | None = None
+    w_o: _Array | None = None
+    b_q: _Array | None = None
+    b_k: _Array | None = None
+    b_v: _Array | None = None
+    b_o: _Array | None = None
+    bias: _Array | None = None
+    projection: Any = None
+
 class Gradients(NamedTuple):
     q: _Array | None = None
     k: _Array | None = None
@@ -234,7 +248,8 @@ def random_features(r: int, d: int, seed: _Seed = None) -> NDArray[np.float64]: 
 # inspection, gradients, runtime --------------------------------------------
 
 _Variant = Literal["softmax", "gaussian", "linear", "cosformer", "focused", "taylor",
-                   "performer", "efficient"]
+                   "performer", "efficient", "block_sparse", "pooled", "linformer"]
+_Positions = Literal["rotary", "sinusoidal"] | None
 
 def attention_weights(q: ArrayLike, k: ArrayLike, variant: _Variant = "softmax",
                       **options: Any) -> _Array: ...
@@ -284,11 +299,19 @@ def performer_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v:
 def efficient_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                                  key_mask: Any = ..., causal: Any = ..., dq: Any = ...,
                                  dk: Any = ..., dv: Any = ...) -> Gradients: ...
-def multi_head_attention(x_q: ArrayLike, x_kv: ArrayLike, w_q: ArrayLike, w_k: ArrayLike,
-                         w_v: ArrayLike, w_o: ArrayLike, num_heads: Any, *, b_q: Any = ...,
-                         b_k: Any = ..., b_v: Any = ..., b_o: Any = ...,
-                         num_kv_heads: Any = ..., variant: Any = ...,
-                         positions: ArrayLike | None = ..., **options: Any) -> Any: ...
+def multi_head_attention(x_q: ArrayLike, x_kv: ArrayLike | None, w_q: ArrayLike, w_k: ArrayLike,
+                         w_v: ArrayLike, w_o: ArrayLike, num_heads: int, *,
+                         b_q: ArrayLike | None = None, b_k: ArrayLike | None = None,
+                         b_v: ArrayLike | None = None, b_o: ArrayLike | None = None,
+                         num_kv_heads: int | None = None, variant: _Variant = "softmax",
+                         positions: _Positions = None, **options: Any) -> _Array: ...
+def multi_head_attention_backward(dout: ArrayLike, x_q: ArrayLike, x_kv: ArrayLike | None,
+                                  w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike,
+                                  num_heads: int, *, b_q: ArrayLike | None = None,
+                                  b_k: ArrayLike | None = None, b_v: ArrayLike | None = None,
+                                  b_o: ArrayLike | None = None, num_kv_heads: int | None = None,
+                                  variant: _Variant = "softmax", positions: _Positions = None,
+                                  **options: Any) -> MultiHeadGradients: ...
 def sinusoidal_positions(n: Any, d: Any, base: Any = ...) -> Any: ...
 def rotary(x: ArrayLike, positions: ArrayLike | None = ..., base: Any = ...,
            interleaved: Any = ...) -> Any: ...
@@ -351,6 +374,8 @@ __all__ = [
     "attention_weights",
     "similarity",
     "multi_head_attention",
+    "multi_head_attention_backward",
+    "MultiHeadGradients",
     "sinusoidal_positions",
     "rotary",
     "rotary_backward",

@@ -20,6 +20,17 @@ which that input was broadcast); a field that does not apply is None:
 ``projection_grad=True`` (FAVOR+) or for Linformer's ``(dE, dF)``,
 ``state`` unless an ``initial_state`` was given (then ``(dS, dz)``)."""
 
+MultiHeadGradients = namedtuple("MultiHeadGradients", "x_q x_kv w_q w_k w_v w_o b_q b_k b_v b_o bias projection",
+                                defaults=(None,) * 12)
+MultiHeadGradients.__doc__ = """Gradients of sum(dout * multi_head_attention(...)).
+
+``x_q``, ``x_kv``: of the inputs (``x_kv`` None for self-attention, x_kv=None:
+then ``x_q`` holds both shares); ``w_q``, ``w_k``, ``w_v``, ``w_o`` and
+``b_q``, ``b_k``, ``b_v``, ``b_o``: of the weights and biases (a bias not
+given: None); ``bias``: of an attention bias option; ``projection``: of the
+variant's own weights (Linformer's ``(dE, dF)``, FLatten's ``dwc_weight``).
+Each in its input's shape and dtype."""
+
 _VJP_RULES = {}
 
 
@@ -36,6 +47,8 @@ def vjp(fn, *args, **options):
 
     ``fn`` is a public attnx function that has a backward, e.g.
     ``out, pullback = attnx.vjp(attnx.softmax_attention, q, k, v, causal=True)``.
+    For ``attnx.multi_head_attention`` the pullback returns
+    :class:`MultiHeadGradients` (the inputs', weights' and biases' gradients).
     """
     rule = _VJP_RULES.get(fn)
     if rule is None:
@@ -59,3 +72,52 @@ def sum_to_shape(grad, shape):
         extra + i for i, size in enumerate(shape) if size == 1 and grad.shape[extra + i] != 1)
     reduced = grad.sum(axis=axes, keepdims=True) if axes else grad
     return np.ascontiguousarray(reduced.reshape(shape))
+
+
+def grad_dtype(x, compute_dtype):
+    """A gradient has its input's dtype when that is a float type (float16
+    included: computed in float32); integer and bool inputs get the
+    compute dtype, since their gradient is not an integer."""
+    dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
+    return dtype if dtype.kind == "f" and dtype.itemsize <= 8 else compute_dtype
+
+
+def deliver(grad, x, given, name):
+    """grad (on the call's broadcast batch shape) reduced to x's shape and
+    dtype, and written into `given` when the caller passed one (unless the
+    kernel wrote it there already: see direct_output)."""
+    shape = np.shape(x)
+    reduced = sum_to_shape(grad, shape)
+    dtype = grad_dtype(x, grad.dtype)
+    if given is None:
+        return reduced.astype(dtype, copy=False)
+    if not isinstance(given, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(given).__name__}")
+    if given.shape != shape or given.dtype != dtype:
+        raise ValueError(f"{name} must have shape {shape} and dtype {dtype}, "
+                         f"got shape {given.shape} and dtype {given.dtype}")
+    if reduced is not given:
+        np.copyto(given, reduced, casting="same_kind")
+    return given
+
+
+def direct_output(given, x, inputs, batch_shapes):
+    """`given` when the kernel may write x's gradient straight into it, so
+    that no gradient-sized temporary is made: x is not broadcast (its batch
+    shape is the call's, the broadcast of `batch_shapes`), the float
+    `inputs` share one dtype, float32 or float64, which is given's, and
+    given has x's shape, a contiguous last axis and is writeable. Else None:
+    the kernel allocates, and deliver() reduces and copies."""
+    if not isinstance(given, np.ndarray) or not isinstance(x, np.ndarray):
+        return None
+    dtypes = {getattr(a, "dtype", None) for a in inputs}
+    if len(dtypes) != 1 or given.dtype not in (np.float32, np.float64) or given.dtype not in dtypes:
+        return None
+    try:
+        batch = np.broadcast_shapes(*batch_shapes)
+    except ValueError:
+        return None
+    if (given.shape != x.shape or x.shape[:-2] != batch or given.strides[-1] != given.itemsize
+            or not given.flags.writeable or not given.flags.aligned):
+        return None
+    return given

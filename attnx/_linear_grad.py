@@ -18,7 +18,7 @@ import numbers
 import numpy as np
 
 from . import _C, _dwc
-from ._grad import Gradients, register_vjp, sum_to_shape
+from ._grad import Gradients, deliver, direct_output, grad_dtype, register_vjp, sum_to_shape
 from ._linear import (
     cosformer_attention,
     efficient_attention,
@@ -64,27 +64,6 @@ def _state_arrays(state, name):
         return state.S, state.z
     raise TypeError(f"{name} must be a LinearAttentionState or a pair (dS, dz), "
                     f"got {type(state).__name__}")
-
-
-def _grad_dtype(x, compute):
-    """a gradient takes its input's dtype when that is a float type"""
-    dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
-    return dtype if dtype.kind == "f" else compute
-
-
-def _deliver(grad, x, given, name):
-    """grad (on the broadcast shape) reduced to the shape of x, in x's
-    dtype, written into `given` when the caller passed one"""
-    shape = np.shape(x)
-    grad = sum_to_shape(grad, shape)
-    grad = grad.astype(_grad_dtype(x, grad.dtype), copy=False)
-    if given is None:
-        return grad
-    if not isinstance(given, np.ndarray) or given.shape != grad.shape or given.dtype != grad.dtype:
-        raise ValueError(f"{name} must be a numpy array of shape {grad.shape} and dtype "
-                         f"{grad.dtype}")
-    np.copyto(given, grad)
-    return given
 
 
 def _backward(front, dout, q, k, v, a):
@@ -159,16 +138,21 @@ def _backward(front, dout, q, k, v, a):
     if projection_grad and kind != _FEATURE_MAPS["favor"]:
         raise ValueError("projection_grad=True needs feature_map='favor' (performer_attention)")
 
+    key_mask = a.get("key_mask")
+    shapes = [np.shape(x)[:-2] for x in (dout, q, k, v, mask, S0, dS_in) if x is not None]
+    shapes += [np.shape(x)[:-1] for x in (key_mask, z0, dz_in) if x is not None]
+    direct = [direct_output(a.get(name), x, (dout, q, k, v), shapes)
+              for name, x in (("dq", q), ("dk", k), ("dv", v))]
     dq, dk, dv, dW, dS0, dz0 = _C.linear_attention_backward(
-        dout, q, k, v, kind, causal, a.get("key_mask"), mask, window, method, chunk, eps, power,
-        period, projection, S0, z0, dS_in, dz_in, offset, projection_grad)
+        dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power,
+        period, projection, S0, z0, dS_in, dz_in, offset, projection_grad, *direct)
     state = None
     if S0 is not None:
         state = (sum_to_shape(dS0, np.shape(S0)), sum_to_shape(dz0, np.shape(z0)))
     if dW is not None:
-        dW = dW.astype(_grad_dtype(projection, dW.dtype), copy=False)
-    return Gradients(q=_deliver(dq, q, a.get("dq"), "dq"), k=_deliver(dk, k, a.get("dk"), "dk"),
-                     v=_deliver(dv, v, a.get("dv"), "dv"), projection=dW, state=state)
+        dW = dW.astype(grad_dtype(projection, dW.dtype), copy=False)
+    return Gradients(q=deliver(dq, q, a.get("dq"), "dq"), k=deliver(dk, k, a.get("dk"), "dk"),
+                     v=deliver(dv, v, a.get("dv"), "dv"), projection=dW, state=state)
 
 
 def linear_attention_backward(dout, q, k, v, *, feature_map="elu", causal=False, key_mask=None,

@@ -12,8 +12,7 @@ import numpy as np
 
 from . import _C
 from ._checks import count
-from ._grad import Gradients, register_vjp
-from ._softmax import _finish
+from ._grad import Gradients, deliver, register_vjp
 
 
 def lsh_rotations(d, n_buckets, n_hashes=1, seed=0):
@@ -97,7 +96,7 @@ def lsh_attention_backward(dout, q, v, out, lse, n_buckets, n_hashes=1, chunk=64
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
     grad_q, grad_v = _C.lsh_backward(dout, q, v, out, lse,
                                      _rotations_for(q, n_buckets, n_hashes, seed), chunk, causal)
-    return Gradients(q=_finish(grad_q, q, "dq", dq), v=_finish(grad_v, v, "dv", dv))
+    return Gradients(q=deliver(grad_q, q, dq, "dq"), v=deliver(grad_v, v, dv, "dv"))
 
 
 def _lsh_vjp_rule(q, v, *args, **options):

@@ -1,10 +1,13 @@
 """The multi-head attention layer over numpy arrays: projections, heads,
-positions, any attnx variant, and the output projection."""
+positions, any attnx variant, and the output projection; and its backward,
+the chain rule through those steps around the variant's own backward."""
 import numpy as np
 
 from . import _C, _linear, _systems
 from ._checks import count
-from ._positions import rotary, sinusoidal_positions
+from ._grad import MultiHeadGradients, register_vjp, vjp
+from ._positions import rotary, rotary_backward, sinusoidal_positions
+from ._grad import grad_dtype
 
 VARIANTS = {
     "softmax": _C.softmax_attention,
@@ -64,6 +67,135 @@ def _per_head(option, x, num_heads, kv_heads, group):
                      f"axis, of size num_heads ({num_heads}) or 1")
 
 
+
+
+def _merge_heads(x):
+    """(..., kv_heads, group, L, c) -> (..., L, kv_heads * group * c): the
+    inverse of _split_heads (a copy)."""
+    y = np.moveaxis(x, -2, -4)
+    return y.reshape(y.shape[:-3] + (-1,))
+
+
+class _Layer:
+    """One multi-head call's checked arguments: inputs (with the sinusoidal
+    table added), weights, biases, head counts, and the variant's options
+    with their per-head arrays laid out as (..., kv_heads, group, core...)."""
+
+    def __init__(self, x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, b_q, b_k, b_v, b_o, num_kv_heads,
+                 variant, positions, options):
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(map(repr, VARIANTS))}")
+        refused = {"out", "return_lse", "return_state", "initial_state"} & options.keys()
+        if refused:
+            raise TypeError(f"multi_head_attention takes no {', '.join(sorted(refused))} option "
+                            "(it returns the layer's output only)")
+        if positions not in (None, "rotary", "sinusoidal"):
+            raise ValueError(f"positions must be None, 'rotary' or 'sinusoidal', got {positions!r}")
+        self.self_attention = x_kv is None
+        x_q = np.asarray(x_q)
+        x_kv = x_q if x_kv is None else np.asarray(x_kv)
+        for name, x in (("x_q", x_q), ("x_kv", x_kv)):
+            if x.ndim < 2:
+                raise ValueError(f"{name} must have at least 2 dimensions (..., length, features), got shape {x.shape}")
+        heads = count(num_heads, "num_heads", 1)
+        kv_heads = heads if num_kv_heads is None else count(num_kv_heads, "num_kv_heads", 1)
+        if heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
+        self.heads, self.kv_heads, self.group = heads, kv_heads, heads // kv_heads
+        self.w_q = _weights(w_q, "w_q", x_q.shape[-1], heads, "d")
+        d = self.w_q.shape[1] // heads
+        self.w_k = _weights(w_k, "w_k", x_kv.shape[-1], kv_heads, "d")
+        if self.w_k.shape[1] != kv_heads * d:
+            raise ValueError(f"w_k must have shape ({x_kv.shape[-1]}, {kv_heads * d}): num_kv_heads ({kv_heads}) "
+                             f"heads of w_q's head size d = {d}, got {self.w_k.shape}")
+        self.w_v = _weights(w_v, "w_v", x_kv.shape[-1], kv_heads, "e")
+        e = self.w_v.shape[1] // kv_heads
+        self.w_o = np.asarray(w_o)
+        if self.w_o.ndim != 2 or self.w_o.shape[0] != heads * e:
+            raise ValueError(f"w_o must have shape ({heads * e}, out): num_heads * e rows, got {self.w_o.shape}")
+        self.b_q, self.b_k = _bias(b_q, "b_q", heads * d), _bias(b_k, "b_k", kv_heads * d)
+        self.b_v, self.b_o = _bias(b_v, "b_v", kv_heads * e), _bias(b_o, "b_o", self.w_o.shape[1])
+        self.input_shapes = (x_q.shape, x_kv.shape)
+        if positions == "sinusoidal":
+            x_q = x_q + sinusoidal_positions(x_q.shape[-2], x_q.shape[-1]).astype(x_q.dtype, copy=False)
+            x_kv = x_q if self.self_attention else x_kv + sinusoidal_positions(
+                x_kv.shape[-2], x_kv.shape[-1]).astype(x_kv.dtype, copy=False)
+        self.x_q, self.x_kv = x_q, x_kv
+        self.variant, self.rotary = variant, positions == "rotary"
+        self.option_shapes = {}
+        for option in _PER_HEAD_OPTIONS:
+            if options.get(option) is not None:
+                self.option_shapes[option] = np.shape(options[option])
+                options[option] = _per_head(option, options[option], heads, kv_heads, group=self.group)
+        self.options = options
+
+    def run(self, differentiate):
+        """The layer's output, its concatenated heads (..., n, num_heads * e)
+        and, when differentiating, the variant's pullback."""
+        q = _split_heads(_project(self.x_q, self.w_q, self.b_q), self.kv_heads, self.group)  # (..., Hkv, g, n, d)
+        k = _split_heads(_project(self.x_kv, self.w_k, self.b_k), self.kv_heads, 1)          # (..., Hkv, 1, m, d)
+        v = _split_heads(_project(self.x_kv, self.w_v, self.b_v), self.kv_heads, 1)          # (..., Hkv, 1, m, e)
+        if self.rotary:
+            q, k = rotary(q), rotary(k)
+        front = VARIANTS[self.variant]
+        pullback = None
+        if differentiate:
+            heads_out, pullback = vjp(front, q, k, v, **self.options)                      # (..., Hkv, g, n, e)
+        else:
+            heads_out = front(q, k, v, **self.options)
+        concatenated = _merge_heads(heads_out)
+        return _project(concatenated, self.w_o, self.b_o), concatenated, pullback
+
+    def pull_back(self, dout, out, concatenated, pullback):
+        """MultiHeadGradients of sum(dout * out): the output projection, the
+        variant's pullback per head, the rotation, the input projections."""
+        dout = np.asarray(dout)
+        if dout.shape != out.shape:
+            raise ValueError(f"dout must have the layer output's shape {out.shape}, got {dout.shape}")
+        dout = dout.astype(out.dtype, copy=False)
+        g = pullback(_split_heads(dout @ self.w_o.T, self.kv_heads, self.group))
+        dq, dk = (rotary_backward(x) for x in (g.q, g.k)) if self.rotary else (g.q, g.k)
+        dQ, dK, dV = _merge_heads(dq), _merge_heads(dk), _merge_heads(g.v)
+        dx_q = dQ @ self.w_q.T
+        dx_kv = dK @ self.w_k.T + dV @ self.w_v.T
+        if self.self_attention:
+            dx_q, dx_kv = dx_q + dx_kv, None
+        compute = out.dtype
+
+        def finish(grad, x):
+            return None if grad is None else grad.astype(grad_dtype(x, compute), copy=False)
+
+        def bias_grad(b, grad):
+            return None if b is None else finish(grad.reshape(-1, grad.shape[-1]).sum(axis=0), b)
+
+        return MultiHeadGradients(
+            x_q=finish(dx_q, self.x_q), x_kv=finish(dx_kv, self.x_kv),
+            w_q=finish(_weight_grad(self.x_q, dQ), self.w_q),
+            w_k=finish(_weight_grad(self.x_kv, dK), self.w_k),
+            w_v=finish(_weight_grad(self.x_kv, dV), self.w_v),
+            w_o=finish(_weight_grad(concatenated, dout), self.w_o),
+            b_q=bias_grad(self.b_q, dQ), b_k=bias_grad(self.b_k, dK), b_v=bias_grad(self.b_v, dV),
+            b_o=bias_grad(self.b_o, dout),
+            bias=None if g.bias is None else g.bias.reshape(self.option_shapes["bias"]),
+            projection=self._projection_grad(g.projection))
+
+    def _projection_grad(self, grad):
+        """The variant's own weight gradients: Linformer's (dE, dF) in the
+        shapes the caller gave E and F; others (FLatten's convolution
+        weight) as they are."""
+        if grad is None or self.variant != "linformer":
+            return grad
+        return tuple(None if x is None else x.reshape(self.option_shapes[name])
+                     for x, name in zip(grad, ("E", "F")))
+
+
+def _weight_grad(x, dy):
+    """sum over the leading axes and rows of x^T dy: x (..., L, a) and
+    dy (..., L, b) -> (a, b)."""
+    x = np.broadcast_to(x, dy.shape[:-1] + x.shape[-1:])
+    return x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
+
+
 def multi_head_attention(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, b_k=None, b_v=None,
                          b_o=None, num_kv_heads=None, variant="softmax", positions=None, **options):
     """Multi-head attention: ``concat_h(attention(q_h, k_h, v_h)) @ w_o + b_o``.
@@ -88,54 +220,39 @@ def multi_head_attention(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, 
     positions: None, "sinusoidal" (the Transformer's table added to x_q and
     x_kv first) or "rotary" (q and k rotated per head, positions 0..n-1 and
     0..m-1, rotate-half pairs).
-    Returns (..., n, out).
+    Returns (..., n, out). Its backward is
+    :func:`multi_head_attention_backward` (or ``attnx.vjp``).
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(map(repr, VARIANTS))}")
-    refused = {"out", "return_lse", "return_state", "initial_state"} & options.keys()
-    if refused:
-        raise TypeError(f"multi_head_attention takes no {', '.join(sorted(refused))} option "
-                        "(it returns the layer's output only)")
-    if positions not in (None, "rotary", "sinusoidal"):
-        raise ValueError(f"positions must be None, 'rotary' or 'sinusoidal', got {positions!r}")
-    x_q = np.asarray(x_q)
-    x_kv = x_q if x_kv is None else np.asarray(x_kv)
-    for name, x in (("x_q", x_q), ("x_kv", x_kv)):
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., length, features), got shape {x.shape}")
-    heads = count(num_heads, "num_heads", 1)
-    kv_heads = heads if num_kv_heads is None else count(num_kv_heads, "num_kv_heads", 1)
-    if heads % kv_heads:
-        raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
-    group = heads // kv_heads
-    w_q = _weights(w_q, "w_q", x_q.shape[-1], heads, "d")
-    d = w_q.shape[1] // heads
-    w_k = _weights(w_k, "w_k", x_kv.shape[-1], kv_heads, "d")
-    if w_k.shape[1] != kv_heads * d:
-        raise ValueError(f"w_k must have shape ({x_kv.shape[-1]}, {kv_heads * d}): num_kv_heads ({kv_heads}) "
-                         f"heads of w_q's head size d = {d}, got {w_k.shape}")
-    w_v = _weights(w_v, "w_v", x_kv.shape[-1], kv_heads, "e")
-    e = w_v.shape[1] // kv_heads
-    w_o = np.asarray(w_o)
-    if w_o.ndim != 2 or w_o.shape[0] != heads * e:
-        raise ValueError(f"w_o must have shape ({heads * e}, out): num_heads * e rows, got {w_o.shape}")
-    b_q, b_k = _bias(b_q, "b_q", heads * d), _bias(b_k, "b_k", kv_heads * d)
-    b_v, b_o = _bias(b_v, "b_v", kv_heads * e), _bias(b_o, "b_o", w_o.shape[1])
+    layer = _Layer(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, b_q, b_k, b_v, b_o, num_kv_heads,
+                   variant, positions, options)
+    return layer.run(differentiate=False)[0]
 
-    if positions == "sinusoidal":
-        same = x_kv is x_q
-        x_q = x_q + sinusoidal_positions(x_q.shape[-2], x_q.shape[-1]).astype(x_q.dtype, copy=False)
-        x_kv = x_q if same else x_kv + sinusoidal_positions(x_kv.shape[-2], x_kv.shape[-1]).astype(
-            x_kv.dtype, copy=False)
-    q = _split_heads(_project(x_q, w_q, b_q), kv_heads, group)   # (..., Hkv, g, n, d)
-    k = _split_heads(_project(x_kv, w_k, b_k), kv_heads, 1)      # (..., Hkv, 1, m, d)
-    v = _split_heads(_project(x_kv, w_v, b_v), kv_heads, 1)      # (..., Hkv, 1, m, e)
-    if positions == "rotary":
-        q, k = rotary(q), rotary(k)
-    for option in _PER_HEAD_OPTIONS:
-        if options.get(option) is not None:
-            options[option] = _per_head(option, options[option], heads, kv_heads, group)
-    heads_out = VARIANTS[variant](q, k, v, **options)           # (..., Hkv, g, n, e)
-    concatenated = np.moveaxis(heads_out, -2, -4)               # (..., n, Hkv, g, e)
-    concatenated = concatenated.reshape(concatenated.shape[:-3] + (heads * e,))
-    return _project(concatenated, w_o, b_o)
+
+def multi_head_attention_backward(dout, x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None,
+                                  b_k=None, b_v=None, b_o=None, num_kv_heads=None,
+                                  variant="softmax", positions=None, **options):
+    """Gradients of ``sum(dout * multi_head_attention(x_q, x_kv, ...))``
+    with the forward's arguments and options, as a
+    :class:`MultiHeadGradients` named tuple (x_q, x_kv, w_q, w_k, w_v, w_o,
+    b_q, b_k, b_v, b_o, bias, projection). The forward is recomputed, then
+    the output projection, the variant's own backward per head (every
+    variant has one), the rotary rotation's transpose and the input
+    projections are pulled back. ``attnx.vjp(attnx.multi_head_attention,
+    ...)`` returns the same gradients from a pullback without recomputing.
+    Random parts must repeat: dropout needs its seed=, performer its
+    projection= or seed=."""
+    layer = _Layer(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, b_q, b_k, b_v, b_o, num_kv_heads,
+                   variant, positions, options)
+    out, concatenated, pullback = layer.run(differentiate=True)
+    return layer.pull_back(dout, out, concatenated, pullback)
+
+
+def _vjp_rule(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, b_k=None, b_v=None, b_o=None,
+              num_kv_heads=None, variant="softmax", positions=None, **options):
+    layer = _Layer(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, b_q, b_k, b_v, b_o, num_kv_heads,
+                   variant, positions, options)
+    out, concatenated, pullback = layer.run(differentiate=True)
+    return out, lambda dout: layer.pull_back(dout, out, concatenated, pullback)
+
+
+register_vjp(multi_head_attention, _vjp_rule)

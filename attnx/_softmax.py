@@ -9,41 +9,21 @@ heads) and dtype.
 import numpy as np
 
 from . import _C
-from ._grad import Gradients, register_vjp, sum_to_shape
-
-
-def _grad_dtype(x, compute_dtype):
-    """A gradient has its input's dtype when that is a float type (float16
-    included: computed in float32); integer and bool inputs get the
-    compute dtype, since their gradient is not an integer."""
-    dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
-    return dtype if dtype.kind == "f" and dtype.itemsize <= 8 else compute_dtype
-
-
-def _finish(grad, x, name, given):
-    """grad reduced to x's shape and dtype, written into `given` if any."""
-    shape = np.shape(x)
-    reduced = sum_to_shape(grad, shape)
-    dtype = _grad_dtype(x, grad.dtype)
-    if given is None:
-        return reduced.astype(dtype, copy=False)
-    if not isinstance(given, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(given).__name__}")
-    if given.shape != shape or given.dtype != dtype:
-        raise ValueError(f"{name} must have shape {shape} and dtype {dtype}, "
-                         f"got shape {given.shape} and dtype {given.dtype}")
-    np.copyto(given, reduced, casting="same_kind")
-    return given
+from ._grad import Gradients, deliver, direct_output, register_vjp
 
 
 def _backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed,
               bias_grad, dq, dk, dv):
+    inputs = (dout, q, k, v, out)
+    shapes = [np.shape(x)[:-2] for x in (dout, q, k, v, out, mask, bias) if x is not None]
+    shapes.append(np.shape(lse)[:-1])
+    direct = [direct_output(g, x, inputs, shapes) for g, x in ((dq, q), (dk, k), (dv, v))]
     grad_q, grad_k, grad_v, grad_bias = _C.softmax_backward(
         dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed,
-        bool(bias_grad))
-    return Gradients(q=_finish(grad_q, q, "dq", dq), k=_finish(grad_k, k, "dk", dk),
-                     v=_finish(grad_v, v, "dv", dv),
-                     bias=None if grad_bias is None else _finish(grad_bias, bias, "dbias", None))
+        bool(bias_grad), *direct)
+    return Gradients(q=deliver(grad_q, q, dq, "dq"), k=deliver(grad_k, k, dk, "dk"),
+                     v=deliver(grad_v, v, dv, "dv"),
+                     bias=None if grad_bias is None else deliver(grad_bias, bias, None, "dbias"))
 
 
 def softmax_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, mask=None,

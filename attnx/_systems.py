@@ -8,8 +8,8 @@ import numpy as np
 
 from . import _C
 from ._checks import count as _count
-from ._grad import Gradients, register_vjp, sum_to_shape
-from ._softmax import _finish, _grad_dtype, lse_vjp_rule, softmax_attention_backward
+from ._grad import Gradients, deliver, grad_dtype, register_vjp, sum_to_shape
+from ._softmax import lse_vjp_rule, softmax_attention_backward
 
 _CAUSAL_MODES = {False: None, True: "lower_right", "lower_right": "lower_right", "upper_left": "upper_left"}
 
@@ -418,9 +418,9 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
         if x.shape != shape:
             raise ValueError(f"{name} must have the shape of the forward's result {shape}, got {x.shape}")
     compute = _result_dtype(q, k, v)
-    padded = [np.zeros(x.shape[:-2] + (-(-x.shape[-2] // bs) * bs, x.shape[-1]), _grad_dtype(x, compute))
+    padded = [np.zeros(x.shape[:-2] + (-(-x.shape[-2] // bs) * bs, x.shape[-1]), grad_dtype(x, compute))
               for x in (q, k, v)]
-    grad_bias = np.zeros(bias.shape, _grad_dtype(bias, compute)) if bias_grad and bias is not None else None
+    grad_bias = np.zeros(bias.shape, grad_dtype(bias, compute)) if bias_grad and bias is not None else None
     if n and m:
         q_blocks, k_blocks, v_blocks, dout_blocks, out_blocks = (_as_blocks(x, bs) for x in (q, k, v, dout, out))
         lse_blocks = _as_blocks(lse, bs, fill=-np.inf, core=1)  # padding rows see nothing
@@ -453,8 +453,8 @@ def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size,
                     # padding rows and keys repeat the last token with a zero gradient
                     np.add.at(dbias_i, (Ellipsis, rows, cols), g.bias)
     grads = [x[..., :length, :] for x, length in zip(padded, (n, m, m))]
-    return Gradients(q=_finish(grads[0], q, "dq", dq), k=_finish(grads[1], k, "dk", dk),
-                     v=_finish(grads[2], v, "dv", dv), bias=grad_bias)
+    return Gradients(q=deliver(grads[0], q, dq, "dq"), k=deliver(grads[1], k, dk, "dk"),
+                     v=deliver(grads[2], v, dv, "dv"), bias=grad_bias)
 
 
 # --------------------------------------------------------------------------
@@ -546,8 +546,8 @@ def pooled_attention_backward(dout, q, k, v, out, lse, stride, mode="mean", *, b
     g = softmax_attention_backward(dout, q, pooled_k, pooled_v, out, lse, bias_grad=bias_grad,
                                    **softmax_options)
     compute = _result_dtype(q, k, v)
-    dk = _unpool(g.k, k, stride, mode).astype(_grad_dtype(k, compute), copy=False)
-    dv = _unpool(g.v, v, stride, mode).astype(_grad_dtype(v, compute), copy=False)
+    dk = _unpool(g.k, k, stride, mode).astype(grad_dtype(k, compute), copy=False)
+    dv = _unpool(g.v, v, stride, mode).astype(grad_dtype(v, compute), copy=False)
     return Gradients(q=g.q, k=dk, v=dv, bias=g.bias)
 
 
@@ -593,13 +593,13 @@ def linformer_attention_backward(dout, q, k, v, out, lse, E, F=None, *, bias_gra
     grad_v = np.swapaxes(F_arr, -1, -2).astype(compute, copy=False) @ g.v
     grad_E = g.k @ np.swapaxes(k, -1, -2).astype(compute, copy=False)
     grad_F = g.v @ np.swapaxes(v, -1, -2).astype(compute, copy=False)
-    dk = sum_to_shape(grad_k, k.shape).astype(_grad_dtype(k, compute), copy=False)
-    dv = sum_to_shape(grad_v, v.shape).astype(_grad_dtype(v, compute), copy=False)
+    dk = sum_to_shape(grad_k, k.shape).astype(grad_dtype(k, compute), copy=False)
+    dv = sum_to_shape(grad_v, v.shape).astype(grad_dtype(v, compute), copy=False)
     if F is None:
-        dE = sum_to_shape(grad_E + grad_F, E_arr.shape).astype(_grad_dtype(E_arr, compute), copy=False)
+        dE = sum_to_shape(grad_E + grad_F, E_arr.shape).astype(grad_dtype(E_arr, compute), copy=False)
         return Gradients(q=g.q, k=dk, v=dv, bias=g.bias, projection=(dE, None))
-    dE = sum_to_shape(grad_E, E_arr.shape).astype(_grad_dtype(E_arr, compute), copy=False)
-    dF = sum_to_shape(grad_F, F_arr.shape).astype(_grad_dtype(F_arr, compute), copy=False)
+    dE = sum_to_shape(grad_E, E_arr.shape).astype(grad_dtype(E_arr, compute), copy=False)
+    dF = sum_to_shape(grad_F, F_arr.shape).astype(grad_dtype(F_arr, compute), copy=False)
     return Gradients(q=g.q, k=dk, v=dv, bias=g.bias, projection=(dE, dF))
 
 

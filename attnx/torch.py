@@ -584,10 +584,12 @@ def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=No
 
 
 def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None, window=None,
-                             method=None, chunk_size=None, eps=1e-6):
-    """attnx.focused_linear_attention on tensors, differentiable in q, k, v."""
-    return _linear_call("focused", q, k, v, "elu", causal, key_mask, mask, window, method,
-                        chunk_size, eps, p=p)
+                             method=None, chunk_size=None, eps=1e-6, dwc_weight=None, spatial=None):
+    """attnx.focused_linear_attention on tensors, differentiable in q, k, v
+    and dwc_weight (FLatten's depthwise convolution of v added to the output)."""
+    out = _linear_call("focused", q, k, v, "elu", causal, key_mask, mask, window, method,
+                       chunk_size, eps, p=p)
+    return _add_depthwise_convolution(out, q, v, dwc_weight, spatial)
 
 
 def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None, method=None,
@@ -652,6 +654,13 @@ def attention_weights(q, k, variant="softmax", **options):
         # explicit similarities, as attnx.attention_weights computes them
         options["method"] = "quadratic"
     return _FRONT_ENDS[variant](q, k, identity, **options)
+
+
+from ._torch_systems import (  # noqa: E402  the other systems (attnx/_torch_systems.py)
+    MultiheadAttention, block_sparse_attention, linformer_attention, pooled_attention, rotary,
+    sinusoidal_positions, add_depthwise_convolution as _add_depthwise_convolution)
+__all__ += ["sinusoidal_positions", "rotary", "block_sparse_attention", "pooled_attention",
+            "linformer_attention", "MultiheadAttention"]
 
 
 # ------------------------------------------------ Hugging Face transformers

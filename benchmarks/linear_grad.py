@@ -2,7 +2,8 @@
 attnx (linear_attention, then linear_attention_backward) beside pure-torch
 formulations under autograd: the chunk-64 loop with a carried state, all
 chunks at once (an exclusive cumsum of the chunk states), and the cumsum
-form (every prefix state materialised) where its memory fits. Median wall
+form (every prefix state materialised) where its memory fits; and
+fast-transformers' CPU causal product when it is importable. Median wall
 times of interleaved rounds, the ratios taken in the same rounds, and time
 per token against n (linear when the per-token time stays flat).
 
@@ -12,6 +13,18 @@ per token against n (linear when the per-token time stays flat).
 Shapes (1, 8, n, 64), float32, every library on the same threads. attnx's
 gradients are checked against torch's (float32, relative 1e-3) before the
 timing.
+
+fast-transformers (pytorch-fast-transformers) is timed when
+`fast_transformers.causal_product` imports, from the environment or from the
+directory named by ATTNX_FAST_TRANSFORMERS (a checkout whose CPU causal
+product extension was built in place; docs/performance.md says how). Two rows:
+"ft causal_dot_product" is its product kernel alone, forward + backward on
+precomputed elu + 1 features (the figure its users quote), and "ft causal
+linear" its whole normalised attention as its CausalLinearAttention computes
+it (elu + 1 features, the causal product for the numerator, a cumsum for the
+denominator, 1 / (denominator + 1e-6)) under autograd, on the head-major
+inputs directly (its module's permute copies left out). Otherwise the run
+says it is absent and why.
 """
 import argparse
 import json
@@ -83,6 +96,41 @@ def torch_forms():
                    "torch cumsum": cumsum}
 
 
+def fast_transformers_product():
+    """(causal_dot_product, where it came from, None) when fast-transformers'
+    CPU causal product imports, else (None, None, why not)."""
+    built = os.environ.get("ATTNX_FAST_TRANSFORMERS")
+    if built:
+        if not os.path.isdir(os.path.join(built, "fast_transformers")):
+            return None, None, (f"ATTNX_FAST_TRANSFORMERS={built} holds no fast_transformers "
+                                f"package")
+        sys.path.insert(0, built)
+    try:
+        from fast_transformers.causal_product import causal_dot_product
+    except ImportError as error:
+        if built:
+            return None, None, (f"fast_transformers.causal_product does not import from "
+                                f"ATTNX_FAST_TRANSFORMERS={built}: {error}")
+        return None, None, (f"fast_transformers.causal_product is not importable ({error}); its "
+                            f"PyPI sdist needs CUDA_HOME to build: build its CPU causal product "
+                            f"in place and set ATTNX_FAST_TRANSFORMERS (docs/performance.md)")
+    import fast_transformers
+    return causal_dot_product, os.path.dirname(os.path.dirname(fast_transformers.__file__)), None
+
+
+def fast_transformers_linear(causal_dot_product):
+    import torch
+
+    def causal_linear(q, k, v):
+        """normalised as fast-transformers' CausalLinearAttention: the product
+        kernel for the numerator, a cumsum of the keys for the denominator"""
+        phi_q, phi_k = (torch.nn.functional.elu(x) + 1 for x in (q, k))
+        normaliser = 1 / ((phi_q * phi_k.cumsum(-2)).sum(-1) + EPS)
+        return causal_dot_product(phi_q, phi_k, v) * normaliser[..., None]
+
+    return causal_linear
+
+
 def torch_call(torch, form, q, k, v, dout):
     leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
     grad_out = torch.from_numpy(dout)
@@ -105,11 +153,20 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch, forms = torch_forms()
+    # fast-transformers' kernel parallelises over heads with OpenMP in torch's
+    # own libgomp, so torch's thread count governs it too
     torch.set_num_threads(attnx.get_num_threads())
+    ft_product, ft_origin, ft_absent = fast_transformers_product()
+    if ft_product is not None:
+        ft_causal_linear = fast_transformers_linear(ft_product)
     print(f"causal elu linear attention, forward + backward, (1, 8, n, 64) float32, "
           f"{attnx.get_num_threads()} threads (torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads); load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
+    if ft_absent:
+        print(f"fast-transformers: absent: {ft_absent}")
+    else:
+        print(f"fast-transformers: causal_dot_product from {ft_origin}")
     results = []
     header = f"{'n':>6s} {'form':25s} {'median ms':>10s} {'us/token':>9s} {'vs attnx':>9s}"
     print(header)
@@ -128,14 +185,22 @@ def main():
             if name == "torch cumsum" and n > args.cumsum_max:
                 continue
             calls[name] = torch_call(torch, form, q, k, v, dout)
+        checked = ["torch chunk-64 loop"]
+        if ft_product is not None:
+            # the product kernel alone: its inputs are the features
+            phi_q, phi_k = (np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))) for x in (q, k))
+            calls["ft causal_dot_product"] = torch_call(torch, ft_product, phi_q, phi_k, v, dout)
+            calls["ft causal linear"] = torch_call(torch, ft_causal_linear, q, k, v, dout)
+            checked.append("ft causal linear")
         # the answers must agree before they are timed
         want = attnx_call()
-        got = calls["torch chunk-64 loop"]()
-        for mine, theirs, name in zip(want[:3], got, "qkv"):
-            theirs = theirs.numpy()
-            err = np.abs(mine - theirs).max() / np.abs(theirs).max()
-            if err > 1e-3:
-                raise SystemExit(f"n = {n}: d{name} differs from torch's by {err:.2g}")
+        for other in checked:
+            got = calls[other]()
+            for mine, theirs, name in zip(want[:3], got, "qkv"):
+                theirs = theirs.numpy()
+                err = np.abs(mine - theirs).max() / np.abs(theirs).max()
+                if err > 1e-3:
+                    raise SystemExit(f"n = {n}: d{name} differs from {other}'s by {err:.2g}")
         stats, _, failures = measure(calls, Settings(min_rounds=args.rounds, max_rounds=args.rounds,
                                                      budget_s=30.0))
         base = stats["attnx"].median
@@ -149,6 +214,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load_average": os.getloadavg(), "threads": attnx.get_num_threads(),
+                       "fast_transformers": {"available": ft_product is not None,
+                                             "origin": ft_origin, "absent_because": ft_absent},
                        "results": results}, f, indent=1)
 
 

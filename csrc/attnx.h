@@ -293,10 +293,11 @@ typedef struct {
     const unsigned char *mask;         /* broadcast (n, m) bool view, or NULL (quadratic only) */
     const void *S0, *z0;               /* initial state (r, e), (r,), or NULL */
     const void *dS_in, *dz_in;         /* gradient at the returned state, or NULL */
-    void *dq, *dk, *dv;                /* C order per head: (n, d), (m, d), (m, e) */
+    void *dq, *dk, *dv;                /* per head (n, d), (m, d), (m, e), rows dq_row... apart */
     void *dS0, *dz0;                   /* C order per head (r, e), (r,); NULL without S0 */
     void *dW;                          /* (r, d) C order, or NULL: favor projection_grad */
     ptrdiff_t q_row, k_row, v_row, dout_row, S0_row, dS_in_row;  /* row strides, elements */
+    ptrdiff_t dq_row, dk_row, dv_row;
     ptrdiff_t key_mask_col;            /* byte stride, 0 when broadcast */
     ptrdiff_t mask_row, mask_col;      /* byte strides, 0 when broadcast */
     attnx_feature_map features;

@@ -704,6 +704,248 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
         _mm512_mask_storeu_ps(z + f0, lanes, sum);
     }
 }
+/* ------------------------------------------------------------------------
+ * The backward of one chunk (linear.c, bwd_scan_head), 16 query rows
+ * against the 16 keys of their diagonal block. Most of its products read
+ * the state with the chunk's rows across the vector lanes ("lanes" form:
+ * X^T (cols, 16), column c of 16 rows in one vector), so that both
+ * products with a transposed state, dout S^T and v dS^T, keep the state in
+ * the (r, e) layout that the state updates (mk_add_keys_w16) and linear.c's
+ * other paths use. Per row t, with a_t = dout_t / D_t (see linear.c):
+ *   pass 1 (rows in order):  U = S dout^T,  b_t = -(dout_t . num_t) / (D_t den_t),
+ *                            dphi = a S^T + b z^T + ds psi,  S += psi^T v
+ *   pass 2 (reverse):        dv = psi dS + P^T a,  dpsi = v dS^T + dz + ds^T phi,
+ *                            dS += phi^T a
+ * with P = phi psi^T and ds_tj = a_t . v_j + b_t on the visible pairs. */
+
+/* acc[i] += sum_p A[i][p] B[p] for mr rows of A (element (i, p) at
+ * a[i a_row + p a_col]) and B (k, 16) in lanes form; mr a constant after
+ * inlining */
+static inline __attribute__((always_inline)) void mk_lanes_w16(__m512 acc[16], int mr,
+                                                               const float *a, ptrdiff_t a_row,
+                                                               ptrdiff_t a_col, const float *b,
+                                                               ptrdiff_t k)
+{
+    for (ptrdiff_t p = 0; p < k; p++) {
+        __m512 b_p = _mm512_loadu_ps(b + p * 16);
+#pragma GCC unroll 16
+        for (int i = 0; i < mr; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i * a_row + p * a_col]), b_p, acc[i]);
+    }
+}
+
+/* dst (cols, 16) = the 16 rows of src (rows src_row apart) transposed;
+ * cols % 8 == 0 */
+static inline void mk_to_lanes_w16(float *dst, const float *src, ptrdiff_t src_row, ptrdiff_t cols)
+{
+    ptrdiff_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) mk_transpose16(dst + c0 * 16, 16, src + c0, src_row);
+    if (c0 < cols) {
+        mk_transpose8(dst + c0 * 16, 16, src + c0, src_row);
+        mk_transpose8(dst + c0 * 16 + 8, 16, src + 8 * src_row + c0, src_row);
+    }
+}
+
+/* dst (16 rows dst_row apart, cols) = src (cols, 16) in lanes form
+ * transposed back; cols % 8 == 0 */
+static inline void mk_from_lanes_w16(float *dst, ptrdiff_t dst_row, const float *src, ptrdiff_t cols)
+{
+    ptrdiff_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) mk_transpose16(dst + c0, dst_row, src + c0 * 16, 16);
+    if (c0 < cols) {
+        mk_transpose8(dst + c0, dst_row, src + c0 * 16, 16);
+        mk_transpose8(dst + 8 * dst_row + c0, dst_row, src + c0 * 16 + 8, 16);
+    }
+}
+
+/* The pairs that key j of the block shares with the 16 rows: row t sees
+ * the keys j < visible[t] */
+static inline __mmask16 mk_key_lanes_w16(__m512i visible, ptrdiff_t j)
+{
+    return _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j));
+}
+
+/* Where both passes meet: with the rows' features phi_t (r, 16) and the
+ * keys' psi, v and the rows' dout_t (e, 16) in lanes form, p_t (16, 16)
+ * = P^T (invisible pairs 0, negative similarities kept at 0 as in the
+ * forward) and dv_t (16, 16) = (dout v^T)^T; returns sum_j P_tj in lane t
+ * and, in *num_dot, sum_j P_tj (dout_t . v_j). */
+static inline __m512 mk_bwd_block_w16(const float *psi, ptrdiff_t r, const float *v,
+                                      ptrdiff_t v_row, ptrdiff_t e, __m512i visible,
+                                      const float *phi_t, const float *dout_t, float *p_t,
+                                      float *dv_t, __m512 *num_dot)
+{
+    __m512 acc[16], den = _mm512_setzero_ps(), dot = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    mk_lanes_w16(acc, 16, psi, r, 1, phi_t, r);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        /* max(0, x) is x for NaN: the second operand wins when one is NaN */
+        __m512 kept = _mm512_maskz_max_ps(mk_key_lanes_w16(visible, j), _mm512_setzero_ps(), acc[j]);
+        den = _mm512_add_ps(den, kept);
+        _mm512_storeu_ps(p_t + j * 16, kept);
+        acc[j] = _mm512_setzero_ps();
+    }
+    mk_lanes_w16(acc, 16, v, v_row, 1, dout_t, e);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        dot = _mm512_fmadd_ps(_mm512_loadu_ps(p_t + j * 16), acc[j], dot);
+        _mm512_storeu_ps(dv_t + j * 16, acc[j]);
+    }
+    *num_dot = dot;
+    return den;
+}
+
+/* ds_t[j] = a_t . v_j + b_t on the visible pairs, 0 elsewhere, from dv_t */
+static inline void mk_bwd_dscores_w16(float *ds_t, const float *dv_t, __m512i visible,
+                                      __m512 inv_den, __m512 b)
+{
+    for (int j = 0; j < 16; j++)
+        _mm512_storeu_ps(ds_t + j * 16, _mm512_maskz_fmadd_ps(mk_key_lanes_w16(visible, j), inv_den,
+                                                              _mm512_loadu_ps(dv_t + j * 16), b));
+}
+
+/* one call per block of 16 (or a last 8) rows of a lanes-form result */
+#define MK_LANE_ROWS(rows, CALL)                          \
+    for (ptrdiff_t f0 = 0; f0 < (rows); f0 += 16) {       \
+        if ((rows) - f0 >= 16) CALL(16);                  \
+        else CALL(8);                                     \
+    }
+
+/* Scratch of the two passes, in floats: phi_t, grad_t (r, 16), dout_t,
+ * v_t (e, 16), p_t, dv_t, ds_t, ds (16, 16), a (16, e) */
+#define MK_BWD_SCRATCH(r, e) (32 * (r) + 48 * (e) + 4 * 256)
+
+/* Pass 1 over the chunk: dphi (16, r), 1 / D_t into inv_den[t] and b_t
+ * into row_b[t] (from the clamp eps[t] per row), then the chunk's keys
+ * into (S, z). r % 8 == 0, e % 16 == 0, every input finite (linear.c
+ * checks). */
+static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                          const float *v, ptrdiff_t v_row, const float *dout,
+                                          ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
+                                          const float *eps, float *S, float *z, float *inv_den,
+                                          float *row_b, float *dphi, float *scratch)
+{
+    float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r;
+    float *p_t = dout_t + 32 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256;
+    __m512i visible = _mm512_loadu_si512(visible_rows);
+    mk_to_lanes_w16(phi_t, phi, r, r);
+    mk_to_lanes_w16(dout_t, dout, dout_row, e);
+    /* U = S dout^T into grad_t, with phi . z and phi . U = dout . (phi S) */
+    __m512 den = _mm512_setzero_ps(), num_dot = _mm512_setzero_ps(), block_dot;
+    for (ptrdiff_t f = 0; f < r; f++)
+        den = _mm512_fmadd_ps(_mm512_set1_ps(z[f]), _mm512_loadu_ps(phi_t + f * 16), den);
+#define MK_U(mr)                                                                              \
+    do {                                                                                      \
+        __m512 acc[16];                                                                       \
+        _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();   \
+        mk_lanes_w16(acc, mr, S + f0 * e, e, 1, dout_t, e);                                   \
+        _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++) {                               \
+            _mm512_storeu_ps(grad_t + (f0 + i) * 16, acc[i]);                                 \
+            num_dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi_t + (f0 + i) * 16), acc[i], num_dot); \
+        }                                                                                     \
+    } while (0)
+    MK_LANE_ROWS(r, MK_U)
+#undef MK_U
+    den = _mm512_add_ps(den, mk_bwd_block_w16(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t,
+                                              dv_t, &block_dot));
+    num_dot = _mm512_add_ps(num_dot, block_dot);
+    /* D = max(den, eps); a row with den == 0 has no gradient, nor b one
+     * where the clamp binds (as linear.c's bwd_row_factors) */
+    __m512 eps_v = _mm512_loadu_ps(eps);
+    __mmask16 empty = _mm512_cmp_ps_mask(den, _mm512_setzero_ps(), _CMP_EQ_OQ);
+    __mmask16 clamped = _mm512_cmp_ps_mask(den, eps_v, _CMP_LT_OQ);
+    __m512 inv = _mm512_maskz_div_ps((__mmask16)~empty, _mm512_set1_ps(1.0f),
+                                     _mm512_mask_blend_ps(clamped, den, eps_v));
+    __m512 b = _mm512_maskz_div_ps((__mmask16)~(empty | clamped),
+                                   _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), num_dot), inv), den);
+    _mm512_storeu_ps(inv_den, inv);
+    _mm512_storeu_ps(row_b, b);
+    mk_bwd_dscores_w16(ds_t, dv_t, visible, inv, b);
+    /* dphi = a S^T + b z^T + ds psi, in lanes form over U */
+#define MK_DPHI(mr)                                                                           \
+    do {                                                                                      \
+        __m512 acc[16];                                                                       \
+        _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++) acc[i] = _mm512_fmadd_ps(       \
+            _mm512_set1_ps(z[f0 + i]), b, _mm512_mul_ps(inv, _mm512_loadu_ps(grad_t + (f0 + i) * 16))); \
+        mk_lanes_w16(acc, mr, psi + f0, 1, r, ds_t, 16);                                      \
+        _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)                                 \
+            _mm512_storeu_ps(grad_t + (f0 + i) * 16, acc[i]);                                 \
+    } while (0)
+    MK_LANE_ROWS(r, MK_DPHI)
+#undef MK_DPHI
+    mk_from_lanes_w16(dphi, r, grad_t, r);
+    mk_add_keys_w16(psi, r, v, v_row, 16, S, e);
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
+        __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);
+        for (int j = 0; j < 16; j++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, psi + j * r + f0));
+        _mm512_mask_storeu_ps(z + f0, lanes, sum);
+    }
+}
+
+/* Pass 2 over the chunk, (dS, dz) holding the gradient that the later
+ * rows send to these keys: dv (16 rows dv_row apart), dpsi (16, r), then
+ * (dS, dz) += what these rows send to the earlier keys. inv_den, row_b
+ * from pass 1; the conditions of pass 1. */
+static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                          const float *v, ptrdiff_t v_row, const float *dout,
+                                          ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
+                                          const float *inv_den, const float *row_b, float *dS,
+                                          float *dz, float *dv, ptrdiff_t dv_row, float *dpsi,
+                                          float *scratch)
+{
+    float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r, *v_t = dout_t + 16 * e;
+    float *p_t = v_t + 16 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256, *ds = ds_t + 256;
+    float *a = ds + 256;
+    __m512i visible = _mm512_loadu_si512(visible_rows);
+    __m512 inv = _mm512_loadu_ps(inv_den), b = _mm512_loadu_ps(row_b), unused;
+    mk_to_lanes_w16(phi_t, phi, r, r);
+    mk_to_lanes_w16(dout_t, dout, dout_row, e);
+    mk_to_lanes_w16(v_t, v, v_row, e);
+    mk_bwd_block_w16(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t, dv_t, &unused);
+    mk_bwd_dscores_w16(ds_t, dv_t, visible, inv, b);
+    mk_transpose16(ds, 16, ds_t, 16);
+    for (int t = 0; t < 16; t++) {
+        __m512 inv_t = _mm512_set1_ps(inv_den[t]);
+        for (ptrdiff_t c = 0; c < e; c += 16)
+            _mm512_storeu_ps(a + t * e + c, _mm512_mul_ps(inv_t, _mm512_loadu_ps(dout + t * dout_row + c)));
+    }
+    /* dv = psi dS + P^T a: the forward's output kernel on other operands */
+#define MK_DV(nv)                                                                             \
+    do {                                                                                      \
+        mk_chunk_out_w16(6, nv, psi, r, dS + c0, e, p_t, a + c0, e, dv + c0, dv_row);         \
+        mk_chunk_out_w16(6, nv, psi + 6 * r, r, dS + c0, e, p_t + 6 * 16, a + c0, e,          \
+                         dv + 6 * dv_row + c0, dv_row);                                       \
+        mk_chunk_out_w16(4, nv, psi + 12 * r, r, dS + c0, e, p_t + 12 * 16, a + c0, e,        \
+                         dv + 12 * dv_row + c0, dv_row);                                      \
+    } while (0)
+    MK_CHUNK_COLUMNS(e, MK_DV)
+#undef MK_DV
+    /* dpsi = v dS^T + dz + ds^T phi, in lanes form (the keys across the lanes) */
+#define MK_DPSI(mr)                                                                           \
+    do {                                                                                      \
+        __m512 acc[16];                                                                       \
+        _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++) acc[i] = _mm512_set1_ps(dz[f0 + i]); \
+        mk_lanes_w16(acc, mr, dS + f0 * e, e, 1, v_t, e);                                     \
+        mk_lanes_w16(acc, mr, phi + f0, 1, r, ds, 16);                                        \
+        _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)                                 \
+            _mm512_storeu_ps(grad_t + (f0 + i) * 16, acc[i]);                                 \
+    } while (0)
+    MK_LANE_ROWS(r, MK_DPSI)
+#undef MK_DPSI
+    mk_from_lanes_w16(dpsi, r, grad_t, r);
+    mk_add_keys_w16(phi, r, a, e, 16, dS, e);
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
+        __m512 sum = _mm512_maskz_loadu_ps(lanes, dz + f0);
+        for (int t = 0; t < 16; t++)
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(row_b[t]), _mm512_maskz_loadu_ps(lanes, phi + t * r + f0), sum);
+        _mm512_mask_storeu_ps(dz + f0, lanes, sum);
+    }
+}
+#undef MK_LANE_ROWS
 #undef MK_CHUNK_COLUMNS
 #endif
 

@@ -706,13 +706,14 @@ done:
  * gradients on the broadcast batch shape, which the Python side reduces to
  * each input's shape. */
 
-/* Chunk length of the backward's chunk method: causal, its blocks are GEMMs
- * of C rows against r and e columns plus C x C blocks, which cost as much
- * as the state's products at C = r = e = 64; measured (one thread, float32,
- * 8 heads, n = 4096, d = e = 64, CPU time of a loaded machine) 37.9, 39.4,
- * 45.1 ms at C = 16, 32, 64. Non-causal there is no C x C block, and longer
- * blocks run the GEMMs faster: 25.3, 21.3, 20.9 ms at C = 32, 128, 256. */
-#define DEFAULT_BACKWARD_CHUNK 32
+/* Chunk length of the backward's chunk method. Causal, chunks of 16 run
+ * through fused AVX-512 kernels in float32 (linear.c, bwd_fused_rows) and
+ * the general steps are no slower there than at 32: CPU time, one thread,
+ * 8 heads, n = 4096, d = e = 64, AMD Zen 5: float32 19.6, 39.1, 45.8 ms and
+ * float64 71.8, 72.0, 85.5 ms at C = 16, 32, 64. Non-causal there is no
+ * C x C block, and longer blocks run the GEMMs faster: 25.3, 21.3, 20.9 ms
+ * at C = 32, 128, 256. */
+#define DEFAULT_BACKWARD_CHUNK 16
 #define DEFAULT_NONCAUSAL_BACKWARD_CHUNK 128
 
 typedef int (*linear_bwd_kernel)(const attnx_linear_bwd_args *);
@@ -745,11 +746,13 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
     int projection_grad;
     Py_ssize_t chunk, offset;
     linear_options o = {0};
-    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnp:linear_attention_backward", &objs[B_DOUT],
+    objs[B_DQ] = objs[B_DK] = objs[B_DV] = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnp|OOO:linear_attention_backward", &objs[B_DOUT],
                           &objs[B_Q], &objs[B_K], &objs[B_V], &o.kind, &causal_obj,
                           &objs[B_KEY_MASK], &objs[B_MASK], &window_obj, &o.method, &chunk, &o.eps,
                           &o.power, &o.period, &projection_obj, &objs[B_S0], &objs[B_Z0],
-                          &objs[B_DS_IN], &objs[B_DZ_IN], &offset, &projection_grad))
+                          &objs[B_DS_IN], &objs[B_DZ_IN], &offset, &projection_grad, &objs[B_DQ],
+                          &objs[B_DK], &objs[B_DV]))
         return NULL;
     if (o.kind < ATTNX_FM_ELU || o.kind > ATTNX_FM_EFFICIENT || o.method < ATTNX_METHOD_CHUNK ||
         o.method > ATTNX_METHOD_QUADRATIC || chunk < 0 || offset < 0 || !(o.eps >= 0)) {
@@ -776,7 +779,6 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
     if (check_cumsum_size(&o, objs[B_Q], objs[B_K], objs[B_V], projection_obj) < 0 ||
         feature_size(&o, projection_obj, &call) < 0)
         goto done;
-    objs[B_DQ] = objs[B_DK] = objs[B_DV] = Py_None;
     objs[B_DS0] = objs[B_S0] != Py_None ? Py_None : NULL;
     objs[B_DZ0] = objs[B_S0] != Py_None ? Py_None : NULL;
     if (attnx_bind(&call, objs) < 0) goto done;
@@ -810,6 +812,9 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         .k_row = attnx_row_stride(call.ops[B_K].array),
         .v_row = attnx_row_stride(call.ops[B_V].array),
         .dout_row = attnx_row_stride(call.ops[B_DOUT].array),
+        .dq_row = attnx_row_stride(call.ops[B_DQ].array),
+        .dk_row = attnx_row_stride(call.ops[B_DK].array),
+        .dv_row = attnx_row_stride(call.ops[B_DV].array),
         .S0_row = S0_array ? attnx_row_stride(S0_array) : e,
         .dS_in_row = dS_array ? attnx_row_stride(dS_array) : e,
         .key_mask_col = attnx_core_stride(&call, B_KEY_MASK, -1),
@@ -857,7 +862,7 @@ const char attnx_linear_flush_doc[] = (
 "attnx.LinearAttentionState.S property).");
 
 const char attnx_linear_attention_backward_doc[] = (
-"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad)\n"
+"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad, dq=None, dk=None, dv=None)\n"
 "--\n\n"
 "The kernel behind attnx.linear_attention_backward and the other kernelised\n"
 "backward functions (options already resolved; use those). Returns\n"

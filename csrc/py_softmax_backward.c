@@ -29,8 +29,9 @@ static const attnx_param backward_params[NPARAMS] = {
 };
 
 /* _C.softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask,
- * bias, window, dropout_p, seed, bias_grad) -> (dq, dk, dv, dbias or None),
- * each of the broadcast batch shape in the compute dtype. sigma None:
+ * bias, window, dropout_p, seed, bias_grad[, dq, dk, dv]) -> (dq, dk, dv,
+ * dbias or None), each of the broadcast batch shape in the compute dtype,
+ * written into the dq, dk, dv given (None: allocated). sigma None:
  * softmax (scale None: 1/sqrt(d)); sigma given: gaussian attention. */
 PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
 {
@@ -40,10 +41,11 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
     npy_intp left, right;
     double scale = 0, sigma = 0, dropout_p;
     uint64_t seed;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOp:softmax_backward", &objs[DOUT], &objs[Q],
+    objs[DQ] = objs[DK] = objs[DV] = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOp|OOO:softmax_backward", &objs[DOUT], &objs[Q],
                           &objs[K], &objs[V], &objs[OUT], &objs[LSE], &scale_obj, &sigma_obj,
                           &causal_obj, &objs[MASK], &objs[BIAS], &window_obj, &dropout_obj,
-                          &seed_obj, &bias_grad))
+                          &seed_obj, &bias_grad, &objs[DQ], &objs[DK], &objs[DV]))
         return NULL;
     if (attnx_parse_causal(causal_obj, &causal) < 0 ||
         attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0 ||
@@ -59,7 +61,6 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
     attnx_call call;
     attnx_interrupt interrupt = attnx_interrupt_for_call();
     attnx_call_init(&call, backward_params, NPARAMS, ATTNX_SMB_NOPS, "dem");
-    objs[DQ] = objs[DK] = objs[DV] = Py_None;
     objs[DBIAS] = bias_grad ? Py_None : NULL;
     if (attnx_bind(&call, objs) < 0) goto done;
 
@@ -114,7 +115,7 @@ done:
 }
 
 const char attnx_softmax_backward_doc[] = (
-"softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed, bias_grad)\n"
+"softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed, bias_grad, dq=None, dk=None, dv=None)\n"
 "--\n\n"
 "Private: per-head gradients (dq, dk, dv, dbias or None) of softmax or gaussian\n"
 "attention over the broadcast batch; see attnx.softmax_attention_backward.");

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import attnx
+from attnx._linear import LinearAttentionState
 
 torch = pytest.importorskip("torch")
 
@@ -247,6 +248,78 @@ def test_against_torch(kind, causal, method, dtype):
     for got, ref, name in zip(g[:3], want[1:4], "qkv"):
         assert got.dtype == dtype
         assert_close(got, ref, tol, f"d{name}")
+
+
+# The causal chunk backward runs whole chunks of 16 through fused AVX-512
+# kernels (float32, features in blocks of 8, values in whole vectors, no
+# mask): these cases take that path where the CPU has AVX-512, with partial
+# last chunks, offsets, masked keys and states around it; elsewhere the same
+# cases check the general path.
+@pytest.mark.parametrize("kind, d, r", [("elu", 64, 64), ("elu", 16, 16), ("relu", 32, 32),
+                                        ("softmax", 24, 24), ("focused", 16, 16),
+                                        ("taylor", 15, 16), ("identity", 8, 8), ("favor", 16, 24)])
+@pytest.mark.parametrize("n, m", [(64, 64), (53, 53), (40, 75)])
+def test_whole_chunks_float32(kind, d, r, n, m):
+    rng = np.random.default_rng(zlib.crc32(repr((kind, d, n, m)).encode()))
+    e = 32 if d != 64 else 64
+    dout, q, k, v = inputs(rng, (2,), n, m, d, e, kind)
+    dout, q, k, v = (x.astype(np.float32).astype(np.float64) for x in (dout, q, k, v))
+    key_mask = rng.random((2, m)) > 0.2
+    W = attnx.random_features(r, d, seed=2) if kind == "favor" else None
+    opts = {"feature_map": kind, "projection": W} if W is not None else {"feature_map": kind}
+    f32 = lambda x: x.astype(np.float32)
+    g = attnx.linear_attention_backward(f32(dout), f32(q), f32(k), f32(v), causal=True,
+                                        key_mask=key_mask, **opts)
+    want = torch_grads(dout, q, k, v, kind, True, key_mask=key_mask, W=W)
+    for got, ref, name in zip(g[:3], want[1:4], "qkv"):
+        assert got.dtype == np.float32
+        assert_close(got, ref, F32_TOL, f"d{name}")
+
+
+def test_whole_chunks_float32_states_and_clamp():
+    """initial_state, grad_state, rows whose denominator is 0 and rows where
+    the clamp binds, through the fused chunks"""
+    rng = np.random.default_rng(31)
+    n, d, e = 48, 16, 16
+    dout, q, k, v = inputs(rng, (1,), n, n, d, e, "identity")
+    q[0, 20] = 0.0                    # row 20: zero features, den = 0
+    q[0, 35] *= 1e-6                  # row 35: den under eps
+    dout, q, k, v = (x.astype(np.float32).astype(np.float64) for x in (dout, q, k, v))
+    S0 = np.abs(rng.standard_normal((1, d, e))).astype(np.float32).astype(np.float64)
+    z0 = np.abs(rng.standard_normal((1, d))).astype(np.float32).astype(np.float64)
+    dS, dz = rng.standard_normal((1, d, e)), rng.standard_normal((1, d))
+    f32 = lambda x: x.astype(np.float32)
+    state = LinearAttentionState(f32(S0), f32(z0), 0)
+    for eps, S_init in [(1e-6, None), (1e-3, state)]:
+        g = attnx.linear_attention_backward(f32(dout), f32(q), f32(k), f32(v), causal=True,
+                                            feature_map="identity", eps=eps, initial_state=S_init,
+                                            grad_state=(f32(dS), f32(dz)))
+        want = torch_grads(dout, q, k, v, "identity", True, eps=eps,
+                           S0=S0 if S_init is not None else None,
+                           z0=z0 if S_init is not None else None, dS=dS, dz=dz)
+        if S_init is None:
+            assert (g.q[0, 20] == 0).all()
+        for got, ref, name in zip(g[:3], want[1:4], "qkv"):
+            assert_close(got, ref, F32_TOL, f"d{name} eps={eps}")
+        if S_init is not None:
+            assert_close(g.state[0], want[5], F32_TOL, "dS0")
+            assert_close(g.state[1], want[6], F32_TOL, "dz0")
+
+
+@pytest.mark.parametrize("where", ["v", "dout", "q", "k"])
+def test_whole_chunks_nonfinite_stays_in_place(where):
+    """a NaN in one chunk reaches exactly the gradients that float64 (the
+    general path) says it reaches, and the finite ones agree"""
+    rng = np.random.default_rng(32)
+    dout, q, k, v = inputs(rng, (1,), 64, 64, 16, 16)
+    {"v": v, "dout": dout, "q": q, "k": k}[where][0, 21, 3] = np.nan
+    g64 = attnx.linear_attention_backward(dout, q, k, v, causal=True, chunk_size=16)
+    g32 = attnx.linear_attention_backward(*(x.astype(np.float32) for x in (dout, q, k, v)),
+                                          causal=True)
+    for got, ref, name in zip(g32[:3], g64[:3], "qkv"):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"d{name}")
+        finite = ~np.isnan(ref)
+        assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
 
 
 def test_float32_against_float64_reference_long_causal():
@@ -572,6 +645,36 @@ def test_preallocated_gradients_and_inputs_unchanged():
     assert_close(dq, want[0], F64_TOL)
     for x, y in zip(copies, (dout, q, k, v)):
         assert (x == y).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_preallocated_gradients_written_in_place(dtype):
+    """dq, dk, dv of the call's whole batch are written by the kernel itself:
+    strided rows are honoured, and no gradient-sized temporary is made"""
+    import tracemalloc
+    rng = np.random.default_rng(23)
+    dout, q, k, v = (x.astype(dtype) for x in inputs(rng, (2, 3), 200, 200, 16, 16))
+    want = attnx.linear_attention_backward(dout, q, k, v, causal=True)
+    wide = np.full(q.shape[:-1] + (40,), np.nan, dtype)
+    dq = wide[..., 5:21]                        # rows 40 apart
+    dk, dv = np.empty_like(k), np.empty_like(v)
+    tracemalloc.start()
+    g = attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert g.q is dq and g.k is dk and g.v is dv
+    assert peak < q.nbytes / 4, peak
+    for got, ref in zip(g[:3], want[:3]):
+        np.testing.assert_array_equal(got, ref)
+    assert np.isnan(wide[..., :5]).all() and np.isnan(wide[..., 21:]).all()
+    # broadcast keys: dk is a sum over the query heads, computed then reduced
+    k1, v1 = k[:, :1], v[:, :1]
+    dk1 = np.empty_like(k1)
+    g = attnx.linear_attention_backward(dout, q, k1, v1, causal=True, dk=dk1)
+    assert g.k is dk1
+    np.testing.assert_allclose(dk1, attnx.linear_attention_backward(dout, q, k1, v1, causal=True).k)
+    with pytest.raises(ValueError, match="overlap"):
+        attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=q)
 
 
 def test_bad_arguments():

@@ -219,6 +219,31 @@ def test_preallocated_gradients_are_filled():
         attnx.softmax_attention_backward(dout, q, k, v, out, lse, dk=np.empty((2, 40, 8)))
 
 
+def test_preallocated_gradients_written_in_place():
+    """gradients of the call's whole batch go straight into dq, dk, dv
+    (strided rows included): no gradient-sized temporary"""
+    import tracemalloc
+    rng = np.random.default_rng(12)
+    q, k, v = inputs(rng, (2, 1024, 32), (2, 1024, 32), (2, 1024, 32), np.float32)
+    out, lse = attnx.softmax_attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    want = attnx.softmax_attention_backward(dout, q, k, v, out, lse, causal=True)
+    wide = np.full((2, 1024, 48), np.nan, np.float32)
+    dk = wide[..., 8:40]
+    dq, dv = np.empty_like(q), np.empty_like(v)
+    tracemalloc.start()
+    g = attnx.softmax_attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert g.q is dq and g.k is dk and g.v is dv
+    assert peak < q.nbytes / 4, peak
+    for got, ref in zip(g[:3], want[:3]):
+        np.testing.assert_array_equal(got, ref)
+    assert np.isnan(wide[..., :8]).all() and np.isnan(wide[..., 40:]).all()
+    with pytest.raises(ValueError, match="overlap"):
+        attnx.softmax_attention_backward(dout, q, k, v, out, lse, causal=True, dv=out)
+
+
 def test_bad_input_is_refused_clearly():
     rng = np.random.default_rng(12)
     q, k, v = inputs(rng, (2, 30, 8), (2, 40, 8), (2, 40, 4), np.float64)

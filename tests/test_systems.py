@@ -737,3 +737,212 @@ def test_multi_head_grouped_query_matches_torch_sdpa_enable_gqa():
         project("q", 6, 4), project("k", 2, 4), project("v", 2, 5), is_causal=True, enable_gqa=True)
     want = heads.transpose(1, 2).reshape(2, 10, 30).numpy() @ w["o"] + b["o"]
     np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
+
+
+# --------------------------------------------------------------------------
+# the multi-head layer's backward, against torch autograd of a torch layer
+# written head by head from the formulas
+# --------------------------------------------------------------------------
+
+def torch_layer(torch, x_q, x_kv, w, b, heads, kv_heads, variant, positions, options):
+    """The multi-head layer in torch operations, one head at a time."""
+    if positions == "sinusoidal":
+        def table(length, c):
+            p = torch.arange(length, dtype=torch.float64)[:, None]
+            i = torch.arange(c, dtype=torch.float64)
+            angle = p / 10000.0 ** (2 * torch.div(i, 2, rounding_mode="floor") / c)
+            return torch.where(i % 2 == 0, torch.sin(angle), torch.cos(angle))
+        x_q, x_kv = x_q + table(*x_q.shape[-2:]), x_kv + table(*x_kv.shape[-2:])
+    q, k, v = x_q @ w["q"] + b["q"], x_kv @ w["k"] + b["k"], x_kv @ w["v"] + b["v"]
+    d, e = q.shape[-1] // heads, v.shape[-1] // kv_heads
+    n, m = q.shape[-2], k.shape[-2]
+
+    def rotate(x):
+        half, length = x.shape[-1] // 2, x.shape[-2]
+        angle = torch.arange(length, dtype=torch.float64)[:, None] * 10000.0 ** (-2.0 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+        a, c = x[..., :half], x[..., half:]
+        return torch.cat([a * angle.cos() - c * angle.sin(), c * angle.cos() + a * angle.sin()], -1)
+
+    outputs = []
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        qh, kh, vh = q[..., h * d:(h + 1) * d], k[..., kv * d:(kv + 1) * d], v[..., kv * e:(kv + 1) * e]
+        if positions == "rotary":
+            qh, kh = rotate(qh), rotate(kh)
+        if variant == "pooled":
+            s = options["stride"]
+            kh = torch.stack([kh[..., i:i + s, :].mean(-2) for i in range(0, m, s)], -2)
+            vh = torch.stack([vh[..., i:i + s, :].mean(-2) for i in range(0, m, s)], -2)
+        if variant == "linformer":
+            kh, vh = options["E"] @ kh, options["E"] @ vh
+        keys = kh.shape[-2]
+        visible = torch.ones(n, keys, dtype=torch.bool)
+        if options.get("causal"):
+            visible = visible.tril(keys - n)
+        if options.get("mask") is not None:
+            visible = visible & torch.as_tensor(options["mask"])[..., 0, :, :]
+        if variant == "block_sparse":
+            bs = options["block_size"]
+            visible = visible & torch.as_tensor(options["layout"]).repeat_interleave(bs, 0).repeat_interleave(bs, 1)[:n, :keys]
+        if variant == "linear":
+            features = lambda x: torch.nn.functional.elu(x) + 1
+            s = (features(qh) @ features(kh).transpose(-1, -2)) * visible
+            weights = s / s.sum(-1, keepdim=True).clamp_min(1e-6)
+        else:
+            if variant == "gaussian":
+                sigma = options["sigma"]
+                scores = -((qh[..., :, None, :] - kh[..., None, :, :]) ** 2).sum(-1) / (2 * sigma ** 2)
+            else:
+                scores = qh @ kh.transpose(-1, -2) * options.get("scale", d ** -0.5)
+            if options.get("bias") is not None:
+                scores = scores + options["bias"][..., h, :, :]
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        outputs.append(weights @ vh)
+    return torch.cat(outputs, -1) @ w["o"] + b["o"]
+
+
+MHA_BACKWARD_CASES = [
+    ("softmax", dict(causal=True, scale=0.4), None, True),
+    ("softmax", dict(bias="per head"), "rotary", False),
+    ("softmax", dict(mask="padding"), "sinusoidal", True),
+    ("gaussian", dict(sigma=1.3, causal=True), None, False),
+    ("linear", dict(causal=True), "rotary", True),
+    ("block_sparse", dict(layout=np.tril(np.ones((3, 3), bool)), block_size=4), None, True),
+    ("pooled", dict(stride=3), "sinusoidal", False),
+    ("linformer", dict(E="learned"), None, True),
+]
+
+
+@pytest.mark.parametrize("variant, options, positions, self_attention", MHA_BACKWARD_CASES)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_multi_head_backward_matches_torch_autograd(variant, options, positions, self_attention, heads, kv_heads):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(70)
+    n, m = (12, 12) if self_attention or variant == "linear" else (10, 12)
+    x_q = rng.standard_normal((2, n, 8))
+    x_kv = x_q if self_attention else rng.standard_normal((2, m, 6))
+    w, b = mha_parameters(rng, 8, x_kv.shape[-1], heads, kv_heads, d=4, e=3, out=5)
+    options = dict(options)
+    if options.get("bias") == "per head":
+        options["bias"] = rng.standard_normal((heads, n, m))
+    if options.get("mask") == "padding":
+        options["mask"] = np.ones((2, 1, 1, m), bool)
+        options["mask"][1, ..., 8:] = False
+    if options.get("E") == "learned":
+        options["E"] = rng.standard_normal((5, m)) / 3
+    dout = rng.standard_normal((2, n, 5))
+    names = ("x_q", "x_kv", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+    arrays = [x_q, x_kv, w["q"], w["k"], w["v"], w["o"], b["q"], b["k"], b["v"], b["o"]]
+    tensors = {name: torch.tensor(a, requires_grad=True) for name, a in zip(names, arrays)}
+    t_options = {key: torch.tensor(value, requires_grad=key in ("bias", "E")) if isinstance(value, np.ndarray)
+                 and value.dtype != bool else value for key, value in options.items()}
+    want = torch_layer(torch, tensors["x_q"], tensors["x_q"] if self_attention else tensors["x_kv"],
+                       {p: tensors[f"w_{p}"] for p in "qkvo"}, {p: tensors[f"b_{p}"] for p in "qkvo"},
+                       heads, kv_heads, variant, positions, t_options)
+    want.backward(torch.from_numpy(dout))
+    call = (x_q, None if self_attention else x_kv, w["q"], w["k"], w["v"], w["o"], heads)
+    kwargs = dict(b_q=b["q"], b_k=b["k"], b_v=b["v"], b_o=b["o"], num_kv_heads=kv_heads, variant=variant,
+                  positions=positions, **options)
+    g = attnx.multi_head_attention_backward(dout, *call, **kwargs)
+    out, pullback = attnx.vjp(attnx.multi_head_attention, *call, **kwargs)
+    np.testing.assert_allclose(out, want.detach().numpy(), rtol=1e-11, atol=1e-11)
+    assert isinstance(g, attnx.MultiHeadGradients)
+    for got in (g, pullback(dout)):
+        for name in names:
+            reference = tensors[name].grad
+            if self_attention and name == "x_kv":
+                assert got.x_kv is None
+                continue
+            assert getattr(got, name).shape == reference.shape
+            np.testing.assert_allclose(getattr(got, name), reference.numpy(), rtol=1e-10, atol=1e-11, err_msg=name)
+        if "bias" in t_options:
+            np.testing.assert_allclose(got.bias, t_options["bias"].grad.numpy(), rtol=1e-10, atol=1e-11)
+        if variant == "linformer":
+            assert got.projection[1] is None
+            np.testing.assert_allclose(got.projection[0], t_options["E"].grad.numpy(), rtol=1e-10, atol=1e-11)
+
+
+def test_multi_head_backward_float32_without_biases_and_errors():
+    rng = np.random.default_rng(71)
+    x = rng.standard_normal((3, 7, 8)).astype(np.float32)
+    w, _ = mha_parameters(rng, 8, 8, 2, 2, d=4, e=4, out=6, dtype=np.float32)
+    dout = rng.standard_normal((3, 7, 6)).astype(np.float32)
+    g = attnx.multi_head_attention_backward(dout, x, None, w["q"], w["k"], w["v"], w["o"], 2, causal=True)
+    assert g.b_q is None and g.b_o is None and g.x_kv is None
+    assert all(getattr(g, name).dtype == np.float32 for name in ("x_q", "w_q", "w_k", "w_v", "w_o"))
+    g64 = attnx.multi_head_attention_backward(dout.astype(np.float64), x.astype(np.float64), None,
+                                              *(w[p].astype(np.float64) for p in "qkvo"), 2, causal=True)
+    for name in ("x_q", "w_q", "w_k", "w_v", "w_o"):
+        assert_close(getattr(g, name), getattr(g64, name), np.float32, scale=vscale(getattr(g64, name)))
+    with pytest.raises(ValueError, match=r"dout must have the layer output's shape \(3, 7, 6\)"):
+        attnx.multi_head_attention_backward(dout[:, :5], x, None, w["q"], w["k"], w["v"], w["o"], 2)
+
+
+# --------------------------------------------------------------------------
+# attention_weights and similarity of the systems over fewer keys
+# --------------------------------------------------------------------------
+
+def assert_rows_sum_to_one(weights, visible_rows):
+    sums = weights.sum(axis=-1)
+    np.testing.assert_allclose(sums[visible_rows], 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(sums[~visible_rows], 0.0)
+    assert np.all(weights >= 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights_block_sparse(causal):
+    rng = np.random.default_rng(80)
+    q, k, v = rng.standard_normal((2, 11, 4)), rng.standard_normal((2, 11, 4)), rng.standard_normal((2, 11, 3))
+    layout = rng.random((3, 3)) < 0.5
+    layout[0, 0] = False
+    w = attnx.attention_weights(q, k, "block_sparse", layout=layout, block_size=4, causal=causal)
+    assert w.shape == (2, 11, 11)
+    visible = expanded_mask(layout, 4, 11, 11)
+    if causal:
+        visible &= np.tril(np.ones((11, 11), bool))
+    assert np.all(w[:, ~visible] == 0)
+    assert_rows_sum_to_one(w, np.broadcast_to(visible.any(axis=-1), (2, 11)))
+    np.testing.assert_allclose(w @ v, attnx.block_sparse_attention(q, k, v, layout, 4, causal=causal),
+                               rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, ref.softmax_weights(q, k, mask=visible), rtol=1e-12, atol=1e-13)
+    s = attnx.similarity(q, k, "block_sparse", layout=layout, block_size=4, causal=causal)
+    np.testing.assert_allclose(s, np.where(visible, np.exp(q @ np.swapaxes(k, -1, -2) / 2), 0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_attention_weights_pooled(mode):
+    rng = np.random.default_rng(81)
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 10, 4)), rng.standard_normal((2, 10, 3))
+    w = attnx.attention_weights(q, k, "pooled", stride=4, mode=mode, causal=True)
+    assert w.shape == (2, 6, 3)  # ceil(10 / 4) pooled keys
+    # lower-right causal over 3 pooled keys: query i sees j <= i - 3
+    assert_rows_sum_to_one(w, np.broadcast_to(np.arange(6) >= 3, (2, 6)))
+    np.testing.assert_allclose(w @ loop_pool(v, 4, mode), attnx.pooled_attention(q, k, v, 4, mode, causal=True),
+                               rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, ref.softmax_weights(q, loop_pool(k, 4, mode), causal=True), rtol=1e-12, atol=1e-13)
+
+
+def test_attention_weights_linformer():
+    rng = np.random.default_rng(82)
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 10, 4)), rng.standard_normal((2, 10, 3))
+    E, F = rng.standard_normal((5, 10)) / 3, rng.standard_normal((5, 10)) / 3
+    bias = rng.standard_normal((6, 5))
+    w = attnx.attention_weights(q, k, "linformer", E=E, F=F, bias=bias)
+    assert w.shape == (2, 6, 5)
+    assert_rows_sum_to_one(w, np.ones((2, 6), bool))
+    np.testing.assert_allclose(w @ (F @ v), attnx.linformer_attention(q, k, v, E, F, bias=bias), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, ref.softmax_weights(q, E @ k, bias=bias), rtol=1e-12, atol=1e-13)
+    s = attnx.similarity(q, k, "linformer", E=E)
+    np.testing.assert_allclose(s, np.exp(q @ np.swapaxes(E @ k, -1, -2) / 2), rtol=1e-12)
+
+
+@pytest.mark.parametrize("variant, options, match", [
+    ("block_sparse", dict(block_size=4), "needs layout="),
+    ("pooled", {}, "needs stride="),
+    ("linformer", {}, "needs E="),
+    ("linformer", dict(E=np.ones((3, 10)), out=np.ones(1)), "take no out="),
+])
+def test_attention_weights_systems_need_their_options(variant, options, match):
+    x = np.ones((10, 4))
+    with pytest.raises(TypeError, match=match):
+        attnx.attention_weights(x, x, variant, **options)

@@ -1,0 +1,564 @@
+"""attnx.torch's operators for the other systems: rotary positions and the
+sinusoidal table, block-sparse, pooled and Linformer attention, FLatten's
+depthwise-convolution term of focused linear attention, and the multi-head
+layer as an ``nn.Module``. attnx/torch.py imports this module's public
+names into its own namespace; use them from there (``attnx.torch.rotary``).
+
+The operators are ``torch.library.custom_op`` operators in the namespace
+``attnx`` with fake implementations and autograd formulas built on the
+numpy backward functions, like the rest of attnx.torch:
+
+* ``torch.ops.attnx.rotary`` (backward ``rotary_backward``, itself
+  differentiable: the rotation is linear);
+* ``torch.ops.attnx.softmax_system``: block-sparse, pooled and Linformer
+  attention (softmax attention over a layout of blocks, over pooled keys,
+  over keys projected along the sequence), with
+  ``softmax_system_backward``;
+* ``torch.ops.attnx.depthwise_convolution`` with its backward, which
+  attnx.torch.focused_linear_attention adds for ``dwc_weight=``.
+
+attnx.torch imports this module last; import attnx.torch, not this module
+on its own (the two import each other).
+"""
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import attnx
+
+from . import _dwc
+from . import torch as _at
+from ._checks import count
+from ._multihead import _PER_HEAD_OPTIONS
+from .torch import (
+    _batch_shape,
+    _check_inputs,
+    _check_tensor,
+    _compute_dtype,
+    _decode_causal,
+    _decode_window,
+    _encode_causal,
+    _encode_window,
+    _from_numpy,
+    _key_padding_view,
+    _np,
+    _seed_tensor,
+)
+
+__all__ = [
+    "sinusoidal_positions",
+    "rotary",
+    "block_sparse_attention",
+    "pooled_attention",
+    "linformer_attention",
+    "MultiheadAttention",
+]
+
+
+def _to_compute(t, dtype):
+    """t (None, or a floating tensor) in the computing dtype `dtype`
+    (differentiable: autograd converts its gradient back)."""
+    if t is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+# --------------------------------------------------------------- positions
+
+def sinusoidal_positions(n, d, base=10000, *, dtype=torch.float64):
+    """The Transformer's sinusoidal table (n, d) as a tensor, as
+    attnx.sinusoidal_positions: ``PE[p, 2i] = sin(p / base**(2i/d))``,
+    ``PE[p, 2i+1] = cos(p / base**(2i/d))``. Computed with torch's own
+    functions (a constant: no gradient, and torch.compile traces it)."""
+    n, d = count(n, "n"), count(d, "d")
+    base = float(base)
+    if not base > 0 or base == float("inf"):
+        raise ValueError(f"base must be finite and positive, got {base}")
+    column = torch.arange(d)
+    angles = (torch.arange(n, dtype=torch.float64)[:, None]
+              / torch.pow(base, 2.0 * (column // 2).to(torch.float64) / d))
+    table = torch.where(column % 2 == 0, angles.sin(), angles.cos())
+    return table.to(dtype)
+
+
+@torch.library.custom_op("attnx::rotary", mutates_args=(), device_types="cpu")
+def _rotary_op(x: Tensor, positions: Optional[Tensor], base: float, interleaved: bool) -> Tensor:
+    """attnx.rotary of x (float32 or float64) at `positions` (None: 0..n-1)."""
+    return _from_numpy(attnx.rotary(_np(x), _np(positions), base, interleaved), x.dtype)
+
+
+@_rotary_op.register_fake
+def _(x, positions, base, interleaved):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("attnx::rotary_backward", mutates_args=(), device_types="cpu")
+def _rotary_backward_op(dout: Tensor, positions: Optional[Tensor], base: float,
+                        interleaved: bool) -> Tensor:
+    """attnx.rotary_backward: each pair turned back by its angle."""
+    return _from_numpy(attnx.rotary_backward(_np(dout), _np(positions), base, interleaved),
+                       dout.dtype)
+
+
+@_rotary_backward_op.register_fake
+def _(dout, positions, base, interleaved):
+    return dout.new_empty(dout.shape)
+
+
+def _rotary_setup_context(ctx, inputs, output):
+    _, positions, base, interleaved = inputs
+    ctx.save_for_backward(positions)
+    ctx.options = (base, interleaved)
+
+
+def _rotary_grad(ctx, dout):
+    (positions,) = ctx.saved_tensors
+    return torch.ops.attnx.rotary_backward(dout, positions, *ctx.options), None, None, None
+
+
+def _rotary_backward_grad(ctx, dgrad):
+    # rotary_backward is the transpose of the rotation; its own transpose is the rotation
+    (positions,) = ctx.saved_tensors
+    return torch.ops.attnx.rotary(dgrad, positions, *ctx.options), None, None, None
+
+
+_rotary_op.register_autograd(_rotary_grad, setup_context=_rotary_setup_context)
+_rotary_backward_op.register_autograd(_rotary_backward_grad, setup_context=_rotary_setup_context)
+
+
+def rotary(x, positions=None, base=10000, interleaved=False):
+    """attnx.rotary on a tensor x (..., n, d), differentiable in x:
+    rotate-half pairs ``(x[i], x[i + d/2])`` by default, RoFormer's
+    ``(x[2i], x[2i+1])`` with ``interleaved=True``; pair i at position p
+    turns by ``p * base**(-2i/d)``. positions: None (0..n-1 along axis -2)
+    or integers / floats broadcastable to x.shape[:-1] (a tensor, or
+    anything torch.as_tensor takes)."""
+    _check_tensor("x", x)
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating point tensor, got dtype {x.dtype}")
+    if x.dim() < 2 or x.shape[-1] % 2:
+        raise ValueError(f"x must have shape (..., n, d) with d even, got {tuple(x.shape)}")
+    if positions is not None:
+        positions = torch.as_tensor(positions)
+        _check_tensor("positions", positions)
+        if positions.dtype == torch.bool or positions.is_complex():
+            raise TypeError(f"positions must hold integers or floats, got dtype {positions.dtype}")
+        try:
+            shape = torch.broadcast_shapes(positions.shape, x.shape[:-1])
+        except RuntimeError:
+            shape = None
+        if shape != x.shape[:-1]:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} must broadcast to "
+                             f"x.shape[:-1] = {tuple(x.shape[:-1])}")
+    dtype = x.dtype
+    out = torch.ops.attnx.rotary(_to_compute(x, _compute_dtype(dtype)), positions, float(base),
+                                 bool(interleaved))
+    return out.to(dtype)
+
+
+# ------------------------------------- block-sparse, pooled and Linformer
+
+_SYSTEMS = ("block_sparse", "pooled", "linformer")
+
+
+def _system_options(scale, causal, mask, bias, window, dropout_p, seed):
+    options = {"scale": scale, "causal": _decode_causal(causal), "mask": _np(mask),
+               "bias": _np(bias), "window": _decode_window(window)}
+    if dropout_p:
+        options["dropout_p"] = dropout_p
+        options["seed"] = int(seed.item())
+    return options
+
+
+@torch.library.custom_op("attnx::softmax_system", mutates_args=(), device_types="cpu")
+def _system_op(q: Tensor, k: Tensor, v: Tensor, layout: Optional[Tensor], E: Optional[Tensor],
+               F: Optional[Tensor], mask: Optional[Tensor], bias: Optional[Tensor], system: str,
+               size: int, mode: str, scale: Optional[float], causal: str,
+               window: Optional[List[int]], dropout_p: float,
+               seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Softmax attention over a derived set of keys, `system`:
+    "block_sparse" (layout, size = block_size), "pooled" (size = stride,
+    mode) or "linformer" (E, F). Returns out (..., n, e) and lse (..., n),
+    in q's dtype (float32 or float64; the callers convert half tensors)."""
+    options = _system_options(scale, causal, mask, bias, window, dropout_p, seed)
+    arrays = (_np(q), _np(k), _np(v))
+    if system == "block_sparse":
+        out, lse = attnx.block_sparse_attention(*arrays, _np(layout), size, return_lse=True,
+                                                **options)
+    elif system == "pooled":
+        out, lse = attnx.pooled_attention(*arrays, size, mode, return_lse=True, **options)
+    elif system == "linformer":
+        out, lse = attnx.linformer_attention(*arrays, _np(E), _np(F), return_lse=True, **options)
+    else:
+        raise ValueError(f"unknown system {system!r}; expected one of {_SYSTEMS}")
+    return _from_numpy(out, q.dtype), _from_numpy(lse, q.dtype)
+
+
+@_system_op.register_fake
+def _(q, k, v, layout, E, F, mask, bias, system, size, mode, scale, causal, window, dropout_p,
+      seed):
+    shape = _batch_shape(q, k, v, layout, E, F, mask, bias)
+    return (q.new_empty(shape + (q.shape[-2], v.shape[-1])), q.new_empty(shape + (q.shape[-2],)))
+
+
+@torch.library.custom_op("attnx::softmax_system_backward", mutates_args=(), device_types="cpu")
+def _system_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        layout: Optional[Tensor], E: Optional[Tensor], F: Optional[Tensor],
+                        mask: Optional[Tensor], bias: Optional[Tensor], system: str, size: int,
+                        mode: str, scale: Optional[float], causal: str,
+                        window: Optional[List[int]], dropout_p: float, seed: Optional[Tensor],
+                        bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dE, dF, dbias of sum(dout * out) (dE for Linformer,
+    dF when F was given, dbias when bias_grad; empty tensors otherwise)."""
+    options = _system_options(scale, causal, mask, bias, window, dropout_p, seed)
+    args: List[Any] = [_np(t) for t in (dout, q, k, v, out, lse)]
+    backward: Any
+    if system == "block_sparse":
+        backward, args = attnx.block_sparse_attention_backward, args + [_np(layout), size]
+    elif system == "pooled":
+        backward, args = attnx.pooled_attention_backward, args + [size, mode]
+    else:
+        backward, args = attnx.linformer_attention_backward, args + [_np(E), _np(F)]
+    g = backward(*args, bias_grad=bias_grad, **options)
+    dE, dF = g.projection if g.projection is not None else (None, None)
+    return (_from_numpy(g.q, q.dtype), _from_numpy(g.k, k.dtype), _from_numpy(g.v, v.dtype),
+            q.new_empty((0,)) if dE is None or E is None else _from_numpy(dE, E.dtype),
+            q.new_empty((0,)) if dF is None or F is None else _from_numpy(dF, F.dtype),
+            _from_numpy(g.bias, bias.dtype) if bias_grad and bias is not None else q.new_empty((0,)))
+
+
+@_system_backward_op.register_fake
+def _(dout, q, k, v, out, lse, layout, E, F, mask, bias, system, size, mode, scale, causal, window,
+      dropout_p, seed, bias_grad):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((0,)) if E is None else E.new_empty(E.shape),
+            q.new_empty((0,)) if F is None else F.new_empty(F.shape),
+            bias.new_empty(bias.shape) if bias_grad else q.new_empty((0,)))
+
+
+def _system_setup_context(ctx, inputs, output):
+    q, k, v, layout, E, F, mask, bias = inputs[:8]
+    ctx.options = inputs[8:15]  # system .. dropout_p
+    ctx.mark_non_differentiable(output[1])
+    ctx.bias_grad = bias is not None and ctx.needs_input_grad[7]
+    ctx.save_for_backward(q, k, v, output[0], output[1], layout, E, F, mask, bias, inputs[15])
+
+
+def _system_grad(ctx, dout, dlse):
+    q, k, v, out, lse, layout, E, F, mask, bias, seed = ctx.saved_tensors
+    dq, dk, dv, dE, dF, dbias = torch.ops.attnx.softmax_system_backward(
+        dout, q, k, v, out, lse, layout, E, F, mask, bias, *ctx.options, seed, ctx.bias_grad)
+    return (dq, dk, dv, None, dE if E is not None else None, dF if F is not None else None, None,
+            dbias if ctx.bias_grad else None) + (None,) * 8
+
+
+_system_op.register_autograd(_system_grad, setup_context=_system_setup_context)
+
+
+def _system_call(system, q, k, v, layout=None, E=None, F=None, size=1, mode="mean", *, scale=None,
+                 causal=False, mask=None, bias=None, window=None, dropout_p=0.0, seed=None,
+                 return_lse=False):
+    _check_inputs(("q", "k", "v"), q, k, v)
+    dtype, compute = q.dtype, _compute_dtype(q.dtype)
+    if mask is not None:
+        _check_tensor("mask", mask)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be bool (True = attend), got dtype {mask.dtype}; "
+                            "give additive float masks as bias=")
+        mask = _key_padding_view(mask, q.shape[-2])
+    for name, t in (("bias", bias), ("E", E), ("F", F)):
+        if t is not None:
+            _check_tensor(name, t)
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating point tensor, got dtype {t.dtype}")
+    q, k, v, E, F, bias = (_to_compute(t, compute) for t in (q, k, v, E, F, bias))
+    out, lse = torch.ops.attnx.softmax_system(
+        q, k, v, layout, E, F, mask, bias, system, size, mode,
+        None if scale is None else float(scale), _encode_causal(causal), _encode_window(window),
+        float(dropout_p), _seed_tensor(dropout_p, seed))
+    out = out.to(dtype)
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=False, mask=None,
+                           bias=None, window=None, return_lse=False):
+    """attnx.block_sparse_attention on tensors, differentiable in q, k, v
+    and a float bias: softmax attention under the mask
+    ``kron(layout, ones(bs, bs))[:n, :m]``, only the named blocks computed.
+    layout: a bool tensor (or array) broadcastable to (..., ceil(n / bs),
+    ceil(m / bs)), e.g. from attnx.layouts."""
+    layout = torch.as_tensor(layout)
+    _check_tensor("layout", layout)
+    if layout.dtype != torch.bool:
+        raise TypeError(f"layout must be a boolean tensor of blocks, got dtype {layout.dtype}")
+    return _system_call("block_sparse", q, k, v, layout, size=count(block_size, "block_size", 1),
+                        scale=scale, causal=causal, mask=mask, bias=bias, window=window,
+                        return_lse=return_lse)
+
+
+def pooled_attention(q, k, v, stride, mode="mean", *, scale=None, causal=False, mask=None,
+                     bias=None, window=None, dropout_p=0.0, seed=None, return_lse=False):
+    """attnx.pooled_attention on tensors, differentiable in q, k, v and a
+    float bias: keys and values pooled over windows of `stride` positions
+    ("mean" or "max"), then softmax attention; masks, bias, causal and
+    window refer to the ceil(m / stride) pooled keys."""
+    if mode not in ("mean", "max"):
+        raise ValueError(f"mode must be 'mean' or 'max', got {mode!r}")
+    return _system_call("pooled", q, k, v, size=count(stride, "stride", 1), mode=mode, scale=scale,
+                        causal=causal, mask=mask, bias=bias, window=window, dropout_p=dropout_p,
+                        seed=seed, return_lse=return_lse)
+
+
+def linformer_attention(q, k, v, E, F=None, *, scale=None, causal=False, mask=None, bias=None,
+                        window=None, dropout_p=0.0, seed=None, return_lse=False):
+    """attnx.linformer_attention on tensors: softmax attention over
+    ``E @ k`` and ``F @ v`` (E, F of shape (..., r, m); F defaults to E),
+    differentiable in q, k, v, E, F and a float bias (a learned E gets its
+    gradient, F's share included when F is None)."""
+    if E is None:
+        raise TypeError("linformer_attention needs the projection E, a tensor (..., r, m)")
+    for name, t in (("E", E), ("F", F)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() < 2
+                              or t.shape[-1] != k.shape[-2]):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a tensor of shape (..., r, m) with m = "
+                             f"{k.shape[-2]} (k's length), got {shape}")
+    return _system_call("linformer", q, k, v, E=E, F=F, scale=scale, causal=causal, mask=mask,
+                        bias=bias, window=window, dropout_p=dropout_p, seed=seed,
+                        return_lse=return_lse)
+
+
+# ------------------------------------- FLatten's depthwise convolution
+
+def _spatial(spatial):
+    return None if spatial is None else tuple(spatial)
+
+
+@torch.library.custom_op("attnx::depthwise_convolution", mutates_args=(), device_types="cpu")
+def _dwc_op(v: Tensor, weight: Tensor, spatial: Optional[List[int]]) -> Tensor:
+    """The depthwise convolution of v (..., n, e) with weight (e, ks) along
+    the sequence, or (e, kh, kw) over the grid spatial = [H, W]."""
+    return _from_numpy(_dwc.depthwise_convolution(_np(v), _np(weight), _spatial(spatial)), v.dtype)
+
+
+@_dwc_op.register_fake
+def _(v, weight, spatial):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("attnx::depthwise_convolution_backward", mutates_args=(),
+                         device_types="cpu")
+def _dwc_backward_op(dout: Tensor, v: Tensor, weight: Tensor,
+                     spatial: Optional[List[int]]) -> Tuple[Tensor, Tensor]:
+    """dv, dweight of sum(dout * depthwise_convolution(v, weight, spatial))."""
+    dv, dweight = _dwc.depthwise_convolution_backward(_np(dout), _np(v), _np(weight),
+                                                      _spatial(spatial))
+    return _from_numpy(dv, v.dtype), _from_numpy(dweight, weight.dtype)
+
+
+@_dwc_backward_op.register_fake
+def _(dout, v, weight, spatial):
+    return v.new_empty(v.shape), weight.new_empty(weight.shape)
+
+
+def _dwc_setup_context(ctx, inputs, output):
+    v, weight, spatial = inputs
+    ctx.spatial = spatial
+    ctx.save_for_backward(v, weight)
+
+
+def _dwc_grad(ctx, dout):
+    v, weight = ctx.saved_tensors
+    dv, dweight = torch.ops.attnx.depthwise_convolution_backward(dout, v, weight, ctx.spatial)
+    return dv, dweight, None
+
+
+_dwc_op.register_autograd(_dwc_grad, setup_context=_dwc_setup_context)
+
+def add_depthwise_convolution(out, q, v, dwc_weight, spatial):
+    """out + FLatten's depthwise convolution of v (attnx.torch's
+    focused_linear_attention with dwc_weight=, spatial=): weight (e, ks)
+    along the sequence, or (e, kh, kw) over the grid spatial=(H, W) (n = H *
+    W, row-major), zero padding, odd kernel sizes; needs n == m. out
+    unchanged when dwc_weight is None."""
+    if dwc_weight is None:
+        if spatial is not None:
+            raise ValueError("spatial is given but dwc_weight is None")
+        return out
+    _check_tensor("dwc_weight", dwc_weight)
+    if not dwc_weight.is_floating_point():
+        raise TypeError(f"dwc_weight must be a floating point tensor, got dtype {dwc_weight.dtype}")
+    if v.shape[-2] != q.shape[-2]:
+        raise ValueError(f"dwc_weight: the convolution of v (m = {v.shape[-2]}) is added to the "
+                         f"output (n = {q.shape[-2]}), so n must equal m")
+    if spatial is not None and (not isinstance(spatial, (tuple, list)) or len(spatial) != 2):
+        raise ValueError(f"spatial must be (H, W), two positive integers, got {spatial!r}")
+    compute = _compute_dtype(v.dtype)
+    term = torch.ops.attnx.depthwise_convolution(
+        _to_compute(v, compute), _to_compute(dwc_weight, compute),
+        None if spatial is None else [int(s) for s in spatial])
+    return out + term.to(out.dtype)
+
+
+# ------------------------------------------------------- multi-head layer
+
+_FRONT_ENDS = {
+    "softmax": _at.softmax_attention,
+    "gaussian": _at.gaussian_attention,
+    "linear": _at.linear_attention,
+    "cosformer": _at.cosformer_attention,
+    "focused": _at.focused_linear_attention,
+    "taylor": _at.taylor_attention,
+    "performer": _at.performer_attention,
+    "efficient": _at.efficient_attention,
+    "block_sparse": block_sparse_attention,
+    "pooled": pooled_attention,
+    "linformer": linformer_attention,
+}
+_KERNELISED = ("linear", "cosformer", "focused", "taylor", "performer", "efficient")
+# array options a layer learns: Linformer's projections, FAVOR's, FLatten's kernel
+_LEARNED = ("E", "F", "projection", "dwc_weight")
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Multi-head attention on any attnx variant, batch first.
+
+    ``MultiheadAttention(embed_dim, num_heads, *, num_kv_heads=None,
+    variant="softmax", positions=None, bias=True, **options)``: the
+    ``nn.Linear`` submodules ``q_proj`` (embed_dim -> embed_dim),
+    ``k_proj`` and ``v_proj`` (embed_dim -> num_kv_heads * head_dim) and
+    ``out_proj`` (embed_dim -> embed_dim), head_dim = embed_dim //
+    num_heads. num_kv_heads (default num_heads) must divide num_heads:
+    query head h uses key/value head h // (num_heads / num_kv_heads)
+    (grouped-query attention by broadcasting, no copies).
+
+    variant: "softmax", "gaussian", "linear", "cosformer", "focused",
+    "taylor", "performer", "efficient", "block_sparse", "pooled",
+    "linformer", computed by attnx.torch's operator of that name with
+    ``**options`` (scale=, sigma=, feature_map=, layout= and block_size=,
+    stride=, E=, window=, dropout_p= ...). Array options become tensors of
+    the module: E, F, projection and dwc_weight learned parameters (given
+    as their initial values), the others (layout, mask, key_mask) buffers.
+    Array options with a head axis put it before their own last axes, as
+    in attnx.multi_head_attention. dropout_p applies in training mode only.
+
+    positions: None, "sinusoidal" (the table added to query, key and value
+    first) or "rotary" (q and k rotated per head, positions 0..n-1 and
+    0..m-1).
+
+    ``forward(query, key=None, value=None, key_padding_mask=None,
+    is_causal=False)``: query (..., n, embed_dim), key and value (..., m,
+    embed_dim) (key defaults to query, value to key); key_padding_mask
+    (..., m) bool, True = padding (as in nn.MultiheadAttention), reaching
+    the kernel as key padding; is_causal: query i sees keys j <= i.
+    Returns the output (..., n, embed_dim).
+    """
+
+    def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, variant="softmax",
+                 positions=None, bias=True, device=None, dtype=None, **options):
+        super().__init__()
+        embed_dim = count(embed_dim, "embed_dim", 1)
+        heads = count(num_heads, "num_heads", 1)
+        kv_heads = heads if num_kv_heads is None else count(num_kv_heads, "num_kv_heads", 1)
+        if embed_dim % heads:
+            raise ValueError(f"num_heads ({heads}) must divide embed_dim ({embed_dim})")
+        if heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
+        if variant not in _FRONT_ENDS:
+            raise ValueError(f"unknown variant {variant!r}; expected one of "
+                             f"{', '.join(map(repr, _FRONT_ENDS))}")
+        if positions not in (None, "rotary", "sinusoidal"):
+            raise ValueError(f"positions must be None, 'rotary' or 'sinusoidal', got {positions!r}")
+        refused = {"out", "return_lse", "return_state", "initial_state"} & options.keys()
+        if refused:
+            raise TypeError(f"MultiheadAttention takes no {', '.join(sorted(refused))} option")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, heads, kv_heads
+        self.head_dim = head_dim = embed_dim // heads
+        self.variant, self.positions = variant, positions
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = torch.nn.Linear(embed_dim, kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = torch.nn.Linear(embed_dim, kv_heads * head_dim, bias=bias, **factory)
+        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.options, self._tensor_options = {}, []
+        for name, value in options.items():
+            if value is None or isinstance(value, (bool, int, float, str, tuple)) or callable(value):
+                self.options[name] = value
+                continue
+            tensor = torch.as_tensor(value)
+            if name in _LEARNED:
+                self.register_parameter(name, torch.nn.Parameter(
+                    tensor.to(dtype=dtype or torch.get_default_dtype(), device=device)))
+            else:
+                self.register_buffer(name, tensor)
+            self._tensor_options.append(name)
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, variant={self.variant!r}, "
+                f"positions={self.positions!r}")
+
+    def _per_head(self, name, t):
+        """An option tensor with a head axis (..., num_heads or 1, core...)
+        as (..., num_kv_heads, group, core...)."""
+        core = _PER_HEAD_OPTIONS.get(name)
+        if core is None or t.dim() <= core:
+            return t
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if t.shape[-core - 1] == heads:
+            return t.reshape(t.shape[:-core - 1] + (kv_heads, heads // kv_heads) + t.shape[-core:])
+        if t.shape[-core - 1] == 1:
+            return t.reshape(t.shape[:-core - 1] + (1, 1) + t.shape[-core:])
+        raise ValueError(f"{name} of shape {tuple(t.shape)}: the axis before its last {core} must "
+                         f"be the head axis, of size num_heads ({heads}) or 1")
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, is_causal=False):
+        key = query if key is None else key
+        value = key if value is None else value
+        if self.positions == "sinusoidal":
+            shifted = {}
+            for t in (query, key, value):
+                if id(t) not in shifted:
+                    shifted[id(t)] = t + sinusoidal_positions(t.shape[-2], t.shape[-1],
+                                                              dtype=t.dtype)
+            query, key, value = shifted[id(query)], shifted[id(key)], shifted[id(value)]
+        kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        # (..., L, heads * c) -> (..., kv_heads, group, L, c)
+        q = self.q_proj(query).unflatten(-1, (kv_heads, group, -1)).movedim(-4, -2)
+        k = self.k_proj(key).unflatten(-1, (kv_heads, 1, -1)).movedim(-4, -2)
+        v = self.v_proj(value).unflatten(-1, (kv_heads, 1, -1)).movedim(-4, -2)
+        if self.positions == "rotary":
+            q, k = rotary(q), rotary(k)
+        options = dict(self.options)
+        for name in self._tensor_options:
+            options[name] = self._per_head(name, getattr(self, name))
+        if not self.training:
+            options.pop("dropout_p", None)
+        if is_causal:
+            options["causal"] = "upper_left"
+        if key_padding_mask is not None:
+            self._add_key_padding(options, key_padding_mask, k.shape[-2])
+        heads_out = _FRONT_ENDS[self.variant](q, k, v, **options)     # (..., Hkv, g, n, e)
+        return self.out_proj(heads_out.movedim(-2, -4).flatten(-3))  # (..., n, Hkv * g * e)
+
+    def _add_key_padding(self, options, key_padding_mask, m):
+        """key_padding_mask (..., m), True = padding, as the variant's key
+        padding: key_mask (..., 1, 1, m) for the kernelised front ends, a
+        mask (..., 1, 1, 1, m) for the softmax ones."""
+        _check_tensor("key_padding_mask", key_padding_mask)
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor (True = padding), got dtype "
+                            f"{key_padding_mask.dtype}")
+        if key_padding_mask.dim() < 1 or key_padding_mask.shape[-1] != m:
+            raise ValueError(f"key_padding_mask must have shape (..., m) with m = {m}, got "
+                             f"{tuple(key_padding_mask.shape)}")
+        keep = ~key_padding_mask
+        if self.variant in _KERNELISED:
+            name, padding = "key_mask", keep[..., None, None, :]
+        elif self.variant in ("pooled", "linformer"):
+            raise ValueError(f"key_padding_mask: variant {self.variant!r} attends to pooled or "
+                             "projected keys, which a padding of the original keys does not name")
+        else:
+            name, padding = "mask", keep[..., None, None, None, :]
+        options[name] = padding if options.get(name) is None else options[name] & padding
