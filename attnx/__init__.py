@@ -40,6 +40,7 @@ from ._systems import (
     pooled_attention,
     pooled_attention_backward,
 )
+from ._lsh import lsh_attention, lsh_attention_backward, lsh_buckets, lsh_rotations
 from ._multihead import MultiHeadGradients, multi_head_attention, multi_head_attention_backward
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
@@ -96,6 +97,10 @@ __all__ = [
     "pooled_attention_backward",
     "linformer_attention",
     "linformer_attention_backward",
+    "lsh_attention",
+    "lsh_attention_backward",
+    "lsh_buckets",
+    "lsh_rotations",
     "layouts",
     "Gradients",
     "vjp",

@@ -337,6 +337,19 @@ def linformer_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v:
                                  out: Any, lse: Any, E: ArrayLike, F: ArrayLike | None = ...,
                                  *, bias_grad: Any = ..., **softmax_options: Any) -> Gradients: ...
 
+def lsh_attention(q: ArrayLike, v: ArrayLike, n_buckets: int, n_hashes: int = ..., chunk: int = ...,
+                  causal: bool | str = ..., seed: int = ..., *, out: NDArray[Any] | None = ...,
+                  return_lse: bool = ...) -> Any: ...
+def lsh_attention_backward(dout: ArrayLike, q: ArrayLike, v: ArrayLike, out: ArrayLike,
+                           lse: ArrayLike, n_buckets: int, n_hashes: int = ..., chunk: int = ...,
+                           causal: bool | str = ..., seed: int = ..., *,
+                           dq: NDArray[Any] | None = ...,
+                           dv: NDArray[Any] | None = ...) -> Gradients: ...
+def lsh_buckets(q: ArrayLike, n_buckets: int, n_hashes: int = ...,
+                seed: int = ...) -> NDArray[np.int32]: ...
+def lsh_rotations(d: int, n_buckets: int, n_hashes: int = ...,
+                  seed: int = ...) -> NDArray[np.float64]: ...
+
 from . import layouts as layouts
 
 __all__ = [
@@ -372,6 +385,10 @@ __all__ = [
     "pooled_attention_backward",
     "linformer_attention",
     "linformer_attention_backward",
+    "lsh_attention",
+    "lsh_attention_backward",
+    "lsh_buckets",
+    "lsh_rotations",
     "layouts",
     "Gradients",
     "vjp",

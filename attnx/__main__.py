@@ -160,9 +160,35 @@ def numpy_multi_head(x, w_q, w_k, w_v, w_o, heads):
     return np.concatenate(outputs, axis=-1) @ w_o
 
 
+def numpy_lsh_visible(buckets, chunk):
+    """Reformer's visibility from the buckets (n_hashes, n) of one head: the
+    same bucket and the same chunk of the (bucket, position) order or the
+    one before, in some round; not oneself, unless nothing else."""
+    n = buckets.shape[-1]
+    visible = np.zeros((n, n), dtype=bool)
+    for b in buckets:
+        place = np.empty(n, dtype=int)
+        place[np.lexsort((np.arange(n), b))] = np.arange(n)
+        behind = place[:, None] // chunk - place[None, :] // chunk
+        visible |= (b[:, None] == b[None, :]) & ((behind == 0) | (behind == 1))
+    visible &= ~np.eye(n, dtype=bool)
+    alone = ~visible.any(axis=1)
+    visible[alone, alone] = True
+    return visible
+
+
+def numpy_lsh(q, v, n_buckets, n_hashes, chunk):
+    """Softmax of q against q / |q| under the union of the rounds' visibility."""
+    buckets = attnx.lsh_buckets(q, n_buckets, n_hashes)  # the hashing, exposed
+    visible = np.stack([numpy_lsh_visible(b, chunk) for b in buckets.reshape(-1, *buckets.shape[-2:])])
+    keys = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    return numpy_softmax_attention(q, keys, v, 1 / np.sqrt(q.shape[-1]),
+                                   visible.reshape(q.shape[:-2] + visible.shape[-2:]))
+
+
 def systems_cases(q, k, v):
     """(name, attnx call, numpy call) for positions, block-sparse, pooled,
-    Linformer and the multi-head layer."""
+    Linformer, Reformer's LSH and the multi-head layer."""
     n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
     block, scale = 16, 1 / np.sqrt(d)
     layout = attnx.layouts.bigbird(-(-n // block), 1, 1, 1, seed=0)
@@ -179,6 +205,8 @@ def systems_cases(q, k, v):
          lambda: numpy_softmax_attention(q, numpy_pool_mean(k, 4), numpy_pool_mean(v, 4), scale, True)),
         ("linformer r=64", lambda: attnx.linformer_attention(q, k, v, projection),
          lambda: numpy_softmax_attention(q, projection @ k, projection @ v, scale, True)),
+        ("LSH 8 buckets x 2, chunk 32", lambda: attnx.lsh_attention(q, v, 8, 2, 32),
+         lambda: numpy_lsh(q, v, 8, 2, 32)),
         ("multi-head layer, 4 heads", lambda: attnx.multi_head_attention(x, x, w_q, w_k, w_v, w_o, 4),
          lambda: numpy_multi_head(x, w_q, w_k, w_v, w_o, 4)),
     ]

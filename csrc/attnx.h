@@ -318,6 +318,47 @@ void attnx_linear_flush_f32(void *S, const attnx_pending *pending, ptrdiff_t hea
 void attnx_linear_flush_f64(void *S, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r,
                             ptrdiff_t e, int num_threads);
 
+/* ------------------------------------------------------------------------
+ * Reformer's LSH attention with shared query-keys (lsh.c): per head the
+ * tokens q (n, d) are hashed by H random rotations, sorted by (bucket,
+ * position) per round, and attend within their chunk of the sorted order
+ * and the one before, to keys in their bucket (lsh.c has the exact rules).
+ * out_i = sum_j p_ij v_j, lse_i = log sum_j exp(s_ij) over the union of the
+ * rounds' keys, s_ij = scale q_i . q_j / |q_j|.
+ */
+enum {
+    ATTNX_LSH_Q, ATTNX_LSH_V, ATTNX_LSH_OUT, ATTNX_LSH_LSE, ATTNX_LSH_DOUT, ATTNX_LSH_DQ,
+    ATTNX_LSH_DV, ATTNX_LSH_NOPS
+};
+
+typedef struct {
+    ptrdiff_t n, d, e;
+    ptrdiff_t heads;
+    const ptrdiff_t *offsets;          /* (heads, ATTNX_LSH_NOPS) byte offsets */
+    const void *q, *v;                 /* (n, d), (n, e) per head */
+    const void *rotations;             /* (n_hashes, d, half), shared by every head */
+    ptrdiff_t rot_hash, rot_row;       /* its strides in elements (hash, row) */
+    ptrdiff_t n_hashes, half;          /* rounds H >= 1; buckets / 2 >= 1 */
+    ptrdiff_t chunk;                   /* 1 <= chunk <= n */
+    int causal;                        /* keys only before the query */
+    double scale;                      /* 1 / sqrt(d) */
+    void *out, *lse;                   /* forward: (n, e), (n,) contiguous per head */
+    const void *dout, *out_in, *lse_in;  /* backward: (n, e), the forward's out and lse */
+    void *dq, *dv;                     /* backward: (n, d), (n, e) per head */
+    ptrdiff_t q_row, v_row, out_row, dout_row, dq_row, dv_row;  /* row strides, elements */
+    int num_threads;
+    attnx_interrupt *interrupt;        /* or NULL */
+} attnx_lsh_args;
+
+int attnx_lsh_fwd_f32(const attnx_lsh_args *args);
+int attnx_lsh_fwd_f64(const attnx_lsh_args *args);
+/* dq, dv of sum(dout * out) from the forward's out and lse (out_in, lse_in) */
+int attnx_lsh_bwd_f32(const attnx_lsh_args *args);
+int attnx_lsh_bwd_f64(const attnx_lsh_args *args);
+/* the buckets alone: (heads, n_hashes, n) int32, C order (out, lse, dout unused) */
+int attnx_lsh_buckets_f32(const attnx_lsh_args *args, int32_t *buckets);
+int attnx_lsh_buckets_f64(const attnx_lsh_args *args, int32_t *buckets);
+
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
 /* The softmax backends, each able to do all the ones before it: plain C +

@@ -10,6 +10,9 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_step(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args);
+PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
+PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args);
+PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
 /* which thread handles signals, for interrupting calls (args.c) */
 void attnx_interrupt_init(void);
@@ -21,5 +24,8 @@ extern const char attnx_linear_attention_doc[];
 extern const char attnx_linear_step_doc[];
 extern const char attnx_linear_flush_doc[];
 extern const char attnx_linear_attention_backward_doc[];
+extern const char attnx_lsh_attention_doc[];
+extern const char attnx_lsh_backward_doc[];
+extern const char attnx_lsh_buckets_doc[];
 
 #endif
