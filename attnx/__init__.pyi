@@ -250,10 +250,11 @@ def random_features(r: int, d: int, seed: _Seed = None) -> NDArray[np.float64]: 
 _Variant = Literal["softmax", "gaussian", "linear", "cosformer", "focused", "taylor",
                    "performer", "efficient", "block_sparse", "pooled", "linformer"]
 _Positions = Literal["rotary", "sinusoidal"] | None
+_Inspected = _Variant | Literal["lsh"]
 
-def attention_weights(q: ArrayLike, k: ArrayLike, variant: _Variant = "softmax",
+def attention_weights(q: ArrayLike, k: ArrayLike, variant: _Inspected = "softmax",
                       **options: Any) -> _Array: ...
-def similarity(q: ArrayLike, k: ArrayLike, variant: _Variant = "softmax",
+def similarity(q: ArrayLike, k: ArrayLike, variant: _Inspected = "softmax",
                **options: Any) -> _Array: ...
 def vjp(fn: Callable[..., Any], *args: Any,
         **options: Any) -> tuple[Any, Callable[[ArrayLike], Gradients]]: ...

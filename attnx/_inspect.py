@@ -5,7 +5,7 @@ import inspect
 
 import numpy as np
 
-from . import _C, _linear, _systems
+from . import _C, _linear, _lsh, _systems
 
 
 def _identity_values(q, k, m):
@@ -47,6 +47,13 @@ def _system(variant, q, k, options):
     if "out" in options or "return_lse" in options:
         raise TypeError("attention_weights and similarity take no out= or return_lse=")
     options = dict(options)
+    if variant == "lsh":
+        # shared query-keys: the keys are the queries themselves
+        if k is not q and not np.array_equal(np.asarray(k), np.asarray(q)):
+            raise ValueError("variant 'lsh' shares queries and keys: pass k = q")
+        (n_buckets,) = _required(options, variant, "n_buckets")
+        return _lsh.lsh_attention(q, _identity_values(q, q, _key_count(q)), n_buckets,
+                                  return_lse=True, **options)
     if variant == "block_sparse":
         layout, block_size = _required(options, variant, "layout", "block_size")
         values = _identity_values(q, k, _key_count(k))
@@ -81,7 +88,7 @@ def _linear_family(variant, q, k, options, normalise):
     return _linear._attend(variant, arguments.arguments, normalise)
 
 
-_SYSTEMS = ("block_sparse", "pooled", "linformer")
+_SYSTEMS = ("block_sparse", "pooled", "linformer", "lsh")
 _VARIANTS = ("softmax", "gaussian") + tuple(_linear.FRONT_ENDS) + _SYSTEMS
 
 
@@ -100,7 +107,9 @@ def attention_weights(q, k, variant="softmax", **options):
     ceil(m / stride) pooled keys, shape (..., n, ceil(m / stride))) and
     "linformer" (E=; weights over the r projected keys E @ k, shape
     (..., n, r); F=, which projects the values only, is accepted and
-    unused). Then out = weights @ v, @ the pooled v, or @ (F @ v).
+    unused), and "lsh" (k = q, n_buckets=, n_hashes=, chunk=, causal=,
+    seed=: Reformer's weights, zero outside the keys its rounds bring
+    together). Then out = weights @ v, @ the pooled v, or @ (F @ v).
     Rows that see no key are all zero. O(n m) memory."""
     _check_variant(variant)
     if variant in _linear.FRONT_ENDS:
@@ -116,8 +125,9 @@ def similarity(q, k, variant="softmax", **options):
     entries are 0. For softmax, s_ij = exp(scale q_i.k_j + bias_ij), which
     overflows to inf where that exponent exceeds the dtype's range; for the
     kernelised variants s_ij = phi(q_i) . psi(k_j) (FAVOR+ likewise may
-    overflow to inf for large inputs); for "block_sparse", "pooled" and
-    "linformer", softmax's over their keys, shaped as attention_weights."""
+    overflow to inf for large inputs); for "block_sparse", "pooled",
+    "linformer" and "lsh", softmax's over their keys, shaped as
+    attention_weights."""
     _check_variant(variant)
     if variant in _linear.FRONT_ENDS:
         return _linear_family(variant, q, k, options, normalise=False)

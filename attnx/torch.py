@@ -11,9 +11,11 @@
   ``enable_gqa``), so it replaces it by assignment.
 * ``softmax_attention``, ``gaussian_attention``, ``linear_attention``,
   ``cosformer_attention``, ``focused_linear_attention``,
-  ``taylor_attention``, ``performer_attention``, ``efficient_attention``
-  and ``attention_weights`` keep the names and options of the numpy front
-  ends (without ``out=``) and take tensors; the linear ones stream with
+  ``taylor_attention``, ``performer_attention``, ``efficient_attention``,
+  ``attention_weights``, and the other systems (``MultiheadAttention``,
+  ``rotary``, ``block_sparse_attention``, ``pooled_attention``,
+  ``linformer_attention``, ``lsh_attention``) keep the names and options of
+  the numpy front ends (without ``out=``) and take tensors; the linear ones stream with
   ``initial_state=`` / ``return_state=True``, differentiably.
 * They are ``torch.library.custom_op`` operators in the namespace
   ``attnx`` (``torch.ops.attnx.softmax_attention`` ...) with fake

@@ -575,3 +575,24 @@ def test_ctrl_c_interrupts_a_long_call_within_half_a_second(threads, heads, call
         if latencies[-1] < 0.5:
             break
     assert min(latencies) < 0.5, latencies
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights(causal):
+    """the weight matrix is the reference's softmax over the visibility the
+    rounds give (zero elsewhere), and out = weights @ v"""
+    rng = np.random.default_rng(41)
+    q = rng.standard_normal((2, 40, 8))
+    v = rng.standard_normal((2, 40, 5))
+    options = dict(n_buckets=4, n_hashes=2, chunk=8, causal=causal, seed=3)
+    weights = attnx.attention_weights(q, q, "lsh", **options)
+    buckets = attnx.lsh_buckets(q, 4, 2, seed=3)
+    for h in range(2):
+        vis = visibility(buckets[h], 8, causal)
+        want, _ = masked_attention(q[h], np.eye(40), vis)
+        np.testing.assert_allclose(weights[h], want, rtol=1e-12, atol=1e-15)
+        assert (weights[h][~vis] == 0).all()
+    np.testing.assert_allclose(weights @ v, attnx.lsh_attention(q, v, **options), rtol=1e-12,
+                               atol=1e-14)
+    with pytest.raises(ValueError, match="k = q"):
+        attnx.attention_weights(q, q + 1, "lsh", **options)
