@@ -77,8 +77,10 @@ ptrdiff_t attnx_row_stride(PyArrayObject *array)
     return PyArray_STRIDE(array, nd - 2) / PyArray_ITEMSIZE(array);
 }
 
-/* Can BLAS read the core matrix in place? */
-static int layout_ok(PyArrayObject *array, int core_ndim)
+/* Can the kernels read the core matrix in place? BLAS takes a row stride
+ * of at least the row's length; a kernel that reads the rows itself also
+ * takes 0, all rows one row (repeat_ok, ATTNX_BROADCAST_ROWS). */
+static int layout_ok(PyArrayObject *array, int core_ndim, int repeat_ok)
 {
     int nd = PyArray_NDIM(array);
     npy_intp itemsize = PyArray_ITEMSIZE(array);
@@ -91,6 +93,7 @@ static int layout_ok(PyArrayObject *array, int core_ndim)
     if (cols > 1 && PyArray_STRIDE(array, nd - 1) != itemsize) return 0;
     if (core_ndim >= 2 && nd >= 2 && PyArray_DIM(array, nd - 2) > 1) {
         npy_intp row = PyArray_STRIDE(array, nd - 2) / itemsize;
+        if (row == 0 && repeat_ok) return 1;
         if (row < cols || row < 1 || row > INT_MAX) return 0;
     }
     return 1;
@@ -547,7 +550,7 @@ static int convert_input(attnx_operand *op, int typenum, int flags)
         }
         Py_SETREF(op->array, array);
     }
-    if (!layout_ok(array, elementwise ? 0 : op->core_ndim)) {
+    if (!layout_ok(array, elementwise ? 0 : op->core_ndim, flags & ATTNX_BROADCAST_ROWS)) {
         PyArrayObject *copy = (PyArrayObject *)PyArray_NewCopy(array, NPY_CORDER);
         if (!copy) return -1;
         Py_SETREF(op->array, copy);
@@ -638,7 +641,7 @@ static int check_out(attnx_call *call, int i, PyObject *obj, int typenum, const 
         return -1;
     }
     if (PyArray_FailUnlessWriteable(out, name) < 0) return -1;
-    if (!PyArray_ISALIGNED(out) || PyArray_ISBYTESWAPPED(out) || !layout_ok(out, n_core)) {
+    if (!PyArray_ISALIGNED(out) || PyArray_ISBYTESWAPPED(out) || !layout_ok(out, n_core, 0)) {
         PyErr_Format(PyExc_ValueError,
                      "%s must be aligned, native-endian, with a contiguous last axis and "
                      "non-overlapping rows", name);
