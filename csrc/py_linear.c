@@ -35,6 +35,21 @@ static npy_intp default_chunk(int method, npy_intp r)
     return method == ATTNX_METHOD_CHUNK && r >= 32 && r <= 128 ? 16 : 32;
 }
 
+/* Calls estimated below this many flops are not interrupted: the first
+ * poll for Ctrl-C comes 20 ms into a call (runtime.c), which they never
+ * reach, and a decoding step would pay a clock read per head for nothing.
+ * A decoding step of a state is never interrupted either: stopped between
+ * heads, it would leave the state half updated. */
+#define INTERRUPTIBLE_FLOPS 1e7
+
+static int interruptible(npy_intp heads, npy_intp n, npy_intp m, npy_intp r, npy_intp e,
+                         int quadratic)
+{
+    double flops = 2.0 * (double)heads * (double)r * (double)(e + 1) *
+                   ((double)(n + m) + (quadratic ? (double)n * (double)m : 0));
+    return flops >= INTERRUPTIBLE_FLOPS;
+}
+
 /* A causal call with at most this many query rows (decoding) defaults to
  * the recurrent method: a few rank-1 updates cost less than the GEMM calls
  * of one chunk. */
@@ -521,8 +536,8 @@ static int check_cumsum_size(const linear_options *o, PyObject *q_obj, PyObject 
 enum { Q, K, V, KEY_MASK, MASK, S0, Z0, OUT, S_OUT, Z_OUT, NPARAMS };
 #define LINEAR_PARAMS(state, state_out) {                                              \
     [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_LIN_Q},                                      \
-    [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_LIN_K},                                      \
-    [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_LIN_V},                                      \
+    [K] = {"k", "m d", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_LIN_K},               \
+    [V] = {"v", "m e", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_LIN_V},               \
     [KEY_MASK] = {"key_mask", "m|1", ATTNX_BOOL, ATTNX_LIN_KEY_MASK},                    \
     [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_LIN_MASK},                            \
     [S0] = {state ".S", "r e", ATTNX_EXACT_DTYPE, ATTNX_LIN_S0},                          \
@@ -586,6 +601,9 @@ static PyObject *run_linear(const linear_call *c)
         goto done;
     if (!deferred) pending.psi = NULL;
 
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
+    int stoppable = !c->in_place &&
+                    interruptible(call.batch.heads, n, m, r, e, o.method == ATTNX_METHOD_QUADRATIC);
     /* a chunk longer than the sequence is the sequence */
     npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : default_chunk(o.method, r);
     if (chunk > longest) chunk = longest > 0 ? longest : 1;
@@ -611,6 +629,7 @@ static PyObject *run_linear(const linear_call *c)
         .normalise = c->normalise,
         .num_threads = attnx_get_num_threads(),
         .pending = pending,
+        .interrupt = stoppable ? &interrupt : NULL,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -844,6 +863,7 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
                                                             : DEFAULT_BACKWARD_CHUNK;
     if (chunk > longest) chunk = longest > 0 ? longest : 1;
     PyArrayObject *S0_array = call.ops[B_S0].array, *dS_array = call.ops[B_DS_IN].array;
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
     attnx_linear_bwd_args kargs = {
         .n = n, .m = m, .d = d, .e = e, .heads = call.batch.heads, .offsets = call.offsets,
         .q = attnx_data(&call, B_Q), .k = attnx_data(&call, B_K), .v = attnx_data(&call, B_V),
@@ -869,6 +889,8 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         .chunk = chunk,
         .eps = o.eps,
         .num_threads = attnx_get_num_threads(),
+        .interrupt = interruptible(call.batch.heads, n, m, r, e, o.method == ATTNX_METHOD_QUADRATIC)
+                         ? &interrupt : NULL,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
