@@ -1,7 +1,9 @@
 """Random, mostly wrong calls of every public function (tests/fuzz_calls.py)
-in child processes: each must return or raise ValueError, TypeError or
-MemoryError (or the exception a callable feature map raised), never crash,
-hang or raise anything else. ATTNX_FUZZ_CALLS sets the calls per seed
+in child processes: forwards, backwards, state.step, and (seed 3) the
+operators of attnx.torch with autograd's backward. Each must return or
+raise ValueError, TypeError or MemoryError (or the exception a callable
+feature map raised; RuntimeError from torch), never crash, hang or raise
+anything else. ATTNX_FUZZ_CALLS sets the calls per seed
 (default 500); a failure names the seed and the call."""
 import os
 import subprocess
