@@ -494,13 +494,12 @@ BACKWARD = ("out, lse = attnx.softmax_attention(q[:, :, :16], k, v, return_lse=T
 # and the chunk method with many FAVOR+ features, forward, and the backward
 # over many short heads (it stops between heads; each takes about 0.1 s)
 LINEAR_QUADRATIC = 'attnx.linear_attention(q, k, v, method="quadratic")'
-FAVOR = 'feature_map="favor", projection=attnx.random_features(4096, 64, seed=0)'
+FAVOR = 'feature_map="favor", projection=attnx.random_features(1024, 64, seed=0)'
 LINEAR_CHUNK = "attnx.linear_attention(q, k, v, causal=True, %s)" % FAVOR
-LINEAR_BACKWARD_QUADRATIC = ("x = lambda a: a.reshape(128, 2048, 64); "
-                             "attnx.linear_attention_backward(x(q), x(q), x(k), x(v), "
+HEADS = "x = lambda a: a.reshape(512, 512, 64); "
+LINEAR_BACKWARD_QUADRATIC = (HEADS + "attnx.linear_attention_backward(x(q), x(q), x(k), x(v), "
                              "method='quadratic')")
-LINEAR_BACKWARD_CHUNK = ("x = lambda a: a.reshape(512, 512, 64); "
-                         "attnx.linear_attention_backward(x(q), x(q), x(k), x(v), "
+LINEAR_BACKWARD_CHUNK = (HEADS + "attnx.linear_attention_backward(x(q), x(q), x(k), x(v), "
                          "causal=True, %s)" % FAVOR)
 
 
