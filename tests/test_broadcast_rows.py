@@ -136,3 +136,41 @@ def test_many_broadcast_keys_allocate_nothing_of_their_size(call):
     assert peak < 4 * 2 ** 20, f"peak {peak / 2**20:.1f} MiB: the broadcast rows were copied"
     # every key is the same row: attention returns that value row
     np.testing.assert_allclose(out, np.broadcast_to(v[0], out.shape), rtol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32])
+@pytest.mark.parametrize("name", ["softmax", "softmax causal", "linear", "chunk", "recurrent"])
+def test_broadcast_rows_of_a_converted_dtype(name, dtype):
+    """float16 and integer inputs are converted to the computing dtype: the
+    one row is converted, the broadcast kept"""
+    call = {**SOFTMAX_CALLS, **LINEAR_CALLS}[name]
+    rng = np.random.default_rng(3)
+    q = make(rng, (2, 5, D), np.float32).astype(dtype)
+    k = np.broadcast_to(make(rng, (2, 1, D), np.float32, scale=3).astype(dtype), (2, 30, D))
+    v = np.broadcast_to(make(rng, (2, 1, E), np.float32, scale=3).astype(dtype), (2, 30, E))
+    got = call(q, k, v)
+    want = call(q, np.ascontiguousarray(k), np.ascontiguousarray(v))
+    assert got.dtype == want.dtype
+    # float16 results are rounded to float16; integers compute in float64
+    compute = np.float64 if dtype == np.int32 else np.float16
+    assert_close(got, want, compute, scale=np.abs(want.astype(np.float64)).max())
+
+
+@pytest.mark.parametrize("call", [attnx.softmax_attention, attnx.linear_attention])
+def test_converted_broadcast_rows_and_heads_allocate_nothing_of_their_size(call):
+    """float16 keys and values broadcast over 2**20 rows and 8 heads: the
+    conversion to float32 takes the one row, not 2**23 of them"""
+    rng = np.random.default_rng(4)
+    q = make(rng, (8, 4, 64), np.float16)
+    k = np.broadcast_to(make(rng, (64,), np.float16), (8, MANY, 64))
+    v = np.broadcast_to(make(rng, (64,), np.float16), (8, MANY, 64))
+    tracemalloc.start()
+    try:
+        out = call(q, k, v)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2 ** 20, f"peak {peak / 2**20:.1f} MiB: the broadcast rows were copied"
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out.astype(np.float32), np.broadcast_to(v[0, 0], out.shape),
+                               rtol=2e-3, atol=2e-3)
