@@ -119,23 +119,31 @@ def _attend(front, a, normalise=True):
     name; options a front end does not have take their defaults).
     normalise=False returns phi(q_i) S undivided (similarities)."""
     variant, feature_map = _KERNEL[front]
-    q, k = a["q"], a["k"]
     if feature_map is None:
         feature_map = a.get("feature_map", "elu")
+    projection = a.get("projection")
+    if front == "performer":
+        projection = _performer_projection(a["q"], projection, a["num_features"], a["seed"])
+    return _run(variant, feature_map, a["q"], a["k"], a["v"], a.get("causal", False),
+                a.get("key_mask"), a.get("mask"), a.get("window"), a.get("method"),
+                a.get("chunk_size"), a.get("eps", 1e-6), projection, a.get("p", 3), a.get("M"),
+                a.get("initial_state"), a.get("return_state", False), a.get("out"), normalise)
+
+
+def _run(variant, feature_map, q, k, v, causal, key_mask, mask, window, method, chunk_size, eps,
+         projection, p, M, initial_state, return_state, out, normalise=True):
+    """The kernel with every option by position (the front ends' common
+    path, kept short: a decoding call through linear_attention spends
+    about a microsecond here)."""
     features = None
     if callable(feature_map):
         features = feature_map
-        q, k = _callable_features(feature_map, q, k, a["v"])
+        q, k = _callable_features(feature_map, q, k, v)
         feature_map = "identity"
-    projection = a.get("projection")
-    if front == "performer":
-        projection = _performer_projection(q, projection, a["num_features"], a["seed"])
-    result = _C.linear_attention(
-        q, k, a["v"], variant, feature_map, a.get("causal", False), a.get("key_mask"),
-        a.get("mask"), a.get("window"), a.get("method"), a.get("chunk_size"),
-        a.get("eps", 1e-6), projection, a.get("p", 3), a.get("M"), a.get("initial_state"),
-        a.get("return_state", False), a.get("out"), normalise)
-    if not a.get("return_state"):
+    result = _C.linear_attention(q, k, v, variant, feature_map, causal, key_mask, mask, window,
+                                 method, chunk_size, eps, projection, p, M, initial_state,
+                                 return_state, out, normalise)
+    if not return_state:
         return result
     out, S, z, offset = result
     state = LinearAttentionState(S, z, offset)
@@ -144,8 +152,7 @@ def _attend(front, a, normalise=True):
         # state's dtype, so that a step converts nothing
         if projection is not None:
             projection = np.asarray(projection, dtype=S.dtype)
-        state._options = (variant, feature_map, a.get("causal", False), a.get("eps", 1e-6),
-                          projection, a.get("p", 3), a.get("M"))
+        state._options = (variant, feature_map, causal, eps, projection, p, M)
         state._features = features
     return out, state
 
@@ -231,7 +238,8 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
     pass it as initial_state= to the next call: pieces (any lengths, one
     token at a time too) give what one call over the whole sequence gives.
     out: array receiving the result."""
-    return _attend("linear", locals())
+    return _run("linear", feature_map, q, k, v, causal, key_mask, mask, window, method,
+                chunk_size, eps, projection, p, None, initial_state, return_state, out)
 
 
 def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,

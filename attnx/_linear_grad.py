@@ -110,8 +110,13 @@ def _backward(front, dout, q, k, v, a):
 
     S0, z0 = _state_arrays(initial_state, "initial_state")
     dS_in, dz_in = _state_arrays(grad_state, "grad_state")
+    if initial_state is not None and not hasattr(initial_state, "offset"):
+        raise TypeError(f"initial_state must be the LinearAttentionState the forward call "
+                        f"started from (with S, z and offset), got {type(initial_state).__name__}")
     offset = 0 if initial_state is None else int(initial_state.offset)
-    n, m = np.shape(q)[-2], np.shape(k)[-2]
+    # the lengths, for cosFormer's checks; an input of fewer than two axes
+    # is left to the kernel's shape message
+    n, m = (np.shape(x)[-2] if np.ndim(x) >= 2 else 0 for x in (q, k))
     period = 0.0
     if kind == _COSFORMER:
         if causal and n != m:

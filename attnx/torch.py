@@ -861,6 +861,7 @@ def performer_attention(q, k, v, projection=None, num_features=None, seed=None, 
     is drawn with attnx.random_features(num_features, d, seed=seed) as a
     constant (pass the same projection or seed to every streamed piece)."""
     if projection is None:
+        _check_inputs(("q", "k", "v"), q, k, v)  # before q's width is read
         d = q.shape[-1]
         if num_features is None:
             num_features = max(1, round(d * math.log(d))) if d > 0 else 1

@@ -77,8 +77,10 @@ ptrdiff_t attnx_row_stride(PyArrayObject *array)
     return PyArray_STRIDE(array, nd - 2) / PyArray_ITEMSIZE(array);
 }
 
-/* Can BLAS read the core matrix in place? */
-static int layout_ok(PyArrayObject *array, int core_ndim)
+/* Can the kernels read the core matrix in place? BLAS takes a row stride
+ * of at least the row's length; a kernel that reads the rows itself also
+ * takes 0, all rows one row (repeat_ok, ATTNX_BROADCAST_ROWS). */
+static int layout_ok(PyArrayObject *array, int core_ndim, int repeat_ok)
 {
     int nd = PyArray_NDIM(array);
     npy_intp itemsize = PyArray_ITEMSIZE(array);
@@ -91,6 +93,7 @@ static int layout_ok(PyArrayObject *array, int core_ndim)
     if (cols > 1 && PyArray_STRIDE(array, nd - 1) != itemsize) return 0;
     if (core_ndim >= 2 && nd >= 2 && PyArray_DIM(array, nd - 2) > 1) {
         npy_intp row = PyArray_STRIDE(array, nd - 2) / itemsize;
+        if (row == 0 && repeat_ok) return 1;
         if (row < cols || row < 1 || row > INT_MAX) return 0;
     }
     return 1;
@@ -521,6 +524,56 @@ static int view_input(attnx_call *call, int i, PyObject *obj)
     return 0;
 }
 
+/* A view of `array` with `dims` and `strides` (its own data, read only) */
+static PyArrayObject *view_with(PyArrayObject *array, const npy_intp *dims,
+                                const npy_intp *strides)
+{
+    PyArray_Descr *descr = PyArray_DESCR(array);
+    Py_INCREF(descr);
+    PyArrayObject *view = (PyArrayObject *)PyArray_NewFromDescr(
+        &PyArray_Type, descr, PyArray_NDIM(array), (npy_intp *)dims, (npy_intp *)strides,
+        PyArray_DATA(array), 0, NULL);
+    if (!view) return NULL;
+    Py_INCREF(array);
+    if (PyArray_SetBaseObject(view, (PyObject *)array) < 0) {  /* steals array */
+        Py_DECREF(view);
+        return NULL;
+    }
+    PyArray_UpdateFlags(view, NPY_ARRAY_UPDATE_ALL);
+    return view;
+}
+
+/* `array` cast to typenum with `cast` flags, its broadcast axes (stride
+ * 0, more than one element) cast once and broadcast again, not
+ * materialised: keys broadcast from one float16 row stay one row. */
+static PyArrayObject *cast_broadcast_once(PyArrayObject *array, int typenum, int cast)
+{
+    int nd = PyArray_NDIM(array), collapsed = 0;
+    npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    for (int ax = 0; ax < nd; ax++) {
+        dims[ax] = PyArray_DIM(array, ax);
+        strides[ax] = PyArray_STRIDE(array, ax);
+        if (strides[ax] == 0 && dims[ax] > 1) {
+            dims[ax] = 1;
+            collapsed = 1;
+        }
+    }
+    PyArrayObject *source = collapsed ? view_with(array, dims, strides) : array;
+    if (!source) return NULL;
+    if (!collapsed) Py_INCREF(source);
+    PyArrayObject *converted = (PyArrayObject *)PyArray_FromAny(
+        (PyObject *)source, PyArray_DescrFromType(typenum), 0, 0, cast, NULL);
+    Py_DECREF(source);
+    if (!converted || !collapsed) return converted;
+    for (int ax = 0; ax < nd; ax++) {
+        strides[ax] = dims[ax] == 1 && PyArray_DIM(array, ax) > 1 ? 0 : PyArray_STRIDE(converted, ax);
+        dims[ax] = PyArray_DIM(array, ax);
+    }
+    PyArrayObject *broadcast = view_with(converted, dims, strides);
+    Py_DECREF(converted);
+    return broadcast;
+}
+
 /* Input op converted to typenum where its dtype or alignment differs,
  * and copied once where BLAS cannot read it in place (layout_ok). */
 static int convert_input(attnx_operand *op, int typenum, int flags)
@@ -532,8 +585,7 @@ static int convert_input(attnx_operand *op, int typenum, int flags)
         /* promoted inputs cast safely; the others are cast to the compute dtype whatever theirs */
         int cast = NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED |
                    (flags & ATTNX_COMPUTE ? 0 : NPY_ARRAY_FORCECAST);
-        array = (PyArrayObject *)PyArray_FromAny((PyObject *)array, PyArray_DescrFromType(typenum), 0,
-                                                 0, cast, NULL);
+        array = cast_broadcast_once(array, typenum, cast);
         if (!array) {
             if (PyErr_ExceptionMatches(PyExc_TypeError)) {
                 PyObject *type, *value, *tb;
@@ -547,7 +599,7 @@ static int convert_input(attnx_operand *op, int typenum, int flags)
         }
         Py_SETREF(op->array, array);
     }
-    if (!layout_ok(array, elementwise ? 0 : op->core_ndim)) {
+    if (!layout_ok(array, elementwise ? 0 : op->core_ndim, flags & ATTNX_BROADCAST_ROWS)) {
         PyArrayObject *copy = (PyArrayObject *)PyArray_NewCopy(array, NPY_CORDER);
         if (!copy) return -1;
         Py_SETREF(op->array, copy);
@@ -638,7 +690,7 @@ static int check_out(attnx_call *call, int i, PyObject *obj, int typenum, const 
         return -1;
     }
     if (PyArray_FailUnlessWriteable(out, name) < 0) return -1;
-    if (!PyArray_ISALIGNED(out) || PyArray_ISBYTESWAPPED(out) || !layout_ok(out, n_core)) {
+    if (!PyArray_ISALIGNED(out) || PyArray_ISBYTESWAPPED(out) || !layout_ok(out, n_core, 0)) {
         PyErr_Format(PyExc_ValueError,
                      "%s must be aligned, native-endian, with a contiguous last axis and "
                      "non-overlapping rows", name);

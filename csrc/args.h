@@ -87,6 +87,10 @@ enum {
                                     (TypeError): a state carried from a call of that dtype */
     ATTNX_REQUIRED = 1 << 9,     /* an input that must be given (ATTNX_COMPUTE inputs are
                                     required too): None is a TypeError */
+    ATTNX_BROADCAST_ROWS = 1 << 10, /* its kernel reads the rows itself or through gemm
+                                    (which takes a row stride of 0): a broadcast row axis
+                                    (stride 0, np.broadcast_to one row) is read as one row,
+                                    never copied */
     /* outputs (objs[i] NULL: not wanted, None: allocated, an array: out=) */
     ATTNX_OUTPUT = 1 << 3,
     ATTNX_RESULT_DTYPE = 1 << 4, /* the caller's dtype (float16 in, float16 out, computed

@@ -264,6 +264,7 @@ typedef struct {
     int num_threads;
     attnx_pending pending;             /* psi NULL, or a deferred step: n = m = 1, S_out and
                                           z_out are S0 and z0, C order, no key_mask */
+    attnx_interrupt *interrupt;        /* or NULL */
 } attnx_linear_args;
 
 int attnx_linear_fwd_f32(const attnx_linear_args *args);
@@ -306,6 +307,7 @@ typedef struct {
     ptrdiff_t chunk;                   /* chunk / tile length C >= 1 */
     double eps;
     int num_threads;
+    attnx_interrupt *interrupt;        /* or NULL */
 } attnx_linear_bwd_args;
 
 int attnx_linear_bwd_f32(const attnx_linear_bwd_args *args);

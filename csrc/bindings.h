@@ -6,8 +6,8 @@
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args);
-PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args);
-PyObject *attnx_py_linear_step(PyObject *self, PyObject *args);
+PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *attnx_py_linear_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);

@@ -86,6 +86,30 @@ typedef struct {
 /* The fused chunk kernel's chunk length */
 #define KERNEL_CHUNK 16
 
+/* Ctrl-C (attnx.h, attnx_interrupt), asked between work items and between
+ * blocks of rows or keys; thread 0 of a team (or the caller, outside one)
+ * is the calling thread, the one that polls for signals. */
+static int linear_stopped(attnx_interrupt *interrupt)
+{
+    return interrupt && attnx_interrupted(interrupt, omp_get_thread_num() == 0);
+}
+
+/* The end of a thread's share of a team's work: the calling thread goes
+ * on polling until every other thread has finished its share, so that a
+ * long item left to another thread still stops at Ctrl-C (it would wait
+ * at the region's barrier anyway). `finished` counts the threads done. */
+static void linear_share_done(attnx_interrupt *interrupt, int *finished, int team)
+{
+    int done;
+#pragma omp atomic capture
+    done = ++*finished;
+    if (!interrupt || !interrupt->poll || omp_get_thread_num() != 0) return;
+    while (done < team && !attnx_interrupted(interrupt, 1)) {
+#pragma omp atomic read
+        done = *finished;
+    }
+}
+
 #define ATTNX_FAMILY_FILE "linear.c"
 #include "real.h"
 
@@ -335,7 +359,7 @@ static void SFX(state_add)(const linear_plan *p, const REAL *psi, ptrdiff_t cols
 static void SFX(absorb)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, ptrdiff_t j1,
                         const SFX(scratch) *w, SFX(state) st)
 {
-    for (ptrdiff_t b = j0; b < j1; b += p->C) {
+    for (ptrdiff_t b = j0; b < j1 && !linear_stopped(p->a->interrupt); b += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
         SFX(state_add)(p, w->psi, cols, SFX(key_block)(p, hd, b, cols, w), st);
     }
@@ -409,7 +433,7 @@ static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, 
                        const SFX(scratch) *w)
 {
     const attnx_linear_args *a = p->a;
-    for (ptrdiff_t b = j0; b < j1; b += p->C) {
+    for (ptrdiff_t b = j0; b < j1 && !linear_stopped(a->interrupt); b += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, j1 - b);
         SFX(key_block)(p, hd, b, cols, w);
         for (ptrdiff_t t = 0; t < cols; t++) {
@@ -611,7 +635,7 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
     ptrdiff_t lo = attnx_band_end(&a->band, qa - 1);
     SFX(absorb)(p, hd, K, lo, w, st);
     if (a->features.kind == ATTNX_FM_EFFICIENT) SFX(normalise_key_columns)(p, st);
-    for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
+    for (ptrdiff_t i0 = qa; i0 < qb && !linear_stopped(a->interrupt); i0 += p->C) {
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
         ptrdiff_t hi = attnx_band_end(&a->band, i0 + rows - 1);
         REAL *out = hd->out + i0 * a->out_row;
@@ -653,7 +677,7 @@ static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdi
                                 const SFX(scratch) *w, SFX(state) st)
 {
     const attnx_linear_args *a = p->a;
-    for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
+    for (ptrdiff_t i0 = qa; i0 < qb && !linear_stopped(a->interrupt); i0 += p->C) {
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
         REAL *out = hd->out + i0 * a->out_row;
         SFX(query_block)(p, hd, i0, rows, w);
@@ -727,7 +751,7 @@ static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_
     const attnx_linear_args *a = p->a;
     const ptrdiff_t size = p->state_size;
     SFX(state_load)(p, SFX(state_in)(p, w->prefix), from);
-    for (ptrdiff_t b = K; b < a->m; b += p->C) {
+    for (ptrdiff_t b = K; b < a->m && !linear_stopped(a->interrupt); b += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, a->m - b);
         SFX(key_block)(p, hd, b, cols, w);
         for (ptrdiff_t t = 0; t < cols; t++) {
@@ -740,7 +764,7 @@ static void SFX(cumsum_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_
                 SFX(state_load)(p, SFX(state_in)(p, next), previous);
         }
     }
-    for (ptrdiff_t i0 = qa; i0 < qb; i0 += p->C) {
+    for (ptrdiff_t i0 = qa; i0 < qb && !linear_stopped(a->interrupt); i0 += p->C) {
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
         REAL *out = hd->out + i0 * a->out_row;
         SFX(query_block)(p, hd, i0, rows, w);
@@ -859,7 +883,8 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
     size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
     for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
     SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
-    for (ptrdiff_t item = first; item < end; item++) SFX(segment_rows)(p, rows_fn, item, starts, &w);
+    for (ptrdiff_t item = first; item < end && !linear_stopped(a->interrupt); item++)
+        SFX(segment_rows)(p, rows_fn, item, starts, &w);
 }
 
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
@@ -878,6 +903,7 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
         starts = deltas + increments * size;
 #pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
         for (ptrdiff_t item = 0; item < increments; item++) {
+            if (linear_stopped(a->interrupt)) continue;
             SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
             SFX(segment_increment)(p, item, deltas + item * size, &w);
         }
@@ -889,15 +915,19 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
     }
     /* one thread runs on the caller: a parallel region of one costs about
      * 0.2 us, a tenth of a one-head decoding step */
+    int finished = 0;
     if (p->threads == 1) {
         SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 1);
     } else {
 #pragma omp parallel num_threads(p->threads)
-        SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, omp_get_thread_num(),
-                        omp_get_num_threads());
+        {
+            SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, omp_get_thread_num(),
+                            omp_get_num_threads());
+            linear_share_done(a->interrupt, &finished, omp_get_num_threads());
+        }
     }
     free(deltas);
-    return ATTNX_OK;
+    return a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 }
 
 /* The quadratic form for the query tile [i0, i0 + rows): explicit scores
@@ -915,7 +945,8 @@ static void SFX(quadratic_tile)(const linear_plan *p, const SFX(head) *hd, ptrdi
         memset(w->den, 0, (size_t)rows * sizeof(REAL));
     }
     ptrdiff_t end = attnx_band_end(&a->band, i0 + rows - 1);
-    for (ptrdiff_t j0 = attnx_band_first(&a->band, i0); j0 < end; j0 += p->C) {
+    for (ptrdiff_t j0 = attnx_band_first(&a->band, i0); j0 < end && !linear_stopped(a->interrupt);
+         j0 += p->C) {
         ptrdiff_t cols = ATTNX_MIN(p->C, end - j0);
         SFX(add_block)(p, hd, i0, rows, j0, cols, SFX(key_block)(p, hd, j0, cols, w), w, out);
     }
@@ -926,13 +957,20 @@ static int SFX(run_quadratic)(const linear_plan *p, REAL *scratch, size_t per_th
 {
     const attnx_linear_args *a = p->a;
     ptrdiff_t tiles = (a->n + p->C - 1) / p->C;
-#pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
-    for (ptrdiff_t item = 0; item < a->heads * tiles; item++) {
-        SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
-        SFX(head) hd = SFX(head_at)(a, item / tiles);
-        ptrdiff_t i0 = item % tiles * p->C;
-        SFX(quadratic_tile)(p, &hd, i0, ATTNX_MIN(p->C, a->n - i0), &w);
+    int finished = 0;
+#pragma omp parallel num_threads(p->threads)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (ptrdiff_t item = 0; item < a->heads * tiles; item++) {
+            if (linear_stopped(a->interrupt)) continue;
+            SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
+            SFX(head) hd = SFX(head_at)(a, item / tiles);
+            ptrdiff_t i0 = item % tiles * p->C;
+            SFX(quadratic_tile)(p, &hd, i0, ATTNX_MIN(p->C, a->n - i0), &w);
+        }
+        linear_share_done(a->interrupt, &finished, omp_get_num_threads());
     }
+    if (a->interrupt && a->interrupt->stopped) return ATTNX_EINTR;
     if (!a->S_out) return ATTNX_OK;
     /* the returned state: every key of the call */
 #pragma omp parallel for num_threads(p->threads)
@@ -943,7 +981,7 @@ static int SFX(run_quadratic)(const linear_plan *p, REAL *scratch, size_t per_th
         SFX(state_load)(p, own, SFX(initial_view)(&hd, a->S0_row, w.zeros));
         SFX(absorb)(p, &hd, 0, a->m, &w, own);
     }
-    return ATTNX_OK;
+    return a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 }
 
 /* How to cut the work: segments per head for the chunk method when there
@@ -1780,14 +1818,25 @@ int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
         SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);
         memset(w.dW, 0, (size_t)(p.r * a->d) * sizeof(REAL));
     }
-#pragma omp parallel for num_threads(p.threads) schedule(dynamic, 1)
-    for (ptrdiff_t h = 0; h < a->heads; h++) {
-        SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)omp_get_thread_num());
-        SFX(bhead) hd = SFX(bhead_at)(a, h);
-        if (a->method == ATTNX_METHOD_QUADRATIC) SFX(bwd_quadratic_head)(&p, &hd, &w);
-        else if (a->method == ATTNX_METHOD_CUMSUM && a->features.kind != ATTNX_FM_EFFICIENT)
-            SFX(bwd_cumsum_head)(&p, &hd, &w);
-        else SFX(bwd_scan_head)(&p, &hd, &w);
+    /* Ctrl-C between heads (linear_stopped) */
+    int finished = 0;
+#pragma omp parallel num_threads(p.threads)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (ptrdiff_t h = 0; h < a->heads; h++) {
+            if (linear_stopped(a->interrupt)) continue;
+            SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)omp_get_thread_num());
+            SFX(bhead) hd = SFX(bhead_at)(a, h);
+            if (a->method == ATTNX_METHOD_QUADRATIC) SFX(bwd_quadratic_head)(&p, &hd, &w);
+            else if (a->method == ATTNX_METHOD_CUMSUM && a->features.kind != ATTNX_FM_EFFICIENT)
+                SFX(bwd_cumsum_head)(&p, &hd, &w);
+            else SFX(bwd_scan_head)(&p, &hd, &w);
+        }
+        linear_share_done(a->interrupt, &finished, omp_get_num_threads());
+    }
+    if (a->interrupt && a->interrupt->stopped) {
+        free(scratch);
+        return ATTNX_EINTR;
     }
     /* the projection's gradient: the threads' shares, summed in a fixed order */
     for (ptrdiff_t t = 0; t < threads && a->dW; t++) {

@@ -35,6 +35,21 @@ static npy_intp default_chunk(int method, npy_intp r)
     return method == ATTNX_METHOD_CHUNK && r >= 32 && r <= 128 ? 16 : 32;
 }
 
+/* Calls estimated below this many flops are not interrupted: the first
+ * poll for Ctrl-C comes 20 ms into a call (runtime.c), which they never
+ * reach, and a decoding step would pay a clock read per head for nothing.
+ * A decoding step of a state is never interrupted either: stopped between
+ * heads, it would leave the state half updated. */
+#define INTERRUPTIBLE_FLOPS 1e7
+
+static int interruptible(npy_intp heads, npy_intp n, npy_intp m, npy_intp r, npy_intp e,
+                         int quadratic)
+{
+    double flops = 2.0 * (double)heads * (double)r * (double)(e + 1) *
+                   ((double)(n + m) + (quadratic ? (double)n * (double)m : 0));
+    return flops >= INTERRUPTIBLE_FLOPS;
+}
+
 /* A causal call with at most this many query rows (decoding) defaults to
  * the recurrent method: a few rank-1 updates cost less than the GEMM calls
  * of one chunk. */
@@ -288,7 +303,26 @@ static int state_get(PyObject *state, int own, PyObject **S, PyObject **z, npy_i
     *S = *z = NULL;
     *offset = 0;
     if (state == Py_None) return 0;
-    *S = PyObject_GetAttr(state, own ? name_own_S : name_S);
+    PyObject *S_name = own ? name_own_S : name_S;
+    if (!own) {
+        /* a LinearAttentionState's S without its property's Python call:
+         * the held keys added in when there are any (what the property
+         * does), then the array behind it; other objects through S */
+        PyObject *tick = PyObject_GetAttr(state, name_tick);
+        if (tick) {
+            int held = PyObject_IsTrue(tick);
+            Py_DECREF(tick);
+            PyObject *flushed = held > 0 ? attnx_py_linear_flush(NULL, state) : NULL;
+            if (held < 0 || (held > 0 && !flushed)) return -1;
+            Py_XDECREF(flushed);
+            S_name = name_own_S;
+        } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+        } else {
+            return -1;
+        }
+    }
+    *S = PyObject_GetAttr(state, S_name);
     *z = *S ? PyObject_GetAttr(state, name_z) : NULL;
     PyObject *offset_obj = *z ? PyObject_GetAttr(state, name_offset) : NULL;
     if (!offset_obj) {
@@ -502,8 +536,8 @@ static int check_cumsum_size(const linear_options *o, PyObject *q_obj, PyObject 
 enum { Q, K, V, KEY_MASK, MASK, S0, Z0, OUT, S_OUT, Z_OUT, NPARAMS };
 #define LINEAR_PARAMS(state, state_out) {                                              \
     [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_LIN_Q},                                      \
-    [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_LIN_K},                                      \
-    [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_LIN_V},                                      \
+    [K] = {"k", "m d", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_LIN_K},               \
+    [V] = {"v", "m e", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_LIN_V},               \
     [KEY_MASK] = {"key_mask", "m|1", ATTNX_BOOL, ATTNX_LIN_KEY_MASK},                    \
     [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_LIN_MASK},                            \
     [S0] = {state ".S", "r e", ATTNX_EXACT_DTYPE, ATTNX_LIN_S0},                          \
@@ -567,6 +601,9 @@ static PyObject *run_linear(const linear_call *c)
         goto done;
     if (!deferred) pending.psi = NULL;
 
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
+    int stoppable = !c->in_place &&
+                    interruptible(call.batch.heads, n, m, r, e, o.method == ATTNX_METHOD_QUADRATIC);
     /* a chunk longer than the sequence is the sequence */
     npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : default_chunk(o.method, r);
     if (chunk > longest) chunk = longest > 0 ? longest : 1;
@@ -592,6 +629,7 @@ static PyObject *run_linear(const linear_call *c)
         .normalise = c->normalise,
         .num_threads = attnx_get_num_threads(),
         .pending = pending,
+        .interrupt = stoppable ? &interrupt : NULL,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -606,10 +644,12 @@ static PyObject *run_linear(const linear_call *c)
             ret = result;
             Py_INCREF(ret);
         }
-    } else if (c->return_state)
-        ret = Py_BuildValue("OOOn", result, call.results[S_OUT], call.results[Z_OUT],
-                            (Py_ssize_t)(offset + m));
-    else {
+    } else if (c->return_state) {
+        PyObject *next_offset = PyLong_FromSsize_t((Py_ssize_t)(offset + m));
+        ret = next_offset ? PyTuple_Pack(4, result, call.results[S_OUT], call.results[Z_OUT],
+                                         next_offset) : NULL;
+        Py_XDECREF(next_offset);
+    } else {
         ret = result;
         Py_INCREF(ret);
     }
@@ -621,13 +661,33 @@ done:
     return ret;
 }
 
-PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
+/* A flag passed as any object, by its truth (what "p" of PyArg_ParseTuple does) */
+static int flag_of(PyObject *obj, int *flag)
 {
-    linear_call c = {.in_place = 0};
-    if (!PyArg_ParseTuple(args, "OOOsOOOOOOOOOOOOpOp:linear_attention", &c.q, &c.k, &c.v,
-                          &c.variant, &c.feature_map, &c.causal, &c.key_mask, &c.mask, &c.window,
-                          &c.method, &c.chunk_size, &c.eps, &c.projection, &c.p, &c.M,
-                          &c.initial_state, &c.return_state, &c.out, &c.normalise))
+    *flag = PyObject_IsTrue(obj);
+    return *flag < 0 ? -1 : 0;
+}
+
+/* METH_FASTCALL: the arguments come as an array, not a tuple parsed by a
+ * format string (which took a tenth of a decoding call's binding) */
+PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 19) {
+        PyErr_Format(PyExc_TypeError, "linear_attention takes 19 positional arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    linear_call c = {.q = args[0], .k = args[1], .v = args[2], .feature_map = args[4],
+                     .causal = args[5], .key_mask = args[6], .mask = args[7], .window = args[8],
+                     .method = args[9], .chunk_size = args[10], .eps = args[11],
+                     .projection = args[12], .p = args[13], .M = args[14],
+                     .initial_state = args[15], .out = args[17], .in_place = 0};
+    if (!PyUnicode_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "linear_attention: variant must be a str");
+        return NULL;
+    }
+    if (!(c.variant = PyUnicode_AsUTF8(args[3])) || flag_of(args[16], &c.return_state) < 0 ||
+        flag_of(args[18], &c.normalise) < 0)
         return NULL;
     return run_linear(&c);
 }
@@ -636,14 +696,21 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *args)
  * the options of the call that made it (state._options: variant,
  * feature_map, causal, eps, projection, p, M), writing the new state into
  * the state's own arrays and advancing its offset. */
-PyObject *attnx_py_linear_step(PyObject *self, PyObject *args)
+PyObject *attnx_py_linear_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     linear_call c = {.key_mask = Py_None, .mask = Py_None, .window = Py_None, .method = Py_None,
                      .chunk_size = Py_None, .causal = Py_True, .normalise = 1, .in_place = 1};
-    PyObject *options, *made_causal, *out = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOO|O:step", &c.initial_state, &c.q, &c.k, &c.v, &out))
+    PyObject *options, *made_causal;
+    if (nargs < 4 || nargs > 5) {
+        PyErr_Format(PyExc_TypeError, "step() takes q, k, v and optionally out (%zd given)",
+                     nargs - 1);
         return NULL;
-    c.out = out;
+    }
+    c.initial_state = args[0];
+    c.q = args[1];
+    c.k = args[2];
+    c.v = args[3];
+    c.out = nargs == 5 ? args[4] : Py_None;
     if (!(options = PyObject_GetAttr(c.initial_state, name_options))) return NULL;
     if (!PyTuple_Check(options) || PyTuple_GET_SIZE(options) != 7 ||
         !PyUnicode_Check(PyTuple_GET_ITEM(options, 0))) {
@@ -798,6 +865,7 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
                                                             : DEFAULT_BACKWARD_CHUNK;
     if (chunk > longest) chunk = longest > 0 ? longest : 1;
     PyArrayObject *S0_array = call.ops[B_S0].array, *dS_array = call.ops[B_DS_IN].array;
+    attnx_interrupt interrupt = attnx_interrupt_for_call();
     attnx_linear_bwd_args kargs = {
         .n = n, .m = m, .d = d, .e = e, .heads = call.batch.heads, .offsets = call.offsets,
         .q = attnx_data(&call, B_Q), .k = attnx_data(&call, B_K), .v = attnx_data(&call, B_V),
@@ -826,6 +894,8 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         .chunk = chunk,
         .eps = o.eps,
         .num_threads = attnx_get_num_threads(),
+        .interrupt = interruptible(call.batch.heads, n, m, r, e, o.method == ATTNX_METHOD_QUADRATIC)
+                         ? &interrupt : NULL,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS

@@ -12,8 +12,8 @@ static const softmax_kernel softmax_kernels[2] = {attnx_softmax_fwd_f32, attnx_s
 enum { Q, K, V, BIAS, MASK, OUT, LSE, NPARAMS };
 static const attnx_param softmax_params[NPARAMS] = {
     [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
-    [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_SM_K},
-    [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_SM_V},
+    [K] = {"k", "m d", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
+    [V] = {"v", "m e", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
     [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
     [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
     [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},

@@ -51,9 +51,51 @@ static ATTNX_HOT void SFX(gemm_small)(int trans_a, int trans_b, ptrdiff_t M, ptr
 
 static inline void SFX(gemm)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                              REAL alpha, const REAL *A, ptrdiff_t lda,
+                             const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C, ptrdiff_t ldc);
+
+/* An operand whose stored rows are all one row: a broadcast input (keys or
+ * values np.broadcast_to one row) read in place, row stride 0, which BLAS
+ * refuses. The product then has rank one:
+ *  - B (K x N) of equal rows b: C_i += alpha (sum_p op(A)_ip) b;
+ *  - B stored (N x K) of equal rows b: C_ij += alpha op(A)_i . b, all j;
+ *  - A (M x K) of equal rows, beta 0: row 0 once, copied to the others.
+ * Other cases (a transposed A of equal rows) take the plain loops, which
+ * read any stride. Returns 0 when no operand repeats. */
+static int SFX(gemm_repeated)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                              REAL alpha, const REAL *A, ptrdiff_t lda, const REAL *B,
+                              ptrdiff_t ldb, REAL beta, REAL *C, ptrdiff_t ldc)
+{
+    int repeated_a = lda == 0 && (trans_a ? K : M) > 1;
+    int repeated_b = ldb == 0 && (trans_b ? N : K) > 1;
+    if (!repeated_a && !repeated_b) return 0;
+    if (repeated_b && !repeated_a) {
+        for (ptrdiff_t i = 0; i < M; i++) {
+            REAL *c_row = C + i * ldc, sum = 0;
+            if (trans_b) {
+                for (ptrdiff_t p = 0; p < K; p++) sum += (trans_a ? A[p * lda + i] : A[i * lda + p]) * B[p];
+                for (ptrdiff_t j = 0; j < N; j++) c_row[j] = (beta == 0 ? 0 : beta * c_row[j]) + alpha * sum;
+            } else {
+                for (ptrdiff_t p = 0; p < K; p++) sum += trans_a ? A[p * lda + i] : A[i * lda + p];
+                for (ptrdiff_t j = 0; j < N; j++) c_row[j] = (beta == 0 ? 0 : beta * c_row[j]) + alpha * sum * B[j];
+            }
+        }
+        return 1;
+    }
+    if (repeated_a && !trans_a && beta == 0 && !repeated_b) {
+        SFX(gemm)(0, trans_b, 1, N, K, alpha, A, K, B, ldb, 0, C, ldc);
+        for (ptrdiff_t i = 1; i < M; i++) memcpy(C + i * ldc, C, (size_t)N * sizeof(REAL));
+        return 1;
+    }
+    SFX(gemm_small)(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return 1;
+}
+
+static inline void SFX(gemm)(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                             REAL alpha, const REAL *A, ptrdiff_t lda,
                              const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C, ptrdiff_t ldc)
 {
     if (M == 0 || N == 0) return;
+    if (SFX(gemm_repeated)(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
     if (K == 0 || M * N * K <= ATTNX_SMALL_GEMM) {
         /* also K == 0, where BLAS may leave C untouched instead of beta C */
         SFX(gemm_small)(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

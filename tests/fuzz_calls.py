@@ -1,11 +1,15 @@
-"""Random, mostly wrong calls of every public function, for tests/test_fuzz.py.
+"""Random, mostly wrong calls of every public function, for tests/test_fuzz.py:
+the forward functions, their backward functions, LinearAttentionState.step
+and the operators of attnx.torch (forward, and backward through autograd).
 
 Run as a script in a child process: `python fuzz_calls.py SEED COUNT`. Each
 call is printed (and flushed) before it runs, so when the process dies the
 last line names the call that killed it. A call may return or raise
 ValueError, TypeError or MemoryError (the documented errors, see
 docs/conventions.md); any other exception is printed as UNEXPECTED. The
-last line is "done" when every call came back."""
+last line is "done" when every call came back. A torch operator may also
+raise RuntimeError, which is how torch itself refuses some calls (autograd
+on a tensor that needs no gradient, say)."""
 import sys
 
 import numpy as np
@@ -201,6 +205,105 @@ def linear_call(draw):
     return fn, (q, k, v), options
 
 
+BACKWARD_DROPPED = ("out", "return_state")
+
+
+def linear_backward_call(draw):
+    """The backward of a (mostly wrong) kernelised call: the forward's
+    options, a dout of fitting or wrong shape, sometimes a state, its
+    gradient and gradient arrays given to fill."""
+    fn, (q, k, v), options = linear_call(draw)
+    backward = getattr(attnx, fn.__name__ + "_backward")
+    for name in BACKWARD_DROPPED:
+        options.pop(name, None)
+    shape = np.shape(q)[:-1] + np.shape(v)[-1:] if isinstance(q, np.ndarray) and isinstance(
+        v, np.ndarray) and q.ndim and v.ndim else (2, 2)
+    dout = draw.array(shape)
+    if backward is not attnx.efficient_attention_backward:
+        if draw.chance(0.2):
+            _, state = attnx.linear_attention(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2)),
+                                              causal=True, return_state=True)
+            options["initial_state"] = draw.pick([state, (np.ones((2, 2)), np.ones(2)), "s"])
+        if draw.chance(0.2):
+            options["grad_state"] = draw.pick([(np.ones((2, 2)), np.ones(2)), None, (1,), "s"])
+        if draw.chance(0.2):
+            options["projection_grad"] = draw.pick([True, False])
+    if draw.chance(0.2):
+        options[draw.pick(["dq", "dk", "dv"])] = draw.array(np.shape(q) if isinstance(
+            q, np.ndarray) else (2, 2))
+    return backward, (dout, q, k, v), options
+
+
+class TorchCall:
+    """An attnx.torch operator on tensors made from the drawn arrays; with
+    backward, then the gradients through autograd."""
+
+    def __init__(self, fn, backward):
+        self.fn, self.backward = fn, backward
+        self.__qualname__ = f"attnx.torch.{fn.__name__}{' + backward' if backward else ''}"
+
+    def __call__(self, *args, **options):
+        result = self.fn(*args, **options)
+        out = result[0] if isinstance(result, tuple) else result
+        if self.backward and getattr(out, "requires_grad", False):
+            out.sum().backward()
+        return result
+
+
+def tensor(draw, x, torch):
+    """x as a tensor when it can be one (sometimes needing its gradient), else as is"""
+    if not isinstance(x, np.ndarray) or x.dtype == object:
+        return x
+    t = torch.from_numpy(np.ascontiguousarray(x) if draw.chance(0.8) else x.copy())
+    if t.is_floating_point() and draw.chance(0.7):
+        t.requires_grad_(True)
+    return t
+
+
+def torch_call(draw):
+    import torch
+    import attnx.torch as attnx_torch
+    q, k, v, lead, n, m, d, e = draw.qkv()
+    name = draw.pick(["softmax_attention", "gaussian_attention", "scaled_dot_product_attention",
+                      "linear_attention", "cosformer_attention", "focused_linear_attention",
+                      "taylor_attention", "performer_attention", "efficient_attention"])
+    fn = getattr(attnx_torch, name)
+    args = tuple(tensor(draw, x, torch) for x in (q, k, v))
+    options = {}
+    mask = draw.mask(lead, n, m)
+    if name == "scaled_dot_product_attention":
+        options.update(attn_mask=tensor(draw, mask, torch), is_causal=draw.pick([False, True]),
+                       dropout_p=draw.pick([0.0, 0.0, 0.2, 1.5]))
+        if draw.chance(0.3):
+            options["enable_gqa"] = True
+    elif name in ("softmax_attention", "gaussian_attention"):
+        options.update(causal=draw.causal(), window=draw.window(), mask=tensor(draw, mask, torch))
+        if draw.chance(0.3):
+            options["bias"] = tensor(draw, draw.array(draw.pick([lead + (n, m), (n, m), (m,)])),
+                                     torch)
+        if draw.chance(0.2):
+            options.update(dropout_p=draw.pick([0.1, 0.0, -0.5]), seed=draw.pick([0, None, -1]))
+        if draw.chance(0.2):
+            options["return_lse"] = True
+    elif name == "efficient_attention":
+        options["causal"] = draw.causal()
+    else:
+        options.update(causal=draw.causal(),
+                       method=draw.pick([None, None, "chunk", "recurrent", "quadratic", "bogus"]))
+        if draw.chance(0.3):
+            options["key_mask"] = tensor(draw, draw.array(lead + (m,), draw.pick(
+                [np.bool_, np.float64])), torch)
+        if name == "linear_attention":
+            options["feature_map"] = draw.pick(["elu", "relu", "softmax", "taylor", "focused",
+                                                "identity", "bogus", torch.nn.functional.softplus,
+                                                torch.exp])
+        elif name == "performer_attention":
+            options["seed"] = draw.pick([0, 1])
+        elif name == "cosformer_attention" and draw.chance(0.5):
+            options["M"] = draw.pick([None, 8, 100, 0, -3])
+    return TorchCall(fn, draw.chance(0.5)), args, options
+
+
 def inspect_call(draw):
     q, k, v, lead, n, m, d, e = draw.qkv()
     fn = draw.pick([attnx.attention_weights, attnx.similarity])
@@ -251,17 +354,37 @@ def describe(fn, args, options):
             + "".join(f", {key}={short(value)}" for key, value in options.items()) + ")")
 
 
+def torch_available():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# the seeds whose calls include attnx.torch's operators: importing torch and
+# its first operator calls take a few seconds of CPU, paid once
+TORCH_SEEDS = (3,)
+
+
 def main(seed, count):
     draw = Draw(seed)
     states = []
     attnx.set_num_threads(2)
+    with_torch = seed in TORCH_SEEDS and torch_available()
     for index in range(count):
-        kind = draw.rng.integers(10)
+        kind = draw.rng.integers(13)
+        expected = EXPECTED
         if kind < 4:
             fn, args, options = softmax_call(draw)
-        elif kind < 8:
+        elif kind < 7:
             fn, args, options = linear_call(draw)
-        elif kind < 9 or not states:
+        elif kind < 9:
+            fn, args, options = linear_backward_call(draw)
+        elif kind < 11 and with_torch:
+            fn, args, options = torch_call(draw)
+            expected = EXPECTED + (RuntimeError,)
+        elif kind < 12 or not states:
             fn, args, options = (inspect_call if draw.chance(0.7) else other_call)(draw)
         else:
             fn, args, options = step_call(draw, states)
@@ -270,7 +393,7 @@ def main(seed, count):
         print(index, describe(fn, args, options), flush=True)
         try:
             result = fn(*args, **options)
-        except EXPECTED:
+        except expected:
             continue
         except Exception as error:  # noqa: BLE001  (reported, then the run goes on)
             print(f"UNEXPECTED {type(error).__name__}: {error}", flush=True)

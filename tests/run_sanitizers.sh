@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build attnx in place with -O0 -g -fsanitize=address,undefined and run the
-# test suite under it. Python itself is not instrumented, so the ASan runtime
+# test suite under it (or the tests given as arguments: .ci/run runs a
+# subset). Python itself is not instrumented, so the ASan runtime
 # is preloaded; leak checking is off because CPython keeps its arenas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +11,6 @@ export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=lib
 # it does without ASan, rather than abort
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-PYTHONPATH="$PWD" python -m pytest tests -q -p no:cacheprovider -x "$@"
+# the tests given (pytest arguments: files, -k ...), or the whole suite
+if [ $# -eq 0 ]; then set -- tests; fi
+PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider -x "$@"

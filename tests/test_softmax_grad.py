@@ -515,8 +515,24 @@ BACKWARD = ("out, lse = attnx.softmax_attention(q[:, :, :16], k, v, return_lse=T
             "np.zeros_like(q), np.zeros((4, 8, 8192), np.float32))")
 
 
+# the kernelised family: the quadratic form (explicit similarities in tiles)
+# and the chunk method with many FAVOR+ features, forward, and the backward
+# over many short heads (it stops between heads; each takes about 0.1 s)
+LINEAR_QUADRATIC = 'attnx.linear_attention(q, k, v, method="quadratic")'
+FAVOR = 'feature_map="favor", projection=attnx.random_features(1024, 64, seed=0)'
+LINEAR_CHUNK = "attnx.linear_attention(q, k, v, causal=True, %s)" % FAVOR
+HEADS = "x = lambda a: a.reshape(512, 512, 64); "
+LINEAR_BACKWARD_QUADRATIC = (HEADS + "attnx.linear_attention_backward(x(q), x(q), x(k), x(v), "
+                             "method='quadratic')")
+LINEAR_BACKWARD_CHUNK = (HEADS + "attnx.linear_attention_backward(x(q), x(q), x(k), x(v), "
+                         "causal=True, %s)" % FAVOR)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("call", [FORWARD, BACKWARD], ids=["forward", "backward"])
+@pytest.mark.parametrize("call", [FORWARD, BACKWARD, LINEAR_QUADRATIC, LINEAR_CHUNK,
+                                  LINEAR_BACKWARD_QUADRATIC, LINEAR_BACKWARD_CHUNK],
+                         ids=["forward", "backward", "linear quadratic", "linear chunk",
+                              "linear backward quadratic", "linear backward chunk"])
 def test_ctrl_c_interrupts_a_long_call_within_half_a_second(threads, call):
     # the whole call takes several seconds; SIGINT 0.3 s in must end it with
     # KeyboardInterrupt within 0.5 s, leaving attnx usable. On a machine

@@ -1,0 +1,115 @@
+"""One decoding step of causal linear attention, per call through the public
+API: ``state.step(q, k, v)`` (in place, with and without ``out=``) and the
+functional ``linear_attention(q, k, v, causal=True, initial_state=state,
+return_state=True)``, one token of 32 heads of d = 64 (float32, elu
+features), beside an empty Python call.
+
+Each figure is the median of many calls timed one by one with
+time.perf_counter_ns, in interleaved rounds (one round of every form, then
+the next), so that a change in the machine's load hits every form alike;
+the spread printed is the median of the rounds' medians and their range.
+The targets: step < 3 us, functional < 6 us.
+
+    python benchmarks/decode.py [--heads 32] [--d 64] [--calls 5000] [--rounds 7]
+                                [--threads N] [--json FILE]
+
+The machine line says how many cores other processes kept busy just before
+the run (a shared machine inflates every figure).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import busy_cores, cpu_model  # noqa: E402
+
+import attnx  # noqa: E402
+
+TARGETS_US = {"step": 3.0, "functional": 6.0}
+
+
+def forms(heads, d, dtype):
+    """name -> a zero-argument call making one decoding step."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, heads, 1, d)).astype(dtype) for _ in range(3))
+    empty = q[..., :0, :]
+
+    def fresh_state():
+        return attnx.linear_attention(empty, empty, empty, causal=True, return_state=True)[1]
+
+    stepping, stepping_out = fresh_state(), fresh_state()
+    out = np.empty_like(q)
+    carried = [fresh_state()]
+
+    def functional():
+        result, carried[0] = attnx.linear_attention(q, k, v, causal=True,
+                                                    initial_state=carried[0], return_state=True)
+        return result
+
+    return {
+        "step": lambda: stepping.step(q, k, v),
+        "step out=": lambda: stepping_out.step(q, k, v, out),
+        "functional": functional,
+        "empty call": lambda: None,
+    }
+
+
+def time_calls(call, calls):
+    """The median time of one call, in ns, over `calls` calls timed one by one."""
+    times = np.empty(calls, dtype=np.int64)
+    clock = time.perf_counter_ns
+    for i in range(calls):
+        start = clock()
+        call()
+        times[i] = clock() - start
+    return float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=5000, help="calls timed per round and form")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="attnx threads (default: all)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.threads:
+        attnx.set_num_threads(args.threads)
+    busy = busy_cores()
+    print("machine: %s, %d cores, %s cores busy with other work, load average %.2f | "
+          "attnx threads %d | %d heads, d = %d, %s" % (
+              cpu_model(), os.cpu_count(), "?" if busy is None else "%.2f" % busy,
+              os.getloadavg()[0], attnx.get_num_threads(), args.heads, args.d, args.dtype))
+    calls = forms(args.heads, args.d, np.dtype(args.dtype))
+    for call in calls.values():  # warm up: states allocated, caches and threads hot
+        for _ in range(1000):
+            call()
+    rounds = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            rounds[name].append(time_calls(call, args.calls) / 1000)
+    results = {}
+    for name, medians in rounds.items():
+        results[name] = {"median_us": float(np.median(medians)), "min_us": min(medians),
+                         "max_us": max(medians)}
+        target = TARGETS_US.get(name)
+        verdict = ("" if target is None else
+                   "  %s (target < %g us)" % ("PASS" if results[name]["median_us"] < target
+                                              else "MISS", target))
+        print("%-12s %7.2f us  (rounds %.2f .. %.2f)%s" % (
+            name, results[name]["median_us"], min(medians), max(medians), verdict))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"heads": args.heads, "d": args.d, "dtype": args.dtype,
+                       "threads": attnx.get_num_threads(), "busy_cores_at_start": busy,
+                       "results": results}, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
