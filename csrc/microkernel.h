@@ -653,6 +653,21 @@ static inline void mk_add_keys_w16(const float *psi, ptrdiff_t r, const float *v
 #undef MK_STATE
 }
 
+/* z (r,) += sum_t w[t] x_t over 16 rows x_t (r apart), w NULL: all 1;
+ * r % 8 == 0 */
+static inline void mk_add_rows_w16(float *z, const float *x, ptrdiff_t r, const float *w)
+{
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
+        __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);
+        for (int t = 0; t < 16; t++) {
+            __m512 x_t = _mm512_maskz_loadu_ps(lanes, x + t * r + f0);
+            sum = w ? _mm512_fmadd_ps(_mm512_set1_ps(w[t]), x_t, sum) : _mm512_add_ps(sum, x_t);
+        }
+        _mm512_mask_storeu_ps(z + f0, lanes, sum);
+    }
+}
+
 /* The chunk: out = phi S + P V and den[t] += sum_j P[t][j], with P =
  * phi psi^T where row t sees the keys j < visible[t] (others 0; negative
  * similarities, rounding in taylor's 1 + cos, clamped to 0 as in linear.c,
@@ -696,13 +711,7 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
 #undef MK_OUT
     /* pass 3: the chunk's keys into the state */
     mk_add_keys_w16(psi, r, v, v_row, 16, S, e);
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
-        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
-        __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);
-        for (int j = 0; j < 16; j++)
-            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, psi + j * r + f0));
-        _mm512_mask_storeu_ps(z + f0, lanes, sum);
-    }
+    mk_add_rows_w16(z, psi, r, NULL);
 }
 /* ------------------------------------------------------------------------
  * The backward of one chunk (linear.c, bwd_scan_head), 16 query rows
@@ -877,12 +886,7 @@ static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, pt
 #undef MK_DPHI
     mk_from_lanes_w16(dphi, r, grad_t, r);
     mk_add_keys_w16(psi, r, v, v_row, 16, S, e);
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
-        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
-        __m512 sum = _mm512_maskz_loadu_ps(lanes, z + f0);
-        for (int j = 0; j < 16; j++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, psi + j * r + f0));
-        _mm512_mask_storeu_ps(z + f0, lanes, sum);
-    }
+    mk_add_rows_w16(z, psi, r, NULL);
 }
 
 /* Pass 2 over the chunk, (dS, dz) holding the gradient that the later
@@ -937,13 +941,7 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
 #undef MK_DPSI
     mk_from_lanes_w16(dpsi, r, grad_t, r);
     mk_add_keys_w16(phi, r, a, e, 16, dS, e);
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
-        __mmask16 lanes = r - f0 >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
-        __m512 sum = _mm512_maskz_loadu_ps(lanes, dz + f0);
-        for (int t = 0; t < 16; t++)
-            sum = _mm512_fmadd_ps(_mm512_set1_ps(row_b[t]), _mm512_maskz_loadu_ps(lanes, phi + t * r + f0), sum);
-        _mm512_mask_storeu_ps(dz + f0, lanes, sum);
-    }
+    mk_add_rows_w16(dz, phi, r, row_b);
 }
 #undef MK_LANE_ROWS
 #undef MK_CHUNK_COLUMNS
