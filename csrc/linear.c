@@ -1081,7 +1081,7 @@ void SFX(attnx_linear_flush)(void *S_data, const attnx_pending *pending, ptrdiff
  * rows that sees it, the state only carrying S0 and the gradient at the
  * returned state. Memory: O(C (r + e) + r e) per thread plus 2 n numbers.
  * Float32 on AVX-512, whole causal chunks of 16 take each pass's steps in
- * one fused kernel (bwd_fused_rows, bwd_fused_keys; microkernel.h), which
+ * one fused kernel (bwd_fused_chunk; microkernel.h), which
  * ran the backward of 8 heads, n = 4096, d = e = 64 in 19.6 ms against
  * 39.1 ms for the steps below at their best chunk (CPU time, one thread).
  *
@@ -1510,66 +1510,45 @@ static void SFX(bwd_key_columns)(const bwd_plan *p, const SFX(bhead) *hd, const 
 
 /* Whole chunks (KERNEL_CHUNK rows against their diagonal block of as
  * many keys, features and values in w) through the fused AVX-512 kernels
- * of microkernel.h, which keep each product's block in registers:
- * bwd_fused_rows is one chunk of bwd_scan_head's pass (1), bwd_fused_keys
- * one of its pass (2). They return 0 where they do not apply (float64,
- * other CPUs, partial chunks, a block holding inf or NaN, whose zeroed
- * pairs must not carry it), leaving the chunk to the general steps. */
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-static int SFX(bwd_fused_applies)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
-                                  ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
-                                  const SFX(bscratch) *w, int *visible)
+ * of microkernel.h, which keep each product's block in registers: one
+ * chunk of bwd_scan_head's pass (1), or with keys_pass of its pass (2).
+ * Returns 0 where they do not apply (float64, other CPUs, partial chunks,
+ * a block holding inf or NaN, whose zeroed pairs must not carry it),
+ * leaving the chunk to the general steps. */
+static int SFX(bwd_fused_chunk)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
+                                ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
+                                const SFX(bscratch) *w, int keys_pass)
 {
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     const attnx_linear_bwd_args *a = p->a;
+    const float *dout = hd->dout + i0 * a->dout_row;
     if (!p->chunk_kernel || rows != KERNEL_CHUNK || cols != KERNEL_CHUNK ||
         SFX(has_nonfinite)(vals.v, cols, a->e, vals.v_row) ||
-        SFX(has_nonfinite)(hd->dout + i0 * a->dout_row, rows, a->e, a->dout_row) ||
+        SFX(has_nonfinite)(dout, rows, a->e, a->dout_row) ||
         SFX(has_nonfinite)(w->phi, rows, p->r, p->r) || SFX(has_nonfinite)(w->psi, cols, p->r, p->r))
         return 0;
     /* the band opens at key 0 (chunk_kernel), so row t sees [0, visible[t]) */
+    int visible[KERNEL_CHUNK];
     for (ptrdiff_t t = 0; t < rows; t++) {
         ptrdiff_t first, end;
         SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &first, &end);
         visible[t] = (int)end;
     }
-    return 1;
-}
-#endif
-
-static int SFX(bwd_fused_rows)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
-                               ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
-                               const SFX(bscratch) *w)
-{
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    const attnx_linear_bwd_args *a = p->a;
-    int visible[KERNEL_CHUNK];
+    if (keys_pass) {
+        mk_linear_bwd_keys_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, dout, a->dout_row, a->e,
+                               visible, w->inv_den + i0, w->row_b + i0, w->dS, w->dz,
+                               hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, w->lanes);
+        return 1;
+    }
     float eps[KERNEL_CHUNK];
-    if (!SFX(bwd_fused_applies)(p, hd, i0, rows, j0, cols, vals, w, visible)) return 0;
     for (ptrdiff_t t = 0; t < rows; t++) eps[t] = SFX(bwd_row_eps)(p, w, t);
-    mk_linear_bwd_rows_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, hd->dout + i0 * a->dout_row,
-                           a->dout_row, a->e, visible, eps, w->S, w->z, w->inv_den + i0,
-                           w->row_b + i0, w->dphi, w->lanes);
+    mk_linear_bwd_rows_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, dout, a->dout_row, a->e,
+                           visible, eps, w->S, w->z, w->inv_den + i0, w->row_b + i0, w->dphi,
+                           w->lanes);
     return 1;
 #else
-    (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w;
-    return 0;
-#endif
-}
-
-static int SFX(bwd_fused_keys)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff_t i0,
-                               ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
-                               const SFX(bscratch) *w)
-{
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    const attnx_linear_bwd_args *a = p->a;
-    int visible[KERNEL_CHUNK];
-    if (!SFX(bwd_fused_applies)(p, hd, i0, rows, j0, cols, vals, w, visible)) return 0;
-    mk_linear_bwd_keys_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, hd->dout + i0 * a->dout_row,
-                           a->dout_row, a->e, visible, w->inv_den + i0, w->row_b + i0, w->dS,
-                           w->dz, hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, w->lanes);
-    return 1;
-#else
-    (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w;
+    (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w,
+        (void)keys_pass;
     return 0;
 #endif
 }
@@ -1599,7 +1578,7 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
         SFX(bwd_queries)(p, hd, i0, rows, w);
         SFX(values) vals = {NULL, 0};
         if (hi > K) vals = SFX(bwd_keys)(p, hd, K, hi - K, w);
-        if (hi > K && SFX(bwd_fused_rows)(p, hd, i0, rows, K, hi - K, vals, w)) {
+        if (hi > K && SFX(bwd_fused_chunk)(p, hd, i0, rows, K, hi - K, vals, w, 0)) {
             K = hi;
             SFX(bwd_finish_queries)(p, hd, i0, rows, w);
             continue;
@@ -1637,7 +1616,7 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
             SFX(bwd_queries)(p, hd, i0, rows, w);
             SFX(values) vals = {NULL, 0};
             if (hi > lo) vals = SFX(bwd_keys)(p, hd, lo, hi - lo, w);
-            if (hi > lo && SFX(bwd_fused_keys)(p, hd, i0, rows, lo, hi - lo, vals, w)) {
+            if (hi > lo && SFX(bwd_fused_chunk)(p, hd, i0, rows, lo, hi - lo, vals, w, 1)) {
                 SFX(bwd_finish_keys)(p, hd, lo, hi - lo, w);
                 continue;
             }

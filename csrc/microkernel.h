@@ -668,6 +668,25 @@ static inline void mk_add_rows_w16(float *z, const float *x, ptrdiff_t r, const 
     }
 }
 
+/* out (16 rows out_row apart, e) = phi S + P V for a chunk's 16 rows:
+ * phi (16, r), S (r, e), P (16, 16), V (16 rows v_row apart, e), in row
+ * blocks of 6, 6 and 4 (mk_chunk_out_w16's registers) */
+static inline void mk_chunk_rows_w16(const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e,
+                                     const float *p, const float *v, ptrdiff_t v_row, float *out,
+                                     ptrdiff_t out_row)
+{
+#define MK_ROWS(nv)                                                                             \
+    do {                                                                                        \
+        mk_chunk_out_w16(6, nv, phi, r, S + c0, e, p, v + c0, v_row, out + c0, out_row);        \
+        mk_chunk_out_w16(6, nv, phi + 6 * r, r, S + c0, e, p + 6 * 16, v + c0, v_row,           \
+                         out + 6 * out_row + c0, out_row);                                      \
+        mk_chunk_out_w16(4, nv, phi + 12 * r, r, S + c0, e, p + 12 * 16, v + c0, v_row,         \
+                         out + 12 * out_row + c0, out_row);                                     \
+    } while (0)
+    MK_CHUNK_COLUMNS(e, MK_ROWS)
+#undef MK_ROWS
+}
+
 /* The chunk: out = phi S + P V and den[t] += sum_j P[t][j], with P =
  * phi psi^T where row t sees the keys j < visible[t] (others 0; negative
  * similarities, rounding in taylor's 1 + cos, clamped to 0 as in linear.c,
@@ -699,16 +718,7 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
         _mm512_storeu_ps(p + t * 16, kept);
     }
     /* pass 2: the output, from the state before the chunk's keys */
-#define MK_OUT(nv)                                                                              \
-    do {                                                                                        \
-        mk_chunk_out_w16(6, nv, phi, r, S + c0, e, p, v + c0, v_row, out + c0, out_row);        \
-        mk_chunk_out_w16(6, nv, phi + 6 * r, r, S + c0, e, p + 6 * 16, v + c0, v_row,           \
-                         out + 6 * out_row + c0, out_row);                                      \
-        mk_chunk_out_w16(4, nv, phi + 12 * r, r, S + c0, e, p + 12 * 16, v + c0, v_row,         \
-                         out + 12 * out_row + c0, out_row);                                     \
-    } while (0)
-    MK_CHUNK_COLUMNS(e, MK_OUT)
-#undef MK_OUT
+    mk_chunk_rows_w16(phi, r, S, e, p, v, v_row, out, out_row);
     /* pass 3: the chunk's keys into the state */
     mk_add_keys_w16(psi, r, v, v_row, 16, S, e);
     mk_add_rows_w16(z, psi, r, NULL);
@@ -917,16 +927,7 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
             _mm512_storeu_ps(a + t * e + c, _mm512_mul_ps(inv_t, _mm512_loadu_ps(dout + t * dout_row + c)));
     }
     /* dv = psi dS + P^T a: the forward's output kernel on other operands */
-#define MK_DV(nv)                                                                             \
-    do {                                                                                      \
-        mk_chunk_out_w16(6, nv, psi, r, dS + c0, e, p_t, a + c0, e, dv + c0, dv_row);         \
-        mk_chunk_out_w16(6, nv, psi + 6 * r, r, dS + c0, e, p_t + 6 * 16, a + c0, e,          \
-                         dv + 6 * dv_row + c0, dv_row);                                       \
-        mk_chunk_out_w16(4, nv, psi + 12 * r, r, dS + c0, e, p_t + 12 * 16, a + c0, e,        \
-                         dv + 12 * dv_row + c0, dv_row);                                      \
-    } while (0)
-    MK_CHUNK_COLUMNS(e, MK_DV)
-#undef MK_DV
+    mk_chunk_rows_w16(psi, r, dS, e, p_t, a, e, dv, dv_row);
     /* dpsi = v dS^T + dz + ds^T phi, in lanes form (the keys across the lanes) */
 #define MK_DPSI(mr)                                                                           \
     do {                                                                                      \

@@ -774,7 +774,7 @@ done:
  * each input's shape. */
 
 /* Chunk length of the backward's chunk method. Causal, chunks of 16 run
- * through fused AVX-512 kernels in float32 (linear.c, bwd_fused_rows) and
+ * through fused AVX-512 kernels in float32 (linear.c, bwd_fused_chunk) and
  * the general steps are no slower there than at 32: CPU time, one thread,
  * 8 heads, n = 4096, d = e = 64, AMD Zen 5: float32 19.6, 39.1, 45.8 ms and
  * float64 71.8, 72.0, 85.5 ms at C = 16, 32, 64. Non-causal there is no
