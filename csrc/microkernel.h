@@ -260,8 +260,9 @@ __attribute__((target("avx512f"))) static inline int mk_pair_along(float *dst, c
     mk_bits *pair = (mk_bits *)dst;
     uint64_t low = 0;
     for (ptrdiff_t c = 0; c < count / 2; c++) {
+        /* the upper halves of the low and the high number */
         low |= from[c];
-        pair[c] = (uint32_t)(from[c] >> 16);
+        pair[c] = (uint32_t)(from[c] >> 16 & 0xffffu) | (uint32_t)(from[c] >> 32 & 0xffff0000u);
     }
     return (low & 0x0000ffff0000ffffu) == 0;
 }
