@@ -344,3 +344,13 @@ def test_torch_bf16_sdpa_is_torch_float32_sdpa_rounded(setting_name, options):
         close = GRAD_RTOL * max(float(np.max(np.abs(want))), 1.0)
         bound = 2.0**-8 * (np.abs(want) + close) + close
         assert np.all(np.abs(got - want) <= bound), (name, np.max(np.abs(got - want) - bound))
+
+
+def test_show_config_names_the_setting(capsys):
+    with bf16_dot("off"):
+        attnx.show_config()
+    assert "bf16 dot: off" in capsys.readouterr().out
+    if DOT:
+        with bf16_dot("avx512_bf16"):
+            attnx.show_config()
+        assert "bf16 dot: VDPBF16PS" in capsys.readouterr().out
