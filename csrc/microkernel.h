@@ -255,7 +255,7 @@ __attribute__((target("avx512f"))) static inline int mk_pair_rows(float *dst, pt
 __attribute__((target("avx512f"))) static inline int mk_pair_along(float *dst, const float *x,
                                                                    ptrdiff_t count)
 {
-    typedef uint64_t pair_bits __attribute__((may_alias));
+    typedef uint64_t pair_bits __attribute__((may_alias, aligned(4)));
     const pair_bits *from = (const pair_bits *)x;
     mk_bits *pair = (mk_bits *)dst;
     uint64_t low = 0;
