@@ -125,7 +125,9 @@ static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_blo
         for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
 #pragma GCC unroll 8
         for (int r = 0; r < block_rows; r++) {
-            vec a_rp = (vec){0} + a[r * a_row + p * a_col];
+            /* x - 0 is x for every x (x + 0 would turn -0 into +0), so gcc
+             * drops the subtraction and broadcasts straight from memory */
+            vec a_rp = a[r * a_row + p * a_col] - (vec){0};
 #pragma GCC unroll 2
             for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
         }
