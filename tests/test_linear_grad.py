@@ -322,6 +322,30 @@ def test_whole_chunks_nonfinite_stays_in_place(where):
         assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
 
 
+def test_whole_chunks_nonfinite_per_head_one_thread():
+    """the keys pass takes each chunk's path from the rows pass of the same
+    head: heads that run one after another on one thread, each with its NaN
+    in another chunk (or none), keep their NaNs where float64 puts them"""
+    rng = np.random.default_rng(33)
+    dout, q, k, v = inputs(rng, (4,), 80, 80, 16, 16)
+    v[0, 21, 3] = np.nan
+    dout[1, 40, 0] = np.nan
+    k[2, 79, 5] = np.nan
+    previous = attnx.get_num_threads()
+    attnx.set_num_threads(1)
+    try:
+        g32 = attnx.linear_attention_backward(*(x.astype(np.float32) for x in (dout, q, k, v)),
+                                              causal=True)
+    finally:
+        attnx.set_num_threads(previous)
+    g64 = attnx.linear_attention_backward(dout, q, k, v, causal=True, chunk_size=16)
+    for got, ref, name in zip(g32[:3], g64[:3], "qkv"):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"d{name}")
+        assert np.isnan(ref[:3]).any() and not np.isnan(ref[3]).any()
+        finite = ~np.isnan(ref)
+        assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
+
+
 def test_float32_against_float64_reference_long_causal():
     """chunks of the default length, several of them, float32"""
     rng = np.random.default_rng(5)
