@@ -851,10 +851,16 @@ static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, pt
     __m512i visible = _mm512_loadu_si512(visible_rows);
     mk_to_lanes_w16(phi_t, phi, r, r);
     mk_to_lanes_w16(dout_t, dout, dout_row, e);
-    /* U = S dout^T into grad_t, with phi . z and phi . U = dout . (phi S) */
-    __m512 den = _mm512_setzero_ps(), num_dot = _mm512_setzero_ps(), block_dot;
-    for (ptrdiff_t f = 0; f < r; f++)
-        den = _mm512_fmadd_ps(_mm512_set1_ps(z[f]), _mm512_loadu_ps(phi_t + f * 16), den);
+    /* U = S dout^T into grad_t, with phi . z and phi . U = dout . (phi S),
+     * each sum in 4 parts (r % 8 == 0): one chain of r dependent FMAs
+     * would wait 4 r cycles */
+    __m512 den_part[4], dot_part[4], block_dot;
+    for (int h = 0; h < 4; h++) den_part[h] = dot_part[h] = _mm512_setzero_ps();
+    for (ptrdiff_t f = 0; f < r; f += 4)
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++)
+            den_part[h] = _mm512_fmadd_ps(_mm512_set1_ps(z[f + h]), _mm512_loadu_ps(phi_t + (f + h) * 16),
+                                          den_part[h]);
 #define MK_U(mr)                                                                              \
     do {                                                                                      \
         __m512 acc[16];                                                                       \
@@ -862,11 +868,16 @@ static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, pt
         mk_lanes_w16(acc, mr, S + f0 * e, e, 1, dout_t, e);                                   \
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++) {                               \
             _mm512_storeu_ps(grad_t + (f0 + i) * 16, acc[i]);                                 \
-            num_dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi_t + (f0 + i) * 16), acc[i], num_dot); \
+            dot_part[i % 4] = _mm512_fmadd_ps(_mm512_loadu_ps(phi_t + (f0 + i) * 16), acc[i], \
+                                              dot_part[i % 4]);                               \
         }                                                                                     \
     } while (0)
     MK_LANE_ROWS(r, MK_U)
 #undef MK_U
+    __m512 den = _mm512_add_ps(_mm512_add_ps(den_part[0], den_part[1]),
+                               _mm512_add_ps(den_part[2], den_part[3]));
+    __m512 num_dot = _mm512_add_ps(_mm512_add_ps(dot_part[0], dot_part[1]),
+                                   _mm512_add_ps(dot_part[2], dot_part[3]));
     den = _mm512_add_ps(den, mk_bwd_block_w16(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t,
                                               dv_t, &block_dot));
     num_dot = _mm512_add_ps(num_dot, block_dot);
