@@ -460,7 +460,7 @@ static ATTNX_HOT void SFX(add_held)(ptrdiff_t r, ptrdiff_t e, REAL *S, const REA
 {
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     if (attnx_mk_width() == 16 && r % 2 == 0 && e % 16 == 0) {
-        mk_add_keys_w16(keys, r, values, e, rows, S, e);
+        mk_add_keys_w16(keys, r, values, e, rows, S, e, NULL);
         return;
     }
 #endif
@@ -606,8 +606,23 @@ static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
     for (ptrdiff_t t = 0; t < rows; t++)
         SFX(row_span)(p, hd, i0 + t, j0, cols, &first, &visible[t]);
     SFX(state_dens)(p, rows, st.z, w);
+    /* the next chunk's rows, asked for from inside the kernel (mk_ahead):
+     * 8 heads, n = 4096, d = e = 64, one thread, loaded machine: forward
+     * ~4.7 ms against ~5.6 with them asked for all at once before it */
+    const ptrdiff_t size = (ptrdiff_t)sizeof(float);
+    ptrdiff_t next_rows = ATTNX_MIN(KERNEL_CHUNK, a->n - i0 - rows);
+    ptrdiff_t next_keys = ATTNX_MIN(KERNEL_CHUNK, a->m - j0 - cols);
+    mk_ahead ahead = {.regions = 0};
+    if (next_rows > 0) {
+        mk_ahead_add(&ahead, hd->q + (i0 + rows) * a->q_row, a->q_row * size, a->d * size, next_rows, 0);
+        mk_ahead_add(&ahead, out + rows * a->out_row, a->out_row * size, a->e * size, next_rows, 1);
+    }
+    if (next_keys > 0) {
+        mk_ahead_add(&ahead, hd->k + (j0 + cols) * a->k_row, a->k_row * size, a->d * size, next_keys, 0);
+        mk_ahead_add(&ahead, hd->v + (j0 + cols) * a->v_row, a->v_row * size, a->e * size, next_keys, 0);
+    }
     mk_linear_chunk_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, a->e, visible, st.S, st.z, out,
-                        a->out_row, w->den, w->psi_t, w->scores);
+                        a->out_row, w->den, w->psi_t, w->scores, &ahead);
     return 1;
 #else
     (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w, (void)st,
@@ -639,12 +654,11 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
         ptrdiff_t hi = attnx_band_end(&a->band, i0 + rows - 1);
         REAL *out = hd->out + i0 * a->out_row;
-        if (i0 + rows < qb) {
+        if (i0 + rows < qb && !p->chunk_kernel) {
             /* long inputs stream from memory: ask for the next chunk's rows
              * while this one computes (8 heads, n = 65536, d = 64, float64:
-             * 157 ms against 172 without; float32 through the fused kernel,
-             * one thread, loaded machine: 91 ms against 105 at n = 65536,
-             * 5.3 ms against 6.2 at n = 4096). */
+             * 157 ms against 172 without). The fused kernel asks for them
+             * itself, spread over its loops (fused_chunk). */
             ptrdiff_t next = ATTNX_MIN(p->C, qb - i0 - rows), key_next = hi;
             SFX(prefetch_rows)(hd->q + (i0 + rows) * a->q_row, a->q_row, next, a->d);
             if (key_next < a->m) {
@@ -1546,53 +1560,53 @@ static int SFX(bwd_fused_chunk)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff
         SFX(bwd_row_span)(p, hd, i0 + t, j0, cols, &first, &end);
         visible[t] = (int)end;
     }
+    /* the chunk the pass takes next (later rows in pass (1), earlier ones
+     * in (2)), asked for from inside the kernels (mk_ahead): its queries,
+     * keys, values, dout and the gradient rows the pass writes. 8 heads,
+     * n = 4096, d = e = 64, one thread, loaded machine: backward ~13.7 ms,
+     * against ~16.3 with them asked for all at once before each chunk and
+     * ~17.3 with the hardware's prefetch alone. */
+    const ptrdiff_t size = (ptrdiff_t)sizeof(float);
+    ptrdiff_t next_i = keys_pass ? i0 - KERNEL_CHUNK : i0 + rows;
+    ptrdiff_t next_j = keys_pass ? j0 - KERNEL_CHUNK : j0 + cols;
+    ptrdiff_t next_rows = next_i < 0 ? 0 : ATTNX_MIN(KERNEL_CHUNK, a->n - next_i);
+    ptrdiff_t next_keys = next_j < 0 ? 0 : ATTNX_MIN(KERNEL_CHUNK, a->m - next_j);
+    mk_ahead ahead = {.regions = 0};
+    if (next_rows > 0) {
+        mk_ahead_add(&ahead, hd->q + next_i * a->q_row, a->q_row * size, a->d * size, next_rows, 0);
+        mk_ahead_add(&ahead, hd->dout + next_i * a->dout_row, a->dout_row * size, a->e * size,
+                     next_rows, 0);
+        if (!keys_pass)
+            mk_ahead_add(&ahead, hd->dq + next_i * a->dq_row, a->dq_row * size, a->d * size,
+                         next_rows, 1);
+    }
+    if (next_keys > 0) {
+        mk_ahead_add(&ahead, hd->k + next_j * a->k_row, a->k_row * size, a->d * size, next_keys, 0);
+        mk_ahead_add(&ahead, hd->v + next_j * a->v_row, a->v_row * size, a->e * size, next_keys, 0);
+        if (keys_pass) {
+            mk_ahead_add(&ahead, hd->dk + next_j * a->dk_row, a->dk_row * size, a->d * size,
+                         next_keys, 1);
+            mk_ahead_add(&ahead, hd->dv + next_j * a->dv_row, a->dv_row * size, a->e * size,
+                         next_keys, 1);
+        }
+    }
     if (keys_pass) {
         mk_linear_bwd_keys_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, dout, a->dout_row, a->e,
                                visible, w->inv_den + i0, w->row_b + i0, w->dS, w->dz,
-                               hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, w->lanes);
+                               hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, w->lanes, &ahead);
         return 1;
     }
     float eps[KERNEL_CHUNK];
     for (ptrdiff_t t = 0; t < rows; t++) eps[t] = SFX(bwd_row_eps)(p, w, t);
     mk_linear_bwd_rows_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, dout, a->dout_row, a->e,
                            visible, eps, w->S, w->z, w->inv_den + i0, w->row_b + i0, w->dphi,
-                           w->lanes);
+                           w->lanes, &ahead);
     return 1;
 #else
     (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w,
         (void)keys_pass;
     return 0;
 #endif
-}
-
-/* Ask the memory for the rows of the chunk from query i0 (and key j0) that
- * the scan takes next: its queries, keys, values and dout, and the
- * gradient rows it writes (the pass's own: dq in pass (1), dk and dv in
- * pass (2)). Each chunk's 16 rows of 64 floats are a 4 KiB page per
- * operand, where the hardware's stream prefetch stops; asked one chunk
- * ahead, the fused backward of 8 heads, n = 4096, d = e = 64 took ~7%
- * less CPU time (one thread, loaded machine). */
-static inline __attribute__((always_inline)) void SFX(bwd_prefetch)(const bwd_plan *p,
-                                                                    const SFX(bhead) *hd,
-                                                                    ptrdiff_t i0, ptrdiff_t j0,
-                                                                    int keys_pass)
-{
-    const attnx_linear_bwd_args *a = p->a;
-    const ptrdiff_t rows = ATTNX_MIN(p->C, a->n - i0), cols = ATTNX_MIN(p->C, a->m - j0);
-    const ptrdiff_t line = CACHE_LINE / (ptrdiff_t)sizeof(REAL);
-    if (rows <= 0 || cols <= 0) return;
-    SFX(prefetch_rows)(hd->q + i0 * a->q_row, a->q_row, rows, a->d);
-    SFX(prefetch_rows)(hd->dout + i0 * a->dout_row, a->dout_row, rows, a->e);
-    SFX(prefetch_rows)(hd->k + j0 * a->k_row, a->k_row, cols, a->d);
-    SFX(prefetch_rows)(hd->v + j0 * a->v_row, a->v_row, cols, a->e);
-    if (!keys_pass)
-        for (ptrdiff_t t = 0; t < rows; t++)
-            for (ptrdiff_t c = 0; c < a->d; c += line) __builtin_prefetch(hd->dq + (i0 + t) * a->dq_row + c, 1);
-    else
-        for (ptrdiff_t t = 0; t < cols; t++) {
-            for (ptrdiff_t c = 0; c < a->d; c += line) __builtin_prefetch(hd->dk + (j0 + t) * a->dk_row + c, 1);
-            for (ptrdiff_t c = 0; c < a->e; c += line) __builtin_prefetch(hd->dv + (j0 + t) * a->dv_row + c, 1);
-        }
 }
 
 /* The scan methods (chunk; recurrent is chunk with C = 1) for one head. */
@@ -1617,7 +1631,6 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
     K = first_key;
     for (ptrdiff_t i0 = 0; i0 < n; i0 += C) {
         ptrdiff_t rows = ATTNX_MIN(C, n - i0), hi = attnx_band_end(band, i0 + rows - 1);
-        if (p->chunk_kernel) SFX(bwd_prefetch)(p, hd, i0 + C, hi, 0);
         SFX(bwd_queries)(p, hd, i0, rows, w);
         SFX(values) vals = {NULL, 0};
         if (hi > K) vals = SFX(bwd_keys)(p, hd, K, hi - K, w);
@@ -1656,7 +1669,6 @@ static void SFX(bwd_scan_head)(const bwd_plan *p, const SFX(bhead) *hd, const SF
             ptrdiff_t rows = ATTNX_MIN(C, n - i0);
             ptrdiff_t lo = attnx_band_end(band, i0 - 1), hi = attnx_band_end(band, i0 + rows - 1);
             lo = ATTNX_MAX(lo, first_key);
-            if (p->chunk_kernel && i0 >= C) SFX(bwd_prefetch)(p, hd, i0 - C, ATTNX_MAX(lo - C, 0), 1);
             SFX(bwd_queries)(p, hd, i0, rows, w);
             SFX(values) vals = {NULL, 0};
             if (hi > lo) vals = SFX(bwd_keys)(p, hd, lo, hi - lo, w);
