@@ -896,7 +896,7 @@ static inline void mk_bwd_dscores_w16(float *ds_t, const float *dv_t, __m512i vi
  * into (S, z). r % 8 == 0, e % 16 == 0, every input finite (linear.c
  * checks); `ahead` (or NULL) the next chunk's rows, asked for along the
  * way. */
-static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, ptrdiff_t r,
+static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(const float *phi, const float *psi, ptrdiff_t r,
                                           const float *v, ptrdiff_t v_row, const float *dout,
                                           ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
                                           const float *eps, float *S, float *z, float *inv_den,
@@ -971,7 +971,7 @@ static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, pt
  * rows send to these keys: dv (16 rows dv_row apart), dpsi (16, r), then
  * (dS, dz) += what these rows send to the earlier keys. inv_den, row_b
  * from pass 1; the conditions of pass 1. */
-static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, ptrdiff_t r,
+static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(const float *phi, const float *psi, ptrdiff_t r,
                                           const float *v, ptrdiff_t v_row, const float *dout,
                                           ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
                                           const float *inv_den, const float *row_b, float *dS,
@@ -1011,6 +1011,41 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
     mk_from_lanes_w16(dpsi, r, grad_t, r);
     mk_add_keys_w16(phi, r, a, e, 16, dS, e, ahead);
     mk_add_rows_w16(dz, phi, r, row_b);
+}
+
+/* The two passes, with r = e = 64 and values rows 64 apart (contiguous
+ * heads of 64 features) as constants: the lanes loops then address their
+ * 16 rows of the state from one register instead of spilling 16 pointers
+ * (hot, one core: 79-83% of the FMA peak against 74-76%; 8 heads, n =
+ * 4096, one thread, loaded machine: backward ~12.5 ms against ~13.9). */
+static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                          const float *v, ptrdiff_t v_row, const float *dout,
+                                          ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
+                                          const float *eps, float *S, float *z, float *inv_den,
+                                          float *row_b, float *dphi, float *scratch,
+                                          mk_ahead *ahead)
+{
+    if (r == 64 && e == 64 && v_row == 64)
+        mk_linear_bwd_rows_body_w16(phi, psi, 64, v, 64, dout, dout_row, 64, visible_rows, eps, S,
+                                    z, inv_den, row_b, dphi, scratch, ahead);
+    else
+        mk_linear_bwd_rows_body_w16(phi, psi, r, v, v_row, dout, dout_row, e, visible_rows, eps, S,
+                                    z, inv_den, row_b, dphi, scratch, ahead);
+}
+
+static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                          const float *v, ptrdiff_t v_row, const float *dout,
+                                          ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
+                                          const float *inv_den, const float *row_b, float *dS,
+                                          float *dz, float *dv, ptrdiff_t dv_row, float *dpsi,
+                                          float *scratch, mk_ahead *ahead)
+{
+    if (r == 64 && e == 64 && v_row == 64)
+        mk_linear_bwd_keys_body_w16(phi, psi, 64, v, 64, dout, dout_row, 64, visible_rows, inv_den,
+                                    row_b, dS, dz, dv, dv_row, dpsi, scratch, ahead);
+    else
+        mk_linear_bwd_keys_body_w16(phi, psi, r, v, v_row, dout, dout_row, e, visible_rows, inv_den,
+                                    row_b, dS, dz, dv, dv_row, dpsi, scratch, ahead);
 }
 #undef MK_LANE_ROWS
 #undef MK_CHUNK_COLUMNS
