@@ -322,6 +322,88 @@ def test_whole_chunks_nonfinite_stays_in_place(where):
         assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
 
 
+def test_whole_chunks_nonfinite_per_head_one_thread():
+    """the keys pass takes each chunk's path from the rows pass of the same
+    head: heads that run one after another on one thread, each with its NaN
+    in another chunk (or none), keep their NaNs where float64 puts them"""
+    rng = np.random.default_rng(33)
+    dout, q, k, v = inputs(rng, (4,), 80, 80, 16, 16)
+    v[0, 21, 3] = np.nan
+    dout[1, 40, 0] = np.nan
+    k[2, 79, 5] = np.nan
+    previous = attnx.get_num_threads()
+    attnx.set_num_threads(1)
+    try:
+        g32 = attnx.linear_attention_backward(*(x.astype(np.float32) for x in (dout, q, k, v)),
+                                              causal=True)
+    finally:
+        attnx.set_num_threads(previous)
+    g64 = attnx.linear_attention_backward(dout, q, k, v, causal=True, chunk_size=16)
+    for got, ref, name in zip(g32[:3], g64[:3], "qkv"):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"d{name}")
+        assert np.isnan(ref[:3]).any() and not np.isnan(ref[3]).any()
+        finite = ~np.isnan(ref)
+        assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
+
+
+@pytest.mark.parametrize("e, values", [(64, "contiguous"), (64, "strided"), (80, "contiguous")])
+def test_whole_chunks_float32_64_features(e, values):
+    """64 features and 64 values rows 64 apart take the fused kernels'
+    variant with constant sizes; values rows 128 apart, or 80 values, the
+    general one: each against torch float64 with states, a row whose
+    denominator is 0, rows where the clamp binds, masked keys and a partial
+    last chunk, and against the steps the fused kernels replace (chunks of
+    32); a NaN value stays where float64 puts it"""
+    rng = np.random.default_rng(34)
+    n, d = 77, 64
+    dout, q, k, v = inputs(rng, (2,), n, n, d, e, "identity")
+    q[0, 20] = 0.0                    # den = 0 without an initial state
+    q[1, 35] *= 1e-7                  # den under eps
+    dout, q, k, v = (x.astype(np.float32).astype(np.float64) for x in (dout, q, k, v))
+    key_mask = rng.random((2, n)) > 0.2
+    S0 = np.abs(rng.standard_normal((2, d, e))).astype(np.float32).astype(np.float64)
+    z0 = np.abs(rng.standard_normal((2, d))).astype(np.float32).astype(np.float64)
+    dS, dz = rng.standard_normal((2, d, e)), rng.standard_normal((2, d))
+    f32 = lambda x: x.astype(np.float32)
+
+    def values_of(x):
+        if values == "contiguous":
+            return f32(x)
+        wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), np.float32)
+        wide[..., : x.shape[-1]] = x
+        return wide[..., : x.shape[-1]]
+
+    for eps, state in [(1e-6, None), (1e-3, LinearAttentionState(f32(S0), f32(z0), 0))]:
+        opts = dict(causal=True, feature_map="identity", eps=eps, key_mask=key_mask,
+                    initial_state=state, grad_state=(f32(dS), f32(dz)))
+        g = attnx.linear_attention_backward(f32(dout), f32(q), f32(k), values_of(v), **opts)
+        steps = attnx.linear_attention_backward(f32(dout), f32(q), f32(k), values_of(v),
+                                                chunk_size=32, **opts)
+        want = torch_grads(dout, q, k, v, "identity", True, eps=eps, key_mask=key_mask,
+                           S0=S0 if state is not None else None,
+                           z0=z0 if state is not None else None, dS=dS, dz=dz)
+        if state is None:
+            assert (g.q[0, 20] == 0).all()
+        for got, other, ref, name in zip(g[:3], steps[:3], want[1:4], "qkv"):
+            assert_close(got, ref, F32_TOL, f"d{name} eps={eps}")
+            assert_close(got, other, F32_TOL, f"d{name} eps={eps} against chunks of 32")
+        if state is not None:
+            assert_close(g.state[0], want[5], F32_TOL, "dS0")
+            assert_close(g.state[1], want[6], F32_TOL, "dz0")
+
+    v_nan = v.copy()
+    v_nan[1, 40, 7] = np.nan
+    g64 = attnx.linear_attention_backward(dout, q, k, v_nan, causal=True, chunk_size=16,
+                                          feature_map="identity")
+    g32 = attnx.linear_attention_backward(f32(dout), f32(q), f32(k), values_of(v_nan),
+                                          causal=True, feature_map="identity")
+    for got, ref, name in zip(g32[:3], g64[:3], "qkv"):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"d{name}")
+        assert np.isnan(ref[1]).any() == (name != "v") and not np.isnan(ref[0]).any()
+        finite = ~np.isnan(ref)
+        assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
+
+
 def test_float32_against_float64_reference_long_causal():
     """chunks of the default length, several of them, float32"""
     rng = np.random.default_rng(5)
