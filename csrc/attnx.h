@@ -375,6 +375,11 @@ int attnx_softmax_backend_limit(void);
 int attnx_set_softmax_backend_limit(int limit);
 int attnx_softmax_backend_from_name(const char *name);
 const char *attnx_softmax_backend_name(int backend);
+/* The float32 AVX-512 decoding step (linear.c, decode_kernel) runs where it
+ * applies unless a test turned it off to check the general path;
+ * attnx_set_decode_kernel returns the setting it replaces. */
+int attnx_decode_kernel_enabled(void);
+int attnx_set_decode_kernel(int enabled);
 void attnx_set_num_threads(int num_threads);
 /* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
 int attnx_runtime_init(void);

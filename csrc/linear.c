@@ -71,6 +71,7 @@ typedef struct {
     ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
     int threads;
     int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
+    int decode_kernel;        /* single-token steps go through decode_kernel (likewise) */
 } linear_plan;
 
 /* What every head of one backward call shares. */
@@ -712,6 +713,25 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
     }
 }
 
+/* One single-token decoding step of a head through the float32 AVX-512
+ * kernel (microkernel.h, mk_decode_step_w16): the generic steps of
+ * deferred_rows below in one pass over S. Returns 0 where it does not
+ * apply (float64, other CPUs, r or e not whole vectors), leaving them
+ * the work. */
+static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, SFX(values) vals,
+                              const SFX(scratch) *w, SFX(state) st)
+{
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    if (!p->decode_kernel) return 0;
+    mk_decode_step_w16(w->phi, w->psi, p->r, vals.v, p->a->e, st.S, st.z, hd->held_keys,
+                       hd->held_values, hd->held, hd->adds_held, hd->out, w->den);
+    return 1;
+#else
+    (void)p, (void)hd, (void)vals, (void)w, (void)st;
+    return 0;
+#endif
+}
+
 /* One single-token decoding step (a->pending): the key joins z at once
  * but S only through the head's held keys, and the query reads
  * out = phi (S + keys^T values) as phi S plus one term per held key.
@@ -728,16 +748,18 @@ static void SFX(deferred_rows)(const linear_plan *p, const SFX(head) *hd, ptrdif
     ptrdiff_t held = hd->held;
     SFX(query_block)(p, hd, 0, 1, w);
     SFX(values) vals = SFX(key_block)(p, hd, 0, 1, w);
-    memcpy(hd->held_keys + held * r, w->psi, (size_t)r * sizeof(REAL));
-    memcpy(hd->held_values + held * e, vals.v, (size_t)e * sizeof(REAL));
-    SFX(axpy)(st.z, 1, w->psi, r);
-    held++;
-    if (hd->adds_held) {
-        SFX(add_held)(r, e, st.S, hd->held_keys, hd->held_values, held);
-        held = 0;
+    if (!SFX(decode_kernel)(p, hd, vals, w, st)) {
+        memcpy(hd->held_keys + held * r, w->psi, (size_t)r * sizeof(REAL));
+        memcpy(hd->held_values + held * e, vals.v, (size_t)e * sizeof(REAL));
+        SFX(axpy)(st.z, 1, w->psi, r);
+        held++;
+        if (hd->adds_held) {
+            SFX(add_held)(r, e, st.S, hd->held_keys, hd->held_values, held);
+            held = 0;
+        }
+        SFX(state_pass)(r, e, SFX(view_of)(p, st), NULL, NULL, st, w->phi, hd->out, w->den);
+        SFX(add_held_terms)(r, e, w->phi, hd->held_keys, hd->held_values, held, hd->out);
     }
-    SFX(state_pass)(r, e, SFX(view_of)(p, st), NULL, NULL, st, w->phi, hd->out, w->den);
-    SFX(add_held_terms)(r, e, w->phi, hd->held_keys, hd->held_values, held, hd->out);
     SFX(finish_rows)(p, 1, w, hd->out);
 }
 
@@ -996,6 +1018,8 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
      * at key 0, features in blocks of 8, values in whole vectors */
     p.chunk_kernel = attnx_mk_width() == 16 && p.C == KERNEL_CHUNK && p.r % 8 == 0 &&
                      a->e % 16 == 0 && !a->band.has_lo;
+    p.decode_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && a->pending.psi &&
+                      p.r % 16 == 0 && a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
 #endif
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);

@@ -45,6 +45,15 @@ static PyObject *set_softmax_backend(PyObject *self, PyObject *arg)
     return PyUnicode_FromString(attnx_softmax_backend_name(attnx_set_softmax_backend_limit(limit)));
 }
 
+/* _set_decode_kernel(flag): whether single-token decoding steps may use
+ * the float32 AVX-512 kernel (attnx.h); returns the setting before */
+static PyObject *set_decode_kernel(PyObject *self, PyObject *arg)
+{
+    int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0) return NULL;
+    return PyBool_FromLong(attnx_set_decode_kernel(enabled));
+}
+
 /* 1 when this CPU (and build) can run the softmax backend */
 static int softmax_backend_available(int backend)
 {
@@ -231,6 +240,9 @@ static PyMethodDef methods[] = {
     {"_set_softmax_backend", set_softmax_backend, METH_O,
      "The most capable softmax backend calls may use, 'plain', 'mk' or 'amx' (for tests); "
      "returns the previous one."},
+    {"_set_decode_kernel", set_decode_kernel, METH_O,
+     "Whether single-token decoding steps may use the float32 AVX-512 kernel (for tests); "
+     "returns the previous setting."},
     {"_set_bf16_conversion", set_bf16_conversion, METH_O,
      "The bfloat16 narrowing, 'avx512_bf16' or 'portable' (for tests); returns the previous one."},
     {"_convert_bf16", convert_bf16, METH_VARARGS,

@@ -26,6 +26,7 @@
 
 static int num_threads = 1;
 static int softmax_backend_limit = ATTNX_BACKEND_AMX;
+static int decode_kernel = 1;
 static const char *const softmax_backend_names[ATTNX_BACKENDS] = {"plain", "mk", "amx"};
 /* set in a process created by fork(): every call then runs on one thread */
 static int forked_child = 0;
@@ -51,6 +52,15 @@ int attnx_set_softmax_backend_limit(int limit)
 {
     int before = softmax_backend_limit;
     if (limit >= 0 && limit < ATTNX_BACKENDS) softmax_backend_limit = limit;
+    return before;
+}
+
+int attnx_decode_kernel_enabled(void) { return decode_kernel; }
+
+int attnx_set_decode_kernel(int enabled)
+{
+    int before = decode_kernel;
+    decode_kernel = enabled != 0;
     return before;
 }
 
