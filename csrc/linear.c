@@ -905,8 +905,11 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
     size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
     for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
     SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
-    for (ptrdiff_t item = first; item < end && !linear_stopped(a->interrupt); item++)
-        SFX(segment_rows)(p, rows_fn, item, starts, &w);
+    /* decoding steps take their heads forwards and backwards in turn: the
+     * states read last are still in L1 when the next step starts */
+    int backwards = a->pending.psi && a->pending.tick % 2;
+    for (ptrdiff_t i = 0; i < end - first && !linear_stopped(a->interrupt); i++)
+        SFX(segment_rows)(p, rows_fn, backwards ? end - 1 - i : first + i, starts, &w);
 }
 
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
