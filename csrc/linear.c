@@ -715,19 +715,29 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
 
 /* One single-token decoding step of a head through the float32 AVX-512
  * kernel (microkernel.h, mk_decode_step_w16): the generic steps of
- * deferred_rows below in one pass over S. Returns 0 where it does not
- * apply (float64, other CPUs, r or e not whole vectors), leaving them
- * the work. */
-static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, SFX(values) vals,
-                              const SFX(scratch) *w, SFX(state) st)
+ * deferred_rows below in one pass over S, elu features computed in place
+ * (mk_elu_rows_w16, the same numbers as features.c). Returns 0 where it
+ * does not apply (float64, other CPUs, r or e not whole vectors), leaving
+ * them the work. */
+static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const SFX(scratch) *w,
+                              SFX(state) st)
 {
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    const attnx_linear_args *a = p->a;
     if (!p->decode_kernel) return 0;
-    mk_decode_step_w16(w->phi, w->psi, p->r, vals.v, p->a->e, st.S, st.z, hd->held_keys,
+    SFX(values) vals = {hd->v, a->v_row};
+    if (a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
+        mk_elu_rows_w16(hd->q, hd->k, a->d, w->phi, w->psi);
+        w->log_scale[0] = 0;
+    } else {
+        SFX(query_block)(p, hd, 0, 1, w);
+        vals = SFX(key_block)(p, hd, 0, 1, w);
+    }
+    mk_decode_step_w16(w->phi, w->psi, p->r, vals.v, a->e, st.S, st.z, hd->held_keys,
                        hd->held_values, hd->held, hd->adds_held, hd->out, w->den);
     return 1;
 #else
-    (void)p, (void)hd, (void)vals, (void)w, (void)st;
+    (void)p, (void)hd, (void)w, (void)st;
     return 0;
 #endif
 }
@@ -746,9 +756,9 @@ static void SFX(deferred_rows)(const linear_plan *p, const SFX(head) *hd, ptrdif
     (void)qa, (void)qb, (void)from, (void)K, (void)last;  /* one row and key; from is st */
     const ptrdiff_t r = p->r, e = p->a->e;
     ptrdiff_t held = hd->held;
-    SFX(query_block)(p, hd, 0, 1, w);
-    SFX(values) vals = SFX(key_block)(p, hd, 0, 1, w);
-    if (!SFX(decode_kernel)(p, hd, vals, w, st)) {
+    if (!SFX(decode_kernel)(p, hd, w, st)) {
+        SFX(query_block)(p, hd, 0, 1, w);
+        SFX(values) vals = SFX(key_block)(p, hd, 0, 1, w);
         memcpy(hd->held_keys + held * r, w->psi, (size_t)r * sizeof(REAL));
         memcpy(hd->held_values + held * e, vals.v, (size_t)e * sizeof(REAL));
         SFX(axpy)(st.z, 1, w->psi, r);

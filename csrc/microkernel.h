@@ -799,6 +799,44 @@ static inline __attribute__((always_inline)) void mk_decode_flush_w16(
     for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
 }
 
+/* elu(x) + 1 (features.c, elu_row) on AVX-512, the same operations in the
+ * same order as the compiled loop of vec_real.h's exp, so that the kernel's
+ * features equal the general path's bit for bit: x + 1 above 0; below,
+ * e^x = 2^n e^r with n = round(x log2 e), r = x - n ln2 (Cody-Waite), e^r
+ * by its Taylor series to r^7; 0 below -87; NaN stays NaN. */
+static inline __attribute__((always_inline)) __m512 mk_elu1_w16(__m512 x)
+{
+    const __m512 magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
+    __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896340736f), magic);
+    __m512 nf = _mm512_sub_ps(shifted, magic);
+    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, one);
+    p = _mm512_fmadd_ps(p, r, one);
+    __m512i n = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(magic));
+    __m512 pow2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+    __m512 below = _mm512_maskz_mul_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ),
+                                       p, pow2);
+    return _mm512_mask_add_ps(below, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), x, one);
+}
+
+/* phi = elu(q) + 1, psi = elu(k) + 1 for one query and one key row of d
+ * features, d % 16 == 0: both rows' vectors interleaved, the exponentials'
+ * chains of dependent operations overlapping */
+static inline void mk_elu_rows_w16(const float *q, const float *k, ptrdiff_t d, float *phi,
+                                   float *psi)
+{
+    for (ptrdiff_t c = 0; c < d; c += 16) {
+        _mm512_storeu_ps(phi + c, mk_elu1_w16(_mm512_loadu_ps(q + c)));
+        _mm512_storeu_ps(psi + c, mk_elu1_w16(_mm512_loadu_ps(k + c)));
+    }
+}
+
 /* The step */
 static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdiff_t r,
                                       const float *v, ptrdiff_t e, float *S, float *z,

@@ -374,3 +374,22 @@ def test_decode_kernel_favor_and_nonfinite_values():
         clean = [0, 1, 3]
         assert np.all(np.isfinite(out[clean])) and np.all(np.isfinite(out[2, :7 - n0]))
         assert np.all(np.isnan(out[2, 7 - n0:, 5]))
+
+
+def test_decode_kernel_elu_features_bit_for_bit():
+    """The kernel computes elu + 1 itself: equal to the general path's
+    features bit for bit (z sums them), over both branches, the cut to 0
+    below -87, signed zeros and inputs far out."""
+    rng = np.random.default_rng(12)
+    n0, n = 1, 1 + HELD + 3
+    q, k, v = qkv(rng, (3,), n, n, 32, 16, np.float32)
+    special = np.array([-1e30, -200, -87.5, -87, -86.9, -20, -1e-30, -0.0, 0.0, 1e-30, 3e-8,
+                        88.5, 1e30], np.float32)
+    k[..., :len(special)] = special
+    k[..., len(special):] *= 30
+    q[..., :len(special)] = special[::-1]
+    got = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
+    general = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=False)
+    np.testing.assert_array_equal(got[1][1], general[1][1])  # z: the sum of the features
+    np.testing.assert_array_equal(got[2][0], general[2][0])
+    assert_close(got[0], general[0], np.float32, vscale(v))
