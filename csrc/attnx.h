@@ -206,7 +206,7 @@ enum { ATTNX_METHOD_CHUNK, ATTNX_METHOD_RECURRENT, ATTNX_METHOD_CUMSUM, ATTNX_ME
 #define ATTNX_CUMSUM_LIMIT ((size_t)2 << 30)
 
 /* Keys of single-token decoding steps not yet added into S (linear.c,
- * deferred_rows): head h holds attnx_pending_rows(tick, h, capacity) of
+ * deferred_step): head h holds attnx_pending_rows(tick, h, capacity) of
  * them, their features psi (capacity, r) and values (capacity, e) at
  * head h of psi and v. z already holds them. */
 typedef struct {

@@ -715,7 +715,7 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
 
 /* One single-token decoding step of a head through the float32 AVX-512
  * kernel (microkernel.h, mk_decode_step_w16): the generic steps of
- * deferred_rows below in one pass over S, elu features computed in place
+ * deferred_step below in one pass over S, elu features computed in place
  * (mk_elu_rows_w16, the same numbers as features.c). Returns 0 where it
  * does not apply (float64, other CPUs, r or e not whole vectors), leaving
  * them the work. */
@@ -742,18 +742,17 @@ static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const S
 #endif
 }
 
-/* One single-token decoding step (a->pending): the key joins z at once
+/* One single-token decoding step of a head (a->pending), in its own
+ * state st: the key joins z at once
  * but S only through the head's held keys, and the query reads
  * out = phi (S + keys^T values) as phi S plus one term per held key.
  * The held keys go into S at the head's turn, once in `capacity` steps,
  * so most steps read S without writing it: half the memory traffic of
  * the RNN step, which reads and writes all of S for one rank-1 update
  * (the chunk method's trade, one token at a time). */
-static void SFX(deferred_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
-                               ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
-                               const SFX(scratch) *w, SFX(state) st)
+static void SFX(deferred_step)(const linear_plan *p, const SFX(head) *hd, const SFX(scratch) *w,
+                               SFX(state) st)
 {
-    (void)qa, (void)qb, (void)from, (void)K, (void)last;  /* one row and key; from is st */
     const ptrdiff_t r = p->r, e = p->a->e;
     ptrdiff_t held = hd->held;
     if (!SFX(decode_kernel)(p, hd, w, st)) {
@@ -918,16 +917,23 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
     /* decoding steps take their heads forwards and backwards in turn: the
      * states read last are still in L1 when the next step starts */
     int backwards = a->pending.psi && a->pending.tick % 2;
-    for (ptrdiff_t i = 0; i < end - first && !linear_stopped(a->interrupt); i++)
-        SFX(segment_rows)(p, rows_fn, backwards ? end - 1 - i : first + i, starts, &w);
+    for (ptrdiff_t i = 0; i < end - first && !linear_stopped(a->interrupt); i++) {
+        ptrdiff_t item = backwards ? end - 1 - i : first + i;
+        if (!a->pending.psi) {
+            SFX(segment_rows)(p, rows_fn, item, starts, &w);
+            continue;
+        }
+        /* a decoding step: one head per item, one segment, in its own state */
+        SFX(head) hd = SFX(head_at)(a, item);
+        SFX(deferred_step)(p, &hd, &w, (SFX(state)){hd.S_out, hd.z_out});
+    }
 }
 
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
 {
     const attnx_linear_args *a = p->a;
     const ptrdiff_t size = p->state_size;
-    SFX(rows_fn) rows_fn = a->pending.psi                    ? SFX(deferred_rows)
-                           : a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
+    SFX(rows_fn) rows_fn = a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
                            : a->method == ATTNX_METHOD_CUMSUM  ? SFX(cumsum_rows)
                                                                : SFX(chunk_rows);
     REAL *deltas = NULL, *starts = NULL;

@@ -725,7 +725,7 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
 }
 
 /* ------------------------------------------------------------------------
- * One single-token decoding step of one head (linear.c, deferred_rows).
+ * One single-token decoding step of one head (linear.c, deferred_step).
  * The step's key (features psi (r), value v (e)) joins z at once and the
  * head's held keys: keys (capacity, r) and values (capacity, e), whose
  * first `held` rows are the keys since the head's last turn. At its turn
