@@ -206,17 +206,25 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
         }
         Py_DECREF(name);
     }
-    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:i,s:s}", "blas", attnx_blas_name(), "simd",
+    /* optimized: built with optimisation, which contracts the C loops'
+     * multiply-adds into fused ones as the intrinsic kernels are (an -O0
+     * build, ATTNX_DEBUG, rounds each product apart) */
+#ifdef __OPTIMIZE__
+    const int optimized = 1;
+#else
+    const int optimized = 0;
+#endif
+    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(), "simd",
                          attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
                          attnx_softmax_backend_name(limit), "softmax_backends", backends,
                          "bf16_conversion", attnx_bf16_path_name(attnx_bf16_path()),
                          "num_threads", attnx_get_num_threads(), "compiler",
 #ifdef __VERSION__
-                         "gcc " __VERSION__
+                         "gcc " __VERSION__,
 #else
-                         "unknown"
+                         "unknown",
 #endif
-    );
+                         "optimized", PyBool_FromLong(optimized));
 }
 
 #define KW_METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc}
@@ -250,7 +258,7 @@ static PyMethodDef methods[] = {
      "returns dst."},
     {"build_info", build_info, METH_NOARGS,
      "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
-     "bfloat16 conversion, threads, compiler."},
+     "bfloat16 conversion, threads, compiler, optimized build."},
     {NULL, NULL, 0, NULL},
 };
 
