@@ -120,6 +120,9 @@ def show_config():
     print(f"  SIMD:     {info['simd']}")
     amx = "float32 softmax products (bfloat16 x 3 split)" if info["amx"] else "not in use"
     print(f"  AMX:      {amx}")
+    dot = info["bf16_dot"]
+    dot = "VDPBF16PS on bfloat16-valued float32 inputs" if dot == "avx512_bf16" else "off"
+    print(f"  bf16 dot: {dot}")
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
     print(f"  numpy:    {numpy.__version__}")
     print(f"  compiler: {info['compiler']}")

@@ -45,7 +45,7 @@ import torch
 
 import attnx
 
-from . import _linear
+from . import _checks, _linear
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -896,21 +896,53 @@ _FRONT_ENDS = {
     "performer": performer_attention,
     "efficient": efficient_attention,
 }
+_SYSTEM_VARIANTS = ("block_sparse", "pooled", "linformer", "lsh")
+
+
+def _system_weights(variant, q, k, options):
+    """The systems' weights, shaped as numpy's attention_weights gives
+    them: each system's operator applied to values whose image is the
+    identity over the keys it attends to."""
+    if variant == "lsh":
+        if k is not q and not torch.equal(k, q):
+            raise ValueError("variant 'lsh' shares queries and keys: pass k = q")
+        return lsh_attention(q, torch.eye(k.shape[-2], dtype=k.dtype), **options)
+    if variant == "block_sparse":
+        return block_sparse_attention(q, k, torch.eye(k.shape[-2], dtype=k.dtype), **options)
+    if variant == "pooled":
+        stride = _checks.count(options.get("stride"), "stride", 1)
+        # every pooling window of these rows holds copies of one unit row,
+        # so mean and max pooling both give the identity over pooled keys
+        pooled = -(-k.shape[-2] // stride)
+        values = torch.eye(pooled, dtype=k.dtype).repeat_interleave(stride, dim=0)
+        return pooled_attention(q, k, values[:k.shape[-2]], **options)
+    E = options.pop("E", None)
+    options.pop("F", None)  # F projects the values only
+    if not isinstance(E, torch.Tensor) or E.dim() < 2 or E.shape[-1] != k.shape[-2]:
+        shape = tuple(E.shape) if isinstance(E, torch.Tensor) else type(E).__name__
+        raise ValueError(f"E must be a tensor of shape (..., r, m) with m = {k.shape[-2]} "
+                         f"(k's length), got {shape}")
+    keys = E.to(k.dtype) @ k
+    return softmax_attention(q, keys, torch.eye(keys.shape[-2], dtype=k.dtype), **options)
 
 
 def attention_weights(q, k, variant="softmax", **options):
-    """The normalised weights (..., n, m) of `variant` (as
-    attnx.attention_weights), differentiable in q and k: the variant's
-    operator applied to the values eye(m). O(n m) memory."""
-    if variant not in _FRONT_ENDS:
+    """The normalised weights of `variant` (as attnx.attention_weights,
+    shapes included: (..., n, m), or over the pooled or projected keys for
+    "pooled" and "linformer"), differentiable in q and k (and Linformer's
+    E): the variant's operator applied to values whose image is the
+    identity. O(n m) memory."""
+    if variant not in _FRONT_ENDS and variant not in _SYSTEM_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of "
-                         f"{', '.join(map(repr, _FRONT_ENDS))}")
+                         f"{', '.join(map(repr, (*_FRONT_ENDS, *_SYSTEM_VARIANTS)))}")
     if {"return_lse", "dropout_p", "initial_state", "return_state"} & options.keys():
         raise TypeError("attention_weights takes no return_lse=, dropout_p=, initial_state= or "
                         "return_state=")
     _check_tensor("k", k)
     if k.dim() < 2:
         raise ValueError(f"k must have at least 2 dimensions, got shape {tuple(k.shape)}")
+    if variant in _SYSTEM_VARIANTS:
+        return _system_weights(variant, q, k, dict(options))
     identity = torch.eye(k.shape[-2], dtype=k.dtype)
     if "method" in _PARAMETERS.get(variant, ()) and options.get("method") is None:
         # explicit similarities, as attnx.attention_weights computes them
@@ -1088,7 +1120,7 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
     """attnx.lsh_attention on tensors, differentiable in q and v (the
     buckets are constants): Reformer's shared-QK LSH attention, the
     numpy front end's options; returns out (..., n, e) in q's dtype."""
-    from . import _checks, _lsh
+    from . import _lsh
 
     _check_tensor("q", q)
     _check_tensor("v", v)

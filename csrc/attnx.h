@@ -381,6 +381,17 @@ const char *attnx_softmax_backend_name(int backend);
 int attnx_decode_kernel_enabled(void);
 int attnx_set_decode_kernel(int enabled);
 void attnx_set_num_threads(int num_threads);
+/* The bfloat16 dot products of float32 softmax attention (VDPBF16PS,
+ * avx512_bf16): a product of two operands whose numbers are all bfloat16
+ * values (the low 16 bits of each float32 zero, as for tensors widened
+ * from bfloat16) is computed from their upper halves, float32 sums of
+ * exact products. On by default where the CPU has the instruction (and
+ * this build the kernels); attnx_set_bf16_dot(0) turns it off (for tests),
+ * attnx_set_bf16_dot(1) returns -1 where it is unavailable. Both return
+ * the setting they replace otherwise. */
+int attnx_bf16_dot_available(void);
+int attnx_bf16_dot(void);
+int attnx_set_bf16_dot(int on);
 /* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
 int attnx_runtime_init(void);
 const char *attnx_blas_name(void);

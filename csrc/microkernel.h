@@ -41,6 +41,7 @@
 #define ATTNX_MICROKERNEL_H
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "attnx.h"
@@ -208,6 +209,75 @@ __attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst
     }
 }
 
+/* The bfloat16 dot products (attnx_bf16_dot). VDPBF16PS (avx512_bf16)
+ * adds to each float32 lane l the products of its two bfloat16 pairs,
+ * a[2l] b[2l] + a[2l + 1] b[2l + 1]. A product of two bfloat16 numbers
+ * (8-bit significands) is exact in float32, so on operands whose numbers
+ * are all bfloat16 values the instruction computes what float32
+ * multiply-adds compute, up to the order of the sums, with twice the
+ * numbers per instruction. Its documented exceptions, whatever MXCSR says:
+ * bfloat16 denormals (under 2^-126) are read as 0, and denormal results
+ * are flushed to 0. Operands are packed in pairs: a pair row holds two
+ * rows of numbers, each 32-bit lane the upper halves of one number of
+ * each (the first in the low 16 bits); for an exact bfloat16 value the
+ * upper half is the whole number. */
+typedef uint32_t mk_bits __attribute__((may_alias));
+
+/* dst (ceil(depth / 2), lanes): pair row c from rows 2c and 2c + 1 of x
+ * (depth, lanes) (the second 0 past an odd depth); rows x_row and dst_row
+ * numbers apart. Returns 1 when every number of x is a bfloat16 value (its
+ * low 16 bits 0), so that the pairs hold them exactly. */
+__attribute__((target("avx512f"))) static inline int mk_pair_rows(float *dst, ptrdiff_t dst_row,
+                                                                  const float *x, ptrdiff_t x_row,
+                                                                  ptrdiff_t depth, ptrdiff_t lanes)
+{
+    uint32_t low = 0;
+    for (ptrdiff_t c = 0; c < depth; c += 2) {
+        const mk_bits *first = (const mk_bits *)(x + c * x_row);
+        const mk_bits *second = (const mk_bits *)(x + (c + 1) * x_row);
+        mk_bits *pair = (mk_bits *)(dst + c / 2 * dst_row);
+        if (c + 1 < depth)
+            for (ptrdiff_t l = 0; l < lanes; l++) {
+                low |= first[l] | second[l];
+                pair[l] = first[l] >> 16 | (second[l] & 0xffff0000u);
+            }
+        else
+            for (ptrdiff_t l = 0; l < lanes; l++) {
+                low |= first[l];
+                pair[l] = first[l] >> 16;
+            }
+    }
+    return (low & 0xffffu) == 0;
+}
+
+/* dst[c] = the pair of x[2c], x[2c + 1] for c < count / 2 (count even): a
+ * row paired along itself. Returns 1 when all are bfloat16 values. */
+__attribute__((target("avx512f"))) static inline int mk_pair_along(float *dst, const float *x,
+                                                                   ptrdiff_t count)
+{
+    typedef uint64_t pair_bits __attribute__((may_alias, aligned(4)));
+    const pair_bits *from = (const pair_bits *)x;
+    mk_bits *pair = (mk_bits *)dst;
+    uint64_t low = 0;
+    for (ptrdiff_t c = 0; c < count / 2; c++) {
+        /* the upper halves of the low and the high number */
+        low |= from[c];
+        pair[c] = (uint32_t)(from[c] >> 16 & 0xffffu) | (uint32_t)(from[c] >> 32 & 0xffff0000u);
+    }
+    return (low & 0x0000ffff0000ffffu) == 0;
+}
+
+/* acc + the dot products of the pairs of a and b, lane by lane: written as
+ * asm because the intrinsic needs avx512_bf16 in the target of every
+ * function it is inlined into, and that option lets gcc use AVX-512BW
+ * (which it implies) anywhere in those kernels */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512
+mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
+{
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
 /* AVX-512: both products accumulate in 24 of the 32 zmm registers */
 #define MK_REAL float
 #define MK_W 16
@@ -215,6 +285,7 @@ __attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
+#define MK_PAIRS 1 /* with the bfloat16 dot products */
 #include "microkernel.h"
 
 #define MK_REAL double
@@ -293,15 +364,33 @@ static inline void MK_NAME(mk_hide_and_max)(const mk_tile *t, MK_REAL *st, ptrdi
 /* One block: KB keys of a panel against the rows of a strip, its first
  * `vectors` vectors (a constant where this is inlined). The strip's other
  * lanes score -inf, rows that see nothing, so that the softmax pass, which
- * runs over whole strips, finds defined numbers there. */
+ * runs over whole strips, finds defined numbers there. With `pairs` (a
+ * constant; MK_PAIRS only), q_strip and panel hold pair rows (mk_pair_rows)
+ * and d counts them: the bfloat16 dot products. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
     MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *q_strip, const MK_REAL *panel, ptrdiff_t d,
-    MK_REAL scale, const MK_REAL *key_term, MK_REAL *strip_max, int fold_max, const int vectors)
+    MK_REAL scale, const MK_REAL *key_term, MK_REAL *strip_max, int fold_max, const int vectors,
+    const int pairs)
 {
     MK_VEC acc[MK_KB_W][MK_RV];
 #pragma GCC unroll 8
     for (int jj = 0; jj < MK_KB_W; jj++)
         for (int h = 0; h < vectors; h++) acc[jj][h] = (MK_VEC){0};
+#ifdef MK_PAIRS
+    if (pairs)
+        for (ptrdiff_t c = 0; c < d; c++) {
+            MK_VEC q_c[MK_RV];
+            for (int h = 0; h < vectors; h++) q_c[h] = *(const MK_VEC *)(q_strip + (c * MK_RV + h) * MK_W);
+#pragma GCC unroll 8
+            for (int jj = 0; jj < MK_KB_W; jj++) {
+                /* a broadcast, no arithmetic: the bits stay as they are */
+                __m512 k_jc = _mm512_set1_ps(panel[c * MK_KB_W + jj]);
+                for (int h = 0; h < vectors; h++)
+                    acc[jj][h] = (MK_VEC)mk_dot_pairs((__m512)acc[jj][h], (__m512)q_c[h], k_jc);
+            }
+        }
+    else
+#endif
     for (ptrdiff_t c = 0; c < d; c++) {
         MK_VEC q_c[MK_RV];
         for (int h = 0; h < vectors; h++) q_c[h] = *(const MK_VEC *)(q_strip + (c * MK_RV + h) * MK_W);
@@ -340,11 +429,12 @@ static inline ptrdiff_t MK_NAME(mk_full_strip_rows)(ptrdiff_t rows)
 }
 
 /* mk_scores for the strips from row r_begin to r_end, each computing its
- * first `vectors` vectors of rows (a constant where this is inlined) */
+ * first `vectors` vectors of rows (constants where this is inlined, as
+ * `pairs`: mk_scores_block) */
 static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
     const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
     ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max,
-    ptrdiff_t r_begin, ptrdiff_t r_end, const int vectors)
+    ptrdiff_t r_begin, ptrdiff_t r_end, const int vectors, const int pairs)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
     /* a strip of queries (3 W d numbers) stays in L1 while the key panels
@@ -359,7 +449,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
             int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
             const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
             MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
-                                     key_term + c0, tile_max + r0, whole, vectors);
+                                     key_term + c0, tile_max + r0, whole, vectors, pairs);
             if (!whole) MK_NAME(mk_hide_and_max)(t, st, st_ld, r0, strip, c0, kb, tile_max);
         }
     }
@@ -370,33 +460,62 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
 static __attribute__((noinline)) void MK_NAME(mk_scores_last_strip)(
     const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
     ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max,
-    ptrdiff_t r0)
+    ptrdiff_t r0, int pairs)
 {
-    if (t->rows - r0 > MK_W)
-        MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, r0,
-                                  t->rows, 2);
-    else
-        MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, r0,
-                                  t->rows, 1);
+#define MK_LAST(vectors, pairs)                                                               \
+    MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, r0, \
+                              t->rows, vectors, pairs)
+#ifdef MK_PAIRS
+    if (pairs) {
+        if (t->rows - r0 > MK_W) MK_LAST(2, 1);
+        else MK_LAST(1, 1);
+        return;
+    }
+#endif
+    if (t->rows - r0 > MK_W) MK_LAST(2, 0);
+    else MK_LAST(1, 0);
+#undef MK_LAST
 }
 
 /* st = scale Q K^T + key_term for the keys each strip computes
  * (mk_strip_keys), with the keys the band hides at -inf, and tile_max[r]
  * raised to the max of row r's scores. kt holds the tile's panels in
  * their slots; key_term (cols rounded up to a panel) is added per key,
- * and a key whose term is -inf scores -inf whatever q . k is. */
+ * and a key whose term is -inf scores -inf whatever q . k is. With
+ * `pairs` (a constant), qt and kt hold pair rows and d counts them. */
+static inline __attribute__((always_inline)) void MK_NAME(mk_scores_by)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max,
+    const int pairs)
+{
+    ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
+    MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, 0, full,
+                              MK_RV, pairs);
+    if (full < t->rows)
+        MK_NAME(mk_scores_last_strip)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max,
+                                      full, pairs);
+}
+
 static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
                                       const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
                                       ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term,
                                       MK_REAL *tile_max)
 {
-    ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
-    MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, 0, full,
-                              MK_RV);
-    if (full < t->rows)
-        MK_NAME(mk_scores_last_strip)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max,
-                                      full);
+    MK_NAME(mk_scores_by)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, 0);
 }
+
+#ifdef MK_PAIRS
+/* mk_scores by the bfloat16 dot products: qt (strips, ceil(d / 2), 3 W)
+ * and kt (slots, ceil(d / 2), KB) hold pair rows (mk_pair_rows) of
+ * bfloat16 values, and d_pairs = ceil(d / 2) */
+static inline void MK_NAME(mk_scores_pairs)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
+                                            const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
+                                            ptrdiff_t d_pairs, MK_REAL scale,
+                                            const MK_REAL *key_term, MK_REAL *tile_max)
+{
+    MK_NAME(mk_scores_by)(t, st, st_ld, qt, kt, slots, d_pairs, scale, key_term, tile_max, 1);
+}
+#endif
 
 /* One block: one group of KB columns of the values, for the rows of a
  * strip in its first `vectors` vectors (a constant where this is inlined),
@@ -1110,5 +1229,6 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
 #undef MK_KB_W
 #undef MK_VMAX
 #undef MK_TARGET
+#undef MK_PAIRS
 
 #endif /* MK_W */

@@ -95,6 +95,32 @@ static PyObject *set_bf16_conversion(PyObject *self, PyObject *arg)
     return PyUnicode_FromString(attnx_bf16_path_name(before));
 }
 
+/* _set_bf16_dot(name): the bfloat16 dot products of float32 softmax
+ * attention (attnx.h), 'avx512_bf16' (VDPBF16PS) or 'off' (for tests:
+ * both compute in float32); returns the name of the setting before */
+static const char *bf16_dot_name(int on) { return on ? "avx512_bf16" : "off"; }
+
+static PyObject *set_bf16_dot(PyObject *self, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (PyUnicode_Check(arg) && !name) return NULL;
+    int on = -1;
+    if (name && strcmp(name, "off") == 0) on = 0;
+    if (name && strcmp(name, "avx512_bf16") == 0) on = 1;
+    if (on < 0) {
+        PyErr_Format(PyExc_ValueError, "bf16 dot must be 'avx512_bf16' or 'off', got %R", arg);
+        return NULL;
+    }
+    int before = attnx_set_bf16_dot(on);
+    if (before < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bf16 dot 'avx512_bf16' needs a CPU with avx512_bf16 and AVX-512 "
+                        "micro-kernels (this one has none)");
+        return NULL;
+    }
+    return PyUnicode_FromString(bf16_dot_name(before));
+}
+
 /* the lowest and one past the highest byte `array` can touch */
 static void byte_extent(PyArrayObject *array, char **low, char **high)
 {
@@ -214,10 +240,11 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
 #else
     const int optimized = 0;
 #endif
-    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(), "simd",
-                         attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
+    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(),
+                         "simd", attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
                          attnx_softmax_backend_name(limit), "softmax_backends", backends,
                          "bf16_conversion", attnx_bf16_path_name(attnx_bf16_path()),
+                         "bf16_dot", bf16_dot_name(attnx_bf16_dot()),
                          "num_threads", attnx_get_num_threads(), "compiler",
 #ifdef __VERSION__
                          "gcc " __VERSION__,
@@ -253,12 +280,15 @@ static PyMethodDef methods[] = {
      "returns the previous setting."},
     {"_set_bf16_conversion", set_bf16_conversion, METH_O,
      "The bfloat16 narrowing, 'avx512_bf16' or 'portable' (for tests); returns the previous one."},
+    {"_set_bf16_dot", set_bf16_dot, METH_O,
+     "The bfloat16 dot products of float32 softmax attention on bfloat16 values, "
+     "'avx512_bf16' or 'off' (for tests); returns the previous setting."},
     {"_convert_bf16", convert_bf16, METH_VARARGS,
      "_convert_bf16(src, dst): bfloat16 bits (int16/uint16) <-> float32, rounding to nearest even; "
      "returns dst."},
     {"build_info", build_info, METH_NOARGS,
      "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
-     "bfloat16 conversion, threads, compiler, optimized build."},
+     "bfloat16 conversion, bfloat16 dot products, threads, compiler, optimized build."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,8 +16,8 @@ enum { DOUT, Q, K, V, OUT, LSE, BIAS, MASK, DQ, DK, DV, DBIAS, NPARAMS };
 static const attnx_param backward_params[NPARAMS] = {
     [DOUT] = {"dout", "n e", ATTNX_REQUIRED, ATTNX_SMB_DOUT},
     [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
-    [K] = {"k", "m d", ATTNX_COMPUTE, ATTNX_SM_K},
-    [V] = {"v", "m e", ATTNX_COMPUTE, ATTNX_SM_V},
+    [K] = {"k", "m d", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
+    [V] = {"v", "m e", ATTNX_COMPUTE | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
     [OUT] = {"out", "n e", ATTNX_REQUIRED, ATTNX_SM_OUT},
     [LSE] = {"lse", "n", ATTNX_REQUIRED, ATTNX_SM_LSE},
     [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},

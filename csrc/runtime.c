@@ -23,10 +23,13 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "microkernel.h" /* attnx_mk_width, MK_HAVE_X86 */
 
 static int num_threads = 1;
 static int softmax_backend_limit = ATTNX_BACKEND_AMX;
 static int decode_kernel = 1;
+/* the bfloat16 dot products in use (set at import where available) */
+static int bf16_dot = 0;
 static const char *const softmax_backend_names[ATTNX_BACKENDS] = {"plain", "mk", "amx"};
 /* set in a process created by fork(): every call then runs on one thread */
 static int forked_child = 0;
@@ -73,6 +76,26 @@ int attnx_softmax_backend_from_name(const char *name)
 
 const char *attnx_softmax_backend_name(int backend) { return softmax_backend_names[backend]; }
 
+int attnx_bf16_dot_available(void)
+{
+#ifdef MK_HAVE_X86
+    __builtin_cpu_init();
+    return attnx_mk_width() == 16 && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+int attnx_bf16_dot(void) { return bf16_dot; }
+
+int attnx_set_bf16_dot(int on)
+{
+    if (on && !attnx_bf16_dot_available()) return -1;
+    int before = bf16_dot;
+    bf16_dot = on != 0;
+    return before;
+}
+
 int attnx_runtime_init(void)
 {
     /* omp_get_max_threads() honours OMP_NUM_THREADS. */
@@ -85,6 +108,7 @@ int attnx_runtime_init(void)
 #endif
     /* ATTNX_AMX=0 keeps float32 softmax attention off AMX (the older
      * spelling of ATTNX_SOFTMAX_BACKEND=mk) */
+    bf16_dot = attnx_bf16_dot_available();
     const char *amx = getenv("ATTNX_AMX");
     if (amx && strcmp(amx, "0") == 0) softmax_backend_limit = ATTNX_BACKEND_MK;
     const char *backend = getenv("ATTNX_SOFTMAX_BACKEND");

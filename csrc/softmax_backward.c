@@ -27,6 +27,15 @@
  * dQ gets one partial per group, added in group order at the end (with one
  * group, the item adds into dq directly).
  *
+ * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot,
+ * microkernel.h): the two products whose operands are both inputs, the
+ * scores Q K^T and dP = dO V^T, run on pairs of bfloat16 values where a
+ * block's operands all are bfloat16 values (as tensors widened from
+ * bfloat16 are; the output gradient too, when it was bfloat16); the other
+ * three take p or dS, which are not, and stay float32. Each key block and
+ * (once per work item) each query block is put in pair rows, which tells
+ * whether its numbers all are bfloat16 values.
+ *
  * Legend: n queries, m keys, d features, e value features;
  *   pt  (BR, BC)  log2-unit scores, then p, of a query block x key block
  *   ptd (BR, BC)  p z, the dropped weights (pt itself without dropout)
@@ -53,6 +62,9 @@
  * per-group dQ partials stay small. */
 #define TARGET_ITEMS 8
 
+/* bwd_work's block_pairs: a query block paired, its Q, its dO exact */
+enum { PAIRED = 1, Q_EXACT = 2, DOUT_EXACT = 4 };
+
 #define ATTNX_FAMILY_FILE "softmax_backward.c"
 #include "real.h"
 
@@ -76,10 +88,13 @@
 typedef REAL SFX(zvec) __attribute__((vector_size(64), aligned(sizeof(REAL))));
 #define ZLANES (64 / (ptrdiff_t)sizeof(REAL))
 
-/* one block of ROWS x VECS vectors (constants once inlined) */
+/* one block of ROWS x VECS vectors (constants once inlined, as `pairs`:
+ * a and b hold pair rows of bfloat16 values, depth counts them, and a_col
+ * is 1; float32 only) */
 static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_block)(
     int block_rows, int vecs, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
-    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row,
+    const int pairs)
 {
     typedef SFX(zvec) vec;
     vec sum[8][2];
@@ -87,13 +102,32 @@ static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_blo
     for (int r = 0; r < block_rows; r++)
 #pragma GCC unroll 2
         for (int x = 0; x < vecs; x++) sum[r][x] = (vec){0};
+#if !REAL_IS_DOUBLE
+    if (pairs)
+        for (ptrdiff_t p = 0; p < depth; p++) {
+            vec b_p[2];
+#pragma GCC unroll 2
+            for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
+#pragma GCC unroll 8
+            for (int r = 0; r < block_rows; r++) {
+                /* a broadcast, no arithmetic: the bits stay as they are */
+                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p]);
+#pragma GCC unroll 2
+                for (int x = 0; x < vecs; x++)
+                    sum[r][x] = (vec)mk_dot_pairs((__m512)sum[r][x], (__m512)b_p[x], a_rp);
+            }
+        }
+    else
+#endif
     for (ptrdiff_t p = 0; p < depth; p++) {
         vec b_p[2];
 #pragma GCC unroll 2
         for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
 #pragma GCC unroll 8
         for (int r = 0; r < block_rows; r++) {
-            vec a_rp = (vec){0} + a[r * a_row + p * a_col];
+            /* x - 0 is x for every x (x + 0 would turn -0 into +0), so gcc
+             * drops the subtraction and broadcasts straight from memory */
+            vec a_rp = a[r * a_row + p * a_col] - (vec){0};
 #pragma GCC unroll 2
             for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
         }
@@ -107,9 +141,10 @@ static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_blo
         }
 }
 
-__attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
+static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_gemm_by)(
     ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
-    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row,
+    const int pairs)
 {
     ptrdiff_t r0 = 0;
     for (; r0 + 8 <= rows; r0 += 8) {
@@ -118,22 +153,42 @@ __attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
         ptrdiff_t c0 = 0;
         for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
             SFX(zmm_block)(8, 2, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
-                           c_r + c0, c_row);
+                           c_r + c0, c_row, pairs);
         if (c0 < cols)
             SFX(zmm_block)(8, 1, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
-                           c_r + c0, c_row);
+                           c_r + c0, c_row, pairs);
     }
     for (; r0 < rows; r0++) {
         ptrdiff_t c0 = 0;
         for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
             SFX(zmm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
-                           accumulate, c + r0 * c_row + c0, c_row);
+                           accumulate, c + r0 * c_row + c0, c_row, pairs);
         if (c0 < cols)
             SFX(zmm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
-                           accumulate, c + r0 * c_row + c0, c_row);
+                           accumulate, c + r0 * c_row + c0, c_row, pairs);
     }
 }
+
+__attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
+{
+    SFX(zmm_gemm_by)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row, accumulate, c, c_row, 0);
+}
 #define ZMM_GEMM SFX(zmm_gemm)
+
+#if !REAL_IS_DOUBLE
+/* c (rows, cols) = alpha a b by the bfloat16 dot products: a (rows,
+ * depth_pairs) rows a_row apart and b (depth_pairs, cols) rows b_row apart
+ * in pair rows (mk_pair_along, mk_pair_rows) */
+__attribute__((target("avx512f"))) static void zmm_gemm_pairs(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth_pairs, float alpha, const float *a,
+    ptrdiff_t a_row, const float *b, ptrdiff_t b_row, float *c, ptrdiff_t c_row)
+{
+    zmm_gemm_by_f32(rows, cols, depth_pairs, alpha, a, a_row, 1, b, b_row, 0, c, c_row, 1);
+}
+#define BWD_PAIRS 1
+#endif
 #endif
 
 /* One thread's working memory. */
@@ -145,6 +200,14 @@ typedef struct {
                             * keys past the block 0; NULL: the products run on BLAS */
     REAL *ptd;             /* (BR, BC) with dropout, else pt */
     unsigned char *keep;   /* (BC) one row's dropout decisions */
+    /* the bfloat16 dot products (float32 with zmm_gemm); kt_pairs NULL: none */
+    float *kt_pairs, *vt_pairs;    /* (d / 2, BC), (e / 2, BC): kt, vt in pair rows */
+    float *q_pairs, *dout_pairs;   /* (n, d / 2), (n, e / 2): the item's Q, dO paired along
+                                    * their rows, by query block as needed */
+    unsigned char *block_pairs;    /* per query block: 0 not paired yet, else PAIRED and
+                                    * which of Q_EXACT, DOUT_EXACT hold */
+    int k_exact, v_exact;          /* the key block's K, V are all bfloat16 values */
+    int q_exact, dout_exact;       /* the same of the query block at hand */
 } SFX(bwd_work);
 
 /* The operands of one head, positioned once. */
@@ -287,7 +350,20 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     const int zmm = 0;
 #endif
 
+    /* the products of two inputs by the bfloat16 dot products, where both
+     * blocks hold bfloat16 values only (w's flags; pairs with zmm only) */
+#ifdef BWD_PAIRS
+    const int score_pairs = zmm && w->kt_pairs && w->q_exact && w->k_exact;
+    const int dp_pairs = zmm && w->kt_pairs && w->dout_exact && w->v_exact;
+#endif
+
     /* pass 1: scores in log2 units, then p */
+#ifdef BWD_PAIRS
+    if (score_pairs)
+        zmm_gemm_pairs(rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2), d / 2,
+                       w->kt_pairs, BC, w->pt, BC);
+    else
+#endif
     if (zmm)
         ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
     else
@@ -301,6 +377,12 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     if (zmm) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
         ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
+#ifdef BWD_PAIRS
+        if (dp_pairs)
+            zmm_gemm_pairs(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2,
+                           w->vt_pairs, BC, w->dpt, BC);
+        else
+#endif
         ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
     } else if (!nonfinite) {
         SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
@@ -370,6 +452,27 @@ static void SFX(bwd_query_range)(const attnx_band *band, ptrdiff_t n, ptrdiff_t 
     *end = hi < lo ? lo : hi;
 }
 
+#ifdef BWD_PAIRS
+/* The query block from i0 (a multiple of BR) in pair rows, the first time
+ * the item needs it, and w's flags for it */
+static void SFX(bwd_pair_queries)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
+                                  SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t dout_row)
+{
+    unsigned char *state = &w->block_pairs[i0 / BR];
+    if (!*state) {
+        int q_exact = 1, dout_exact = 1;
+        for (ptrdiff_t i = i0; i < ATTNX_MIN(i0 + BR, a->n); i++) {
+            q_exact &= mk_pair_along(w->q_pairs + i * (a->d / 2), h->q + i * a->q_row, a->d);
+            dout_exact &= mk_pair_along(w->dout_pairs + i * (a->e / 2), h->dout + i * dout_row,
+                                        a->e);
+        }
+        *state = PAIRED | (q_exact ? Q_EXACT : 0) | (dout_exact ? DOUT_EXACT : 0);
+    }
+    w->q_exact = (*state & Q_EXACT) != 0;
+    w->dout_exact = (*state & DOUT_EXACT) != 0;
+}
+#endif
+
 /* Work item: key blocks group, group + groups, ... of one head; it stops
  * between key blocks when the call is interrupted (calling_thread: this
  * thread polls for it). */
@@ -379,6 +482,7 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
 {
     const attnx_softmax_args *a = &b->fwd;
     ptrdiff_t key_blocks = (a->m + BC - 1) / BC;
+    if (w->block_pairs) memset(w->block_pairs, 0, (size_t)((a->n + BR - 1) / BR));
     for (ptrdiff_t kb = group; kb < key_blocks; kb += groups) {
         if (attnx_interrupted(a->interrupt, calling_thread)) return;
         ptrdiff_t j0 = kb * BC, cols = ATTNX_MIN(BC, a->m - j0);
@@ -392,6 +496,12 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
             SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
         }
+#ifdef BWD_PAIRS
+        if (w->kt_pairs) {
+            w->k_exact = mk_pair_rows(w->kt_pairs, BC, w->kt, BC, a->d, BC);
+            w->v_exact = mk_pair_rows(w->vt_pairs, BC, w->vt, BC, a->e, BC);
+        }
+#endif
         int k_bad = SFX(has_nonfinite)(h->k + j0 * a->k_row, cols, a->d, a->k_row) ||
                     SFX(has_nonfinite)(h->v + j0 * a->v_row, cols, a->e, a->v_row);
         ptrdiff_t first, end;
@@ -405,6 +515,9 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
         /* query blocks aligned to BR, so q_bad's blocks apply */
         for (ptrdiff_t i0 = first - first % BR; i0 < end; i0 += BR) {
             ptrdiff_t lo = ATTNX_MAX(i0, first), rows = ATTNX_MIN(i0 + BR, end) - lo;
+#ifdef BWD_PAIRS
+            if (w->kt_pairs) SFX(bwd_pair_queries)(a, h, w, i0, b->dout_row);
+#endif
             SFX(bwd_block_pair)(a, h, w, lo, rows, j0, cols, k_bad || h->q_bad[i0 / BR],
                                 dq + lo * dq_row, dq_row, b->dout_row, b->dk_row, b->dv_row,
                                 b->dbias_row);
@@ -485,14 +598,23 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
           d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
     ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
+    /* the bfloat16 dot products: the key block's and the item's query
+     * blocks' pair rows (float32, so the numbers are the pairs' size) */
+    int pairs = 0;
+#ifdef BWD_PAIRS
+    pairs = zmm && attnx_bf16_dot();
+#endif
+    ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (BC + n)) : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
-    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed;
+    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed + paired;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
     unsigned char *bad = malloc((size_t)(heads * query_blocks) + 1);
-    unsigned char *keeps = malloc((size_t)(threads * BC));
+    /* per thread: a row's dropout decisions, the query blocks' block_pairs */
+    ptrdiff_t bytes = BC + (pairs ? query_blocks : 0);
+    unsigned char *keeps = malloc((size_t)(threads * bytes));
     SFX(bwd_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
     if (!bad || !keeps || !works ||
@@ -506,8 +628,18 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
         REAL *kt = base + 2 * BR * BC + 2 * BC;
         works[t] = (SFX(bwd_work)){base, base + BR * BC, base + 2 * BR * BC,
                                    base + 2 * BR * BC + BC, zmm ? kt : NULL,
-                                   zmm ? kt + d * BC : NULL, base, keeps + t * BC};
-        if (dropout) works[t].ptd = kt + transposed;
+                                   zmm ? kt + d * BC : NULL, base, keeps + t * bytes};
+        if (dropout) works[t].ptd = kt + transposed + paired;
+#ifdef BWD_PAIRS
+        if (pairs) {
+            float *pair_base = kt + transposed;
+            works[t].kt_pairs = pair_base;
+            works[t].vt_pairs = pair_base + d / 2 * BC;
+            works[t].q_pairs = works[t].vt_pairs + a->e / 2 * BC;
+            works[t].dout_pairs = works[t].q_pairs + n * d / 2;
+            works[t].block_pairs = keeps + t * bytes + BC;
+        }
+#endif
     }
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -569,4 +701,5 @@ done:
 #undef ZMM_GEMM
 #undef ZLANES
 #endif
+#undef BWD_PAIRS
 #endif /* REAL */

@@ -67,7 +67,7 @@ static inline ptrdiff_t softmax_lines(ptrdiff_t count, ptrdiff_t size)
 
 /* What a backend allocates for one call (its per-thread operands); the
  * driver frees every block with free() when the call ends. */
-#define SOFTMAX_BLOCKS 3
+#define SOFTMAX_BLOCKS 4
 typedef struct {
     void *blocks[SOFTMAX_BLOCKS];
 } softmax_memory;

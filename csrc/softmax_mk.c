@@ -7,7 +7,16 @@
  * into panels, each the first time a query tile needs it (packed_panels).
  * The scores and P V of a key tile are one micro-kernel call each; the
  * output accumulates transposed in ot and is written out at the tile's
- * end. Legend as in softmax.c; see microkernel.h for qt, kt, vt. */
+ * end. Legend as in softmax.c; see microkernel.h for qt, kt, vt.
+ *
+ * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot): the
+ * query strips and key panels are also put in pair rows (mk_pair_rows),
+ * which tells whether their numbers are all bfloat16 values, as they are
+ * for tensors widened from bfloat16. A tile whose queries and keys all are
+ * takes its scores from the pairs, in half the instructions; any other
+ * tile, and P V always (P is no bfloat16 value), the float32 kernels. The
+ * inputs decide, never the caller: a float32 number that is no bfloat16
+ * value keeps its tile on float32. */
 #ifndef REAL
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +39,11 @@ typedef struct {
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
     ptrdiff_t slots;
     const void *k, *v;    /* the keys and values whose panels are in kt and vt */
+    /* the bfloat16 dot products (float32, AVX-512); kt_pairs NULL: none */
+    float *kt_pairs;      /* (slots, ceil(d / 2), KB) kt's panels in pair rows */
+    unsigned char *exact; /* per slot: the panel's keys are all bfloat16 values */
+    float *qt_pairs;      /* (strips, ceil(d / 2), strip) the tile's queries in pair rows */
+    int q_exact;          /* the tile's queries are all bfloat16 values */
 } packed_panels;
 #endif
 
@@ -47,6 +61,10 @@ struct SFX(mk_kernels) {
                    REAL *tile_max);
     void (*add_pv)(const mk_tile *t, REAL *ot, ptrdiff_t ot_ld, const REAL *pt, ptrdiff_t pt_ld,
                    const mk_values *values, ptrdiff_t e, const REAL *correction);
+    /* the scores by the bfloat16 dot products (float32 on AVX-512), or NULL */
+    void (*scores_pairs)(const mk_tile *t, REAL *st, ptrdiff_t st_ld, const REAL *qt,
+                         const REAL *kt, ptrdiff_t slots, ptrdiff_t d_pairs, REAL scale,
+                         const REAL *key_term, REAL *tile_max);
 };
 
 /* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
@@ -131,6 +149,12 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
         if (pk->owner[slot] == p + 1) continue;
         SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb,
                      pk->width);
+#if !REAL_IS_DOUBLE
+        if (pk->kt_pairs)
+            pk->exact[slot] = (unsigned char)mk_pair_rows(pk->kt_pairs + slot * kb * ((d + 1) / 2),
+                                                          kb, (REAL *)pk->kt + slot * kb * d, kb, d,
+                                                          kb);
+#endif
         if (pk->vt)
             SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row,
                                 count, e, kb);
@@ -155,6 +179,15 @@ static void SFX(mk_prepare_tile)(const SFX(softmax_backend) *be, const attnx_sof
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += be->strip)
         SFX(mk_pack)(w->qt + r0 * a->d, q + r0 * a->q_row, a->q_row,
                      ATTNX_MIN(be->strip, rows - r0), a->d, be->strip, be->width);
+#if !REAL_IS_DOUBLE
+    if (pk->kt_pairs) {
+        /* the padding rows past `rows` are 0, a bfloat16 value */
+        pk->q_exact = 1;
+        for (ptrdiff_t r0 = 0; r0 < rows; r0 += be->strip)
+            pk->q_exact &= mk_pair_rows(pk->qt_pairs + r0 * ((a->d + 1) / 2), be->strip,
+                                        w->qt + r0 * a->d, be->strip, a->d, be->strip);
+    }
+#endif
 }
 
 /* ot (e, st_ld) times the rows' correction */
@@ -183,6 +216,16 @@ static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_soft
     be->mk->add_pv(t, w->ot, w->st_ld, w->st, w->st_ld, &values, a->e, w->correction);
 }
 
+/* 1 when the tile's queries and the keys of its panels are all bfloat16
+ * values, with their pair rows packed */
+static int SFX(mk_tile_exact)(const packed_panels *pk, const mk_tile *t, ptrdiff_t kb)
+{
+    if (!pk->kt_pairs || !pk->q_exact) return 0;
+    for (ptrdiff_t p = t->j0 / kb; p * kb < t->j0 + t->cols; p++)
+        if (!pk->exact[p % pk->slots]) return 0;
+    return 1;
+}
+
 /* st = the scores of the key tile's panels, packed first where needed */
 static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
                                 const mk_tile *t, SFX(tile_work) *w, const REAL *q,
@@ -190,8 +233,13 @@ static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_soft
 {
     packed_panels *pk = w->operands;
     SFX(mk_pack_panels)(a, pk, k, v, t->j0, t->cols);
-    be->mk->scores(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
-                   w->tile_max);
+    if (SFX(mk_tile_exact)(pk, t, be->kb))
+        be->mk->scores_pairs(t, w->st, w->st_ld, (const REAL *)pk->qt_pairs,
+                             (const REAL *)pk->kt_pairs, pk->slots, (a->d + 1) / 2, scale2,
+                             w->key_term, w->tile_max);
+    else
+        be->mk->scores(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
+                       w->tile_max);
 }
 
 void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
@@ -231,13 +279,20 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     ptrdiff_t packed = softmax_lines(slots * kb * a->d, size);
     ptrdiff_t packed_v = pack_values ? softmax_lines(slots * kb * a->e, size) : 0;
     ptrdiff_t queries = softmax_lines(st_ld * a->d, size), outputs = softmax_lines(st_ld * a->e, size);
-    ptrdiff_t per_thread = packed + packed_v + queries + outputs;
+    /* the pair rows of the bfloat16 dot products, where they run */
+    int pairs = be->mk->scores_pairs && attnx_bf16_dot();
+    ptrdiff_t d_pairs = (a->d + 1) / 2;
+    ptrdiff_t packed_pairs = pairs ? softmax_lines(slots * kb * d_pairs, size) : 0;
+    ptrdiff_t query_pairs = pairs ? softmax_lines(st_ld * d_pairs, size) : 0;
+    ptrdiff_t per_thread = packed + packed_v + queries + outputs + packed_pairs + query_pairs;
     REAL *scratch = NULL;
     ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
     packed_panels *pks = calloc((size_t)threads, sizeof *pks);
+    unsigned char *exact = pairs ? malloc((size_t)(slots * threads)) : NULL;
     memory->blocks[1] = owners;
     memory->blocks[2] = pks;
-    if (!owners || !pks ||
+    memory->blocks[3] = exact;
+    if (!owners || !pks || (pairs && !exact) ||
         posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
         return ATTNX_ENOMEM;
     memory->blocks[0] = scratch;
@@ -248,6 +303,12 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
         works[t].operands = &pks[t];
         works[t].qt = base + packed + packed_v;
         works[t].ot = works[t].qt + queries;
+        if (pairs) {
+            /* float32 here: scores_pairs is NULL for float64 */
+            pks[t].kt_pairs = (float *)(works[t].ot + outputs);
+            pks[t].qt_pairs = pks[t].kt_pairs + packed_pairs;
+            pks[t].exact = exact + slots * t;
+        }
     }
     return ATTNX_OK;
 }
@@ -255,11 +316,11 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
 /* The kernels of each instruction set (microkernel.h's suffixes: float32
  * _w16 on AVX-512 and _w8 on AVX2, float64 _d8 and _d4) */
 #if REAL_IS_DOUBLE
-static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8};
-static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4};
+static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8, NULL};
+static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4, NULL};
 #else
-static const mk_kernels_f32 mk_avx512_f32 = {mk_scores_w16, mk_add_pv_w16};
-static const mk_kernels_f32 mk_avx2_f32 = {mk_scores_w8, mk_add_pv_w8};
+static const mk_kernels_f32 mk_avx512_f32 = {mk_scores_w16, mk_add_pv_w16, mk_scores_pairs_w16};
+static const mk_kernels_f32 mk_avx2_f32 = {mk_scores_w8, mk_add_pv_w8, NULL};
 
 /* the online softmax of a whole strip (3 vectors of 16 rows) in registers */
 static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,

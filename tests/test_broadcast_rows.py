@@ -174,3 +174,71 @@ def test_converted_broadcast_rows_and_heads_allocate_nothing_of_their_size(call)
     assert out.dtype == np.float16
     np.testing.assert_allclose(out.astype(np.float32), np.broadcast_to(v[0, 0], out.shape),
                                rtol=2e-3, atol=2e-3)
+
+
+# the backward functions read broadcast key / value rows in place too
+BACKWARD_CALLS = {
+    "softmax": (attnx.softmax_attention, {}),
+    "softmax causal window": (attnx.softmax_attention, dict(causal=True, window=(5, 2))),
+    "softmax bias": (attnx.softmax_attention, dict(bias=np.linspace(-1, 1, 41))),
+    "gaussian": (attnx.gaussian_attention, dict(sigma=2.0)),
+    "linear": (attnx.linear_attention, {}),
+    "chunk": (attnx.linear_attention, dict(causal=True, chunk_size=8)),
+    "chunk 16": (attnx.linear_attention, dict(causal=True, chunk_size=16)),
+    "recurrent": (attnx.linear_attention, dict(causal=True, method="recurrent")),
+    "cumsum": (attnx.linear_attention, dict(causal=True, method="cumsum")),
+    "quadratic": (attnx.linear_attention, dict(method="quadratic", window=(6, 0))),
+    "key_mask": (attnx.linear_attention, dict(causal=True, key_mask=np.arange(41) % 4 != 0)),
+    "favor": (attnx.performer_attention, dict(projection=PROJECTION, causal=True)),
+    "taylor": (attnx.taylor_attention, dict(causal=True)),
+    "efficient": (attnx.efficient_attention, {}),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+@pytest.mark.parametrize("name", sorted(BACKWARD_CALLS))
+def test_backward_of_broadcast_rows_equals_materialised(name, which, dtype):
+    fn, options = BACKWARD_CALLS[name]
+    q, k, v = inputs(which, dtype)
+    dout = make(np.random.default_rng(5), q.shape[:-1] + (E,), dtype)
+    out, pullback = attnx.vjp(fn, q, k, v, **options)
+    got = pullback(dout)
+    want_out, want_pullback = attnx.vjp(fn, q, np.ascontiguousarray(k), np.ascontiguousarray(v),
+                                        **options)
+    want = want_pullback(dout)
+    assert_close(out, want_out, dtype, scale=np.abs(want_out).max())
+    for field in ("q", "k", "v"):
+        got_grad, want_grad = getattr(got, field), getattr(want, field)
+        assert got_grad.shape == want_grad.shape
+        assert_close(got_grad, want_grad, dtype, scale=np.abs(want_grad).max())
+
+
+@pytest.mark.parametrize("backward", ["softmax", "linear", "linear causal"])
+def test_backward_of_many_broadcast_keys_copies_nothing(backward):
+    """The gradients dk, dv have the broadcast shape (2**18 rows each); the
+    keys and values themselves are not copied beside them."""
+    rng = np.random.default_rng(6)
+    m = 2 ** 18
+    q = make(rng, (4, 64))
+    k = np.broadcast_to(make(rng, (64,)), (m, 64))
+    v = np.broadcast_to(make(rng, (64,)), (m, 64))
+    causal = backward == "linear causal"
+    fn = attnx.softmax_attention if backward == "softmax" else attnx.linear_attention
+    out, pullback = attnx.vjp(fn, q, k, v, **({"causal": True} if causal else {}))
+    gradients_bytes = 2 * m * 64 * 8
+    tracemalloc.start()
+    try:
+        g = pullback(np.ones_like(out))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < gradients_bytes + 4 * 2 ** 20, (
+        f"peak {peak / 2**20:.1f} MiB beside {gradients_bytes / 2**20:.0f} MiB of gradients: "
+        "the broadcast rows were copied")
+    assert g.k.shape == k.shape and g.v.shape == v.shape
+    # every key is the same row, so a query weighs the keys it sees equally:
+    # dv_j = sum over the queries i that see key j of 1 / (keys i sees);
+    # causal (lower right) query i sees m - 3 + i keys
+    seen = [m - 3 + i for i in range(4)] if causal else [m] * 4
+    np.testing.assert_allclose(g.v[:m - 3], sum(1 / s for s in seen), rtol=1e-9)

@@ -645,3 +645,78 @@ def test_multihead_matches_the_numpy_layer_property(heads, head_dim, n, m, causa
                                             **np_kwargs)
     np.testing.assert_allclose(g.x_q, grads[0].numpy(), rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(g.x_kv, grads[1].numpy(), rtol=1e-9, atol=1e-10)
+
+
+# ------------------------------------------- attention_weights of the systems
+
+def softmax_weights(q, keys, visible=None):
+    scores = q @ keys.transpose(-1, -2) / keys.shape[-1] ** 0.5
+    if visible is None:
+        return torch.softmax(scores, -1)
+    # a finite fill keeps rows that see nothing finite (attnx gives them 0)
+    weights = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), -1)
+    return torch.where(visible, weights, 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_system_weights_match_numpy_and_torch_softmax(causal):
+    q, k = randn(2, 9, 4, seed=40), randn(2, 11, 4, seed=41)
+    layout = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    E = randn(2, 5, 11, seed=42)
+    mp = -(-11 // 3)
+    cases = {
+        "block_sparse": (dict(layout=layout, block_size=4),
+                         lambda: softmax_weights(q, k, expanded_mask(layout, 4, 9, 11)
+                                                 & torch.ones(9, 11, dtype=torch.bool).tril(2 if causal else 11))),
+        "pooled": (dict(stride=3, mode="max"),
+                   lambda: softmax_weights(q, torch_pool(k, 3, "max"),
+                                           torch.ones(9, mp, dtype=torch.bool).tril(mp - 9 if causal else mp))),
+        "linformer": (dict(E=E), lambda: softmax_weights(
+            q, E @ k, torch.ones(9, 5, dtype=torch.bool).tril(5 - 9 if causal else 5))),
+    }
+    for variant, (options, reference) in cases.items():
+        inputs = [q, k] + ([E] if variant == "linformer" else [])
+        dout = randn(*reference().shape, grad=False, seed=43)
+        weights, grads = grads_of(lambda: at.attention_weights(q, k, variant, causal=causal, **options),
+                                  inputs, dout)
+        numpy_options = {name: numpy(t) if isinstance(t, torch.Tensor) else t for name, t in options.items()}
+        np.testing.assert_allclose(numpy(weights), attnx.attention_weights(
+            numpy(q), numpy(k), variant, causal=causal, **numpy_options), rtol=1e-12, atol=1e-14)
+        want, want_grads = grads_of(reference, inputs, dout)
+        assert_close(weights, want)
+        for ours, theirs in zip(grads, want_grads):
+            assert_close(ours, theirs)
+
+
+def test_system_weights_times_values_give_the_output():
+    q, k, v = randn(2, 8, 4, seed=44), randn(2, 8, 4, seed=45), randn(2, 8, 3, seed=46)
+    E = randn(5, 8, seed=47)
+    pooled_v = torch_pool(v, 3, "mean")
+    cases = [
+        (at.attention_weights(q, q, "lsh", n_buckets=2, chunk=4, seed=3) @ v,
+         at.lsh_attention(q, v, 2, chunk=4, seed=3)),
+        (at.attention_weights(q, k, "pooled", stride=3) @ pooled_v, at.pooled_attention(q, k, v, 3)),
+        (at.attention_weights(q, k, "linformer", E=E, F=E) @ (E @ v), at.linformer_attention(q, k, v, E)),
+    ]
+    for product, out in cases:
+        assert_close(product, out)
+    assert torch.autograd.gradcheck(
+        lambda q: at.attention_weights(q, q, "lsh", n_buckets=2, chunk=4, causal=True), (q,))
+    np.testing.assert_allclose(
+        numpy(at.attention_weights(q, q, "lsh", n_buckets=2, chunk=4, causal=True)),
+        attnx.attention_weights(numpy(q), numpy(q), "lsh", n_buckets=2, chunk=4, causal=True),
+        rtol=1e-12, atol=1e-14)
+
+
+def test_system_weights_bad_arguments():
+    q, k = randn(2, 6, 4, seed=48), randn(2, 6, 4, seed=49)
+    with pytest.raises(ValueError, match="pass k = q"):
+        at.attention_weights(q, k, "lsh", n_buckets=2)
+    with pytest.raises(ValueError, match=r"E must be a tensor of shape \(\.\.\., r, m\)"):
+        at.attention_weights(q, k, "linformer")
+    with pytest.raises(ValueError, match=r"E must be .* m = 6"):
+        at.attention_weights(q, k, "linformer", E=randn(3, 5, seed=50))
+    with pytest.raises(TypeError, match="stride must be an integer"):
+        at.attention_weights(q, k, "pooled")
+    with pytest.raises(ValueError, match="'lsh'"):
+        at.attention_weights(q, k, "nonesuch")
