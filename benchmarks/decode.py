@@ -11,7 +11,11 @@ the spread printed is the median of the rounds' medians and their range.
 The targets: step < 3 us, functional < 6 us.
 
     python benchmarks/decode.py [--heads 32] [--d 64] [--calls 5000] [--rounds 7]
-                                [--threads N] [--json FILE]
+                                [--threads N] [--general-path] [--json FILE]
+
+--general-path adds "step general": the same step with the float32
+AVX-512 decoding kernel turned off (the general C path every other shape
+takes), timed in the same rounds, for an A/B comparison in one run.
 
 The machine line says how many cores other processes kept busy just before
 the run (a shared machine inflates every figure).
@@ -32,7 +36,7 @@ import attnx  # noqa: E402
 TARGETS_US = {"step": 3.0, "functional": 6.0}
 
 
-def forms(heads, d, dtype):
+def forms(heads, d, dtype, general_path=False):
     """name -> a zero-argument call making one decoding step."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, heads, 1, d)).astype(dtype) for _ in range(3))
@@ -50,22 +54,31 @@ def forms(heads, d, dtype):
                                                     initial_state=carried[0], return_state=True)
         return result
 
-    return {
+    calls = {
         "step": lambda: stepping.step(q, k, v),
         "step out=": lambda: stepping_out.step(q, k, v, out),
         "functional": functional,
         "empty call": lambda: None,
     }
+    if general_path:
+        general = fresh_state()
+        calls["step general"] = lambda: general.step(q, k, v)
+    return calls
 
 
-def time_calls(call, calls):
-    """The median time of one call, in ns, over `calls` calls timed one by one."""
+def time_calls(call, calls, kernel=True):
+    """The median time of one call, in ns, over `calls` calls timed one by
+    one (kernel=False: with the AVX-512 decoding kernel turned off)."""
     times = np.empty(calls, dtype=np.int64)
     clock = time.perf_counter_ns
-    for i in range(calls):
-        start = clock()
-        call()
-        times[i] = clock() - start
+    before = attnx._C._set_decode_kernel(kernel)
+    try:
+        for i in range(calls):
+            start = clock()
+            call()
+            times[i] = clock() - start
+    finally:
+        attnx._C._set_decode_kernel(before)
     return float(np.median(times))
 
 
@@ -77,6 +90,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="attnx threads (default: all)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--general-path", action="store_true",
+                        help="also time the step with the AVX-512 decoding kernel turned off")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.threads:
@@ -86,14 +101,13 @@ def main():
           "attnx threads %d | %d heads, d = %d, %s" % (
               cpu_model(), os.cpu_count(), "?" if busy is None else "%.2f" % busy,
               os.getloadavg()[0], attnx.get_num_threads(), args.heads, args.d, args.dtype))
-    calls = forms(args.heads, args.d, np.dtype(args.dtype))
-    for call in calls.values():  # warm up: states allocated, caches and threads hot
-        for _ in range(1000):
-            call()
+    calls = forms(args.heads, args.d, np.dtype(args.dtype), args.general_path)
+    for name, call in calls.items():  # warm up: states allocated, caches and threads hot
+        time_calls(call, 1000, kernel=name != "step general")
     rounds = {name: [] for name in calls}
     for _ in range(args.rounds):
         for name, call in calls.items():
-            rounds[name].append(time_calls(call, args.calls) / 1000)
+            rounds[name].append(time_calls(call, args.calls, kernel=name != "step general") / 1000)
     results = {}
     for name, medians in rounds.items():
         results[name] = {"median_us": float(np.median(medians)), "min_us": min(medians),

@@ -206,7 +206,7 @@ enum { ATTNX_METHOD_CHUNK, ATTNX_METHOD_RECURRENT, ATTNX_METHOD_CUMSUM, ATTNX_ME
 #define ATTNX_CUMSUM_LIMIT ((size_t)2 << 30)
 
 /* Keys of single-token decoding steps not yet added into S (linear.c,
- * deferred_rows): head h holds attnx_pending_rows(tick, h, capacity) of
+ * deferred_step): head h holds attnx_pending_rows(tick, h, capacity) of
  * them, their features psi (capacity, r) and values (capacity, e) at
  * head h of psi and v. z already holds them. */
 typedef struct {
@@ -375,6 +375,11 @@ int attnx_softmax_backend_limit(void);
 int attnx_set_softmax_backend_limit(int limit);
 int attnx_softmax_backend_from_name(const char *name);
 const char *attnx_softmax_backend_name(int backend);
+/* The float32 AVX-512 decoding step (linear.c, decode_kernel) runs where it
+ * applies unless a test turned it off to check the general path;
+ * attnx_set_decode_kernel returns the setting it replaces. */
+int attnx_decode_kernel_enabled(void);
+int attnx_set_decode_kernel(int enabled);
 void attnx_set_num_threads(int num_threads);
 /* The bfloat16 dot products of float32 softmax attention (VDPBF16PS,
  * avx512_bf16): a product of two operands whose numbers are all bfloat16

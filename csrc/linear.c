@@ -71,6 +71,7 @@ typedef struct {
     ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
     int threads;
     int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
+    int decode_kernel;        /* single-token steps go through decode_kernel (likewise) */
 } linear_plan;
 
 /* What every head of one backward call shares. */
@@ -725,32 +726,62 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
     }
 }
 
-/* One single-token decoding step (a->pending): the key joins z at once
+/* One single-token decoding step of a head through the float32 AVX-512
+ * kernel (microkernel.h, mk_decode_step_w16): the generic steps of
+ * deferred_step below in one pass over S, elu features computed in place
+ * (mk_elu_rows_w16, the same numbers as features.c). Returns 0 where it
+ * does not apply (float64, other CPUs, r or e not whole vectors), leaving
+ * them the work. */
+static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const SFX(scratch) *w,
+                              SFX(state) st)
+{
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    const attnx_linear_args *a = p->a;
+    if (!p->decode_kernel) return 0;
+    SFX(values) vals = {hd->v, a->v_row};
+    if (a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
+        mk_elu_rows_w16(hd->q, hd->k, a->d, w->phi, w->psi);
+        w->log_scale[0] = 0;
+    } else {
+        SFX(query_block)(p, hd, 0, 1, w);
+        vals = SFX(key_block)(p, hd, 0, 1, w);
+    }
+    mk_decode_step_w16(w->phi, w->psi, p->r, vals.v, a->e, st.S, st.z, hd->held_keys,
+                       hd->held_values, hd->held, hd->adds_held, hd->out, w->den);
+    return 1;
+#else
+    (void)p, (void)hd, (void)w, (void)st;
+    return 0;
+#endif
+}
+
+/* One single-token decoding step of a head (a->pending), in its own
+ * state st: the key joins z at once
  * but S only through the head's held keys, and the query reads
  * out = phi (S + keys^T values) as phi S plus one term per held key.
  * The held keys go into S at the head's turn, once in `capacity` steps,
  * so most steps read S without writing it: half the memory traffic of
  * the RNN step, which reads and writes all of S for one rank-1 update
  * (the chunk method's trade, one token at a time). */
-static void SFX(deferred_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
-                               ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
-                               const SFX(scratch) *w, SFX(state) st)
+static void SFX(deferred_step)(const linear_plan *p, const SFX(head) *hd, const SFX(scratch) *w,
+                               SFX(state) st)
 {
-    (void)qa, (void)qb, (void)from, (void)K, (void)last;  /* one row and key; from is st */
     const ptrdiff_t r = p->r, e = p->a->e;
     ptrdiff_t held = hd->held;
-    SFX(query_block)(p, hd, 0, 1, w);
-    SFX(values) vals = SFX(key_block)(p, hd, 0, 1, w);
-    memcpy(hd->held_keys + held * r, w->psi, (size_t)r * sizeof(REAL));
-    memcpy(hd->held_values + held * e, vals.v, (size_t)e * sizeof(REAL));
-    SFX(axpy)(st.z, 1, w->psi, r);
-    held++;
-    if (hd->adds_held) {
-        SFX(add_held)(r, e, st.S, hd->held_keys, hd->held_values, held);
-        held = 0;
+    if (!SFX(decode_kernel)(p, hd, w, st)) {
+        SFX(query_block)(p, hd, 0, 1, w);
+        SFX(values) vals = SFX(key_block)(p, hd, 0, 1, w);
+        memcpy(hd->held_keys + held * r, w->psi, (size_t)r * sizeof(REAL));
+        memcpy(hd->held_values + held * e, vals.v, (size_t)e * sizeof(REAL));
+        SFX(axpy)(st.z, 1, w->psi, r);
+        held++;
+        if (hd->adds_held) {
+            SFX(add_held)(r, e, st.S, hd->held_keys, hd->held_values, held);
+            held = 0;
+        }
+        SFX(state_pass)(r, e, SFX(view_of)(p, st), NULL, NULL, st, w->phi, hd->out, w->den);
+        SFX(add_held_terms)(r, e, w->phi, hd->held_keys, hd->held_values, held, hd->out);
     }
-    SFX(state_pass)(r, e, SFX(view_of)(p, st), NULL, NULL, st, w->phi, hd->out, w->den);
-    SFX(add_held_terms)(r, e, w->phi, hd->held_keys, hd->held_values, held, hd->out);
     SFX(finish_rows)(p, 1, w, hd->out);
 }
 
@@ -896,16 +927,26 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
     size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
     for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
     SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
-    for (ptrdiff_t item = first; item < end && !linear_stopped(a->interrupt); item++)
-        SFX(segment_rows)(p, rows_fn, item, starts, &w);
+    /* decoding steps take their heads forwards and backwards in turn: the
+     * states read last are still in L1 when the next step starts */
+    int backwards = a->pending.psi && a->pending.tick % 2;
+    for (ptrdiff_t i = 0; i < end - first && !linear_stopped(a->interrupt); i++) {
+        ptrdiff_t item = backwards ? end - 1 - i : first + i;
+        if (!a->pending.psi) {
+            SFX(segment_rows)(p, rows_fn, item, starts, &w);
+            continue;
+        }
+        /* a decoding step: one head per item, one segment, in its own state */
+        SFX(head) hd = SFX(head_at)(a, item);
+        SFX(deferred_step)(p, &hd, &w, (SFX(state)){hd.S_out, hd.z_out});
+    }
 }
 
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
 {
     const attnx_linear_args *a = p->a;
     const ptrdiff_t size = p->state_size;
-    SFX(rows_fn) rows_fn = a->pending.psi                    ? SFX(deferred_rows)
-                           : a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
+    SFX(rows_fn) rows_fn = a->method == ATTNX_METHOD_RECURRENT ? SFX(recurrent_rows)
                            : a->method == ATTNX_METHOD_CUMSUM  ? SFX(cumsum_rows)
                                                                : SFX(chunk_rows);
     REAL *deltas = NULL, *starts = NULL;
@@ -1009,6 +1050,8 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
      * at key 0, features in blocks of 8, values in whole vectors */
     p.chunk_kernel = attnx_mk_width() == 16 && p.C == KERNEL_CHUNK && p.r % 8 == 0 &&
                      a->e % 16 == 0 && !a->band.has_lo;
+    p.decode_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && a->pending.psi &&
+                      p.r % 16 == 0 && a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
 #endif
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);

@@ -895,6 +895,156 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
     mk_add_keys_w16(psi, r, v, v_row, 16, S, e, ahead);
     mk_add_rows_w16(z, psi, r, NULL);
 }
+
+/* ------------------------------------------------------------------------
+ * One single-token decoding step of one head (linear.c, deferred_step).
+ * The step's key (features psi (r), value v (e)) joins z at once and the
+ * head's held keys: keys (capacity, r) and values (capacity, e), whose
+ * first `held` rows are the keys since the head's last turn. At its turn
+ * (adds) every held key goes into S in the same pass that reads the
+ * query's row from S; otherwise S is only read, and the held keys add
+ * their terms to the row:
+ *   out = phi S + sum_t (phi . keys_t) values_t,  den = phi . z
+ * A step is one pass over S, which streams from L2: the row is built in
+ * registers, with two sets of accumulators (even and odd features) so
+ * that the fused multiply-adds of one set wait on the other's latency.
+ * S (r, e) contiguous; r % 16 == 0, e % 16 == 0, held < MK_DECODE_HELD. */
+#define MK_DECODE_HELD 16
+
+/* out[0, 16 nv) = phi S + sum_t weights[t] values_t over S's columns
+ * [0, 16 nv) (S and values positioned there, rows e apart) */
+static inline __attribute__((always_inline)) void mk_decode_read_w16(
+    int nv, const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e, const float *weights,
+    const float *values, ptrdiff_t held, float *out)
+{
+    __m512 even[4], odd[4];
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) even[h] = odd[h] = _mm512_setzero_ps();
+    for (ptrdiff_t f = 0; f < r; f += 2) {
+        __m512 phi_even = _mm512_set1_ps(phi[f]), phi_odd = _mm512_set1_ps(phi[f + 1]);
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) {
+            even[h] = _mm512_fmadd_ps(phi_even, _mm512_loadu_ps(S + f * e + h * 16), even[h]);
+            odd[h] = _mm512_fmadd_ps(phi_odd, _mm512_loadu_ps(S + (f + 1) * e + h * 16), odd[h]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) even[h] = _mm512_add_ps(even[h], odd[h]);
+    for (ptrdiff_t t = 0; t < held; t++) {
+        __m512 weight = _mm512_set1_ps(weights[t]);
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++)
+            even[h] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + t * e + h * 16), even[h]);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, even[h]);
+}
+
+/* S[:, 0, 16 nv) += keys^T values over `count` keys, in key order (what
+ * mk_add_keys_w16 computes), 4 rows of S at a time, and out[0, 16 nv) =
+ * phi S from the rows just written, still in registers */
+static inline __attribute__((always_inline)) void mk_decode_flush_w16(
+    int nv, const float *phi, const float *keys, ptrdiff_t r, const float *values, ptrdiff_t e,
+    ptrdiff_t count, float *S, float *out)
+{
+    __m512 row[4];
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) row[h] = _mm512_setzero_ps();
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 4) {
+        __m512 acc[6][4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + (f0 + i) * e + h * 16);
+        mk_rank_w16(acc, 4, nv, keys + f0, 1, r, values, e, count);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m512 phi_f = _mm512_set1_ps(phi[f0 + i]);
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++) {
+                _mm512_storeu_ps(S + (f0 + i) * e + h * 16, acc[i][h]);
+                row[h] = _mm512_fmadd_ps(phi_f, acc[i][h], row[h]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
+}
+
+/* elu(x) + 1 (features.c, elu_row) on AVX-512, the same operations in the
+ * same order as the compiled loop of vec_real.h's exp, so that the kernel's
+ * features equal the general path's bit for bit: x + 1 above 0; below,
+ * e^x = 2^n e^r with n = round(x log2 e), r = x - n ln2 (Cody-Waite), e^r
+ * by its Taylor series to r^7; 0 below -87; NaN stays NaN. */
+static inline __attribute__((always_inline)) __m512 mk_elu1_w16(__m512 x)
+{
+    const __m512 magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
+    __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896340736f), magic);
+    __m512 nf = _mm512_sub_ps(shifted, magic);
+    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, one);
+    p = _mm512_fmadd_ps(p, r, one);
+    __m512i n = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(magic));
+    __m512 pow2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+    __m512 below = _mm512_maskz_mul_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ),
+                                       p, pow2);
+    return _mm512_mask_add_ps(below, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), x, one);
+}
+
+/* phi = elu(q) + 1, psi = elu(k) + 1 for one query and one key row of d
+ * features, d % 16 == 0: both rows' vectors interleaved, the exponentials'
+ * chains of dependent operations overlapping */
+static inline void mk_elu_rows_w16(const float *q, const float *k, ptrdiff_t d, float *phi,
+                                   float *psi)
+{
+    for (ptrdiff_t c = 0; c < d; c += 16) {
+        _mm512_storeu_ps(phi + c, mk_elu1_w16(_mm512_loadu_ps(q + c)));
+        _mm512_storeu_ps(psi + c, mk_elu1_w16(_mm512_loadu_ps(k + c)));
+    }
+}
+
+/* The step */
+static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                      const float *v, ptrdiff_t e, float *S, float *z,
+                                      float *keys, float *values, ptrdiff_t held, int adds,
+                                      float *out, float *den)
+{
+    __m512 dot = _mm512_setzero_ps();
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __m512 psi_f = _mm512_loadu_ps(psi + f0), z_f = _mm512_loadu_ps(z + f0);
+        _mm512_storeu_ps(keys + held * r + f0, psi_f);
+        z_f = _mm512_add_ps(z_f, psi_f);
+        _mm512_storeu_ps(z + f0, z_f);
+        dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), z_f, dot);
+    }
+    *den = _mm512_reduce_add_ps(dot);
+    for (ptrdiff_t c0 = 0; c0 < e; c0 += 16)
+        _mm512_storeu_ps(values + held * e + c0, _mm512_loadu_ps(v + c0));
+    held++;
+    if (adds) {
+#define MK_FLUSH(nv) mk_decode_flush_w16(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
+        MK_CHUNK_COLUMNS(e, MK_FLUSH)
+#undef MK_FLUSH
+        return;
+    }
+    float weights[MK_DECODE_HELD];
+    for (ptrdiff_t t = 0; t < held; t++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (ptrdiff_t f0 = 0; f0 < r; f0 += 16)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), _mm512_loadu_ps(keys + t * r + f0), sum);
+        weights[t] = _mm512_reduce_add_ps(sum);
+    }
+#define MK_READ(nv) mk_decode_read_w16(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
+    MK_CHUNK_COLUMNS(e, MK_READ)
+#undef MK_READ
+}
+
 /* ------------------------------------------------------------------------
  * The backward of one chunk (linear.c, bwd_scan_head), 16 query rows
  * against the 16 keys of their diagonal block. Most of its products read

@@ -45,6 +45,15 @@ static PyObject *set_softmax_backend(PyObject *self, PyObject *arg)
     return PyUnicode_FromString(attnx_softmax_backend_name(attnx_set_softmax_backend_limit(limit)));
 }
 
+/* _set_decode_kernel(flag): whether single-token decoding steps may use
+ * the float32 AVX-512 kernel (attnx.h); returns the setting before */
+static PyObject *set_decode_kernel(PyObject *self, PyObject *arg)
+{
+    int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0) return NULL;
+    return PyBool_FromLong(attnx_set_decode_kernel(enabled));
+}
+
 /* 1 when this CPU (and build) can run the softmax backend */
 static int softmax_backend_available(int backend)
 {
@@ -223,18 +232,26 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
         }
         Py_DECREF(name);
     }
-    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:s,s:i,s:s}", "blas", attnx_blas_name(), "simd",
-                         attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
+    /* optimized: built with optimisation, which contracts the C loops'
+     * multiply-adds into fused ones as the intrinsic kernels are (an -O0
+     * build, ATTNX_DEBUG, rounds each product apart) */
+#ifdef __OPTIMIZE__
+    const int optimized = 1;
+#else
+    const int optimized = 0;
+#endif
+    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(),
+                         "simd", attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
                          attnx_softmax_backend_name(limit), "softmax_backends", backends,
                          "bf16_conversion", attnx_bf16_path_name(attnx_bf16_path()),
                          "bf16_dot", bf16_dot_name(attnx_bf16_dot()),
                          "num_threads", attnx_get_num_threads(), "compiler",
 #ifdef __VERSION__
-                         "gcc " __VERSION__
+                         "gcc " __VERSION__,
 #else
-                         "unknown"
+                         "unknown",
 #endif
-    );
+                         "optimized", PyBool_FromLong(optimized));
 }
 
 #define KW_METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc}
@@ -258,6 +275,9 @@ static PyMethodDef methods[] = {
     {"_set_softmax_backend", set_softmax_backend, METH_O,
      "The most capable softmax backend calls may use, 'plain', 'mk' or 'amx' (for tests); "
      "returns the previous one."},
+    {"_set_decode_kernel", set_decode_kernel, METH_O,
+     "Whether single-token decoding steps may use the float32 AVX-512 kernel (for tests); "
+     "returns the previous setting."},
     {"_set_bf16_conversion", set_bf16_conversion, METH_O,
      "The bfloat16 narrowing, 'avx512_bf16' or 'portable' (for tests); returns the previous one."},
     {"_set_bf16_dot", set_bf16_dot, METH_O,
@@ -268,7 +288,7 @@ static PyMethodDef methods[] = {
      "returns dst."},
     {"build_info", build_info, METH_NOARGS,
      "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
-     "bfloat16 conversion, bfloat16 dot products, threads, compiler."},
+     "bfloat16 conversion, bfloat16 dot products, threads, compiler, optimized build."},
     {NULL, NULL, 0, NULL},
 };
 

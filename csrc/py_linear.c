@@ -288,7 +288,7 @@ int attnx_linear_names_init(void)
 }
 
 /* Single-token steps hold their keys back from S (linear.c,
- * deferred_rows) in state._pending, a pair of arrays (..., HELD_KEYS, r)
+ * deferred_step) in state._pending, a pair of arrays (..., HELD_KEYS, r)
  * and (..., HELD_KEYS, e), for state._tick steps (attnx.h, attnx_pending).
  * A step of several tokens, or reading state.S, first adds them in.
  * Measured on the development machine (32 heads, d = 64, float32, 2

@@ -27,6 +27,7 @@
 
 static int num_threads = 1;
 static int softmax_backend_limit = ATTNX_BACKEND_AMX;
+static int decode_kernel = 1;
 /* the bfloat16 dot products in use (set at import where available) */
 static int bf16_dot = 0;
 static const char *const softmax_backend_names[ATTNX_BACKENDS] = {"plain", "mk", "amx"};
@@ -54,6 +55,15 @@ int attnx_set_softmax_backend_limit(int limit)
 {
     int before = softmax_backend_limit;
     if (limit >= 0 && limit < ATTNX_BACKENDS) softmax_backend_limit = limit;
+    return before;
+}
+
+int attnx_decode_kernel_enabled(void) { return decode_kernel; }
+
+int attnx_set_decode_kernel(int enabled)
+{
+    int before = decode_kernel;
+    decode_kernel = enabled != 0;
     return before;
 }
 

@@ -4,11 +4,18 @@ step() must give what the functional streaming call gives (exactly, but
 for the rounding of single-token steps, which hold their keys back from S),
 update the state's own arrays, and refuse states it cannot update in place."""
 
+import contextlib
+import os
+import sys
+
 import numpy as np
 import pytest
 
 import attnx
-from helpers import assert_close, qkv
+from helpers import assert_close, f64, qkv, vscale
+
+sys.path.insert(0, os.path.dirname(__file__))
+import reference as ref  # noqa: E402
 
 D = 8
 PROJECTION = attnx.random_features(12, D, seed=3)
@@ -268,3 +275,135 @@ def test_step_is_repeatable_across_threads():
     assert_close(results[0][0], attnx.linear_attention(q, k, v, causal=True)[:, 2:], np.float64)
     assert_close(results[1][0], results[0][0], np.float64)
     assert_close(results[1][1], results[0][1], np.float64)
+
+
+# Single-token steps of float32 states whose r and e are whole AVX-512
+# vectors run through one fused kernel per head on CPUs that have it
+# (microkernel.h, mk_decode_step_w16): S read in one pass, the held keys'
+# terms added in registers, and at a head's turn its held keys added into S
+# in the same pass. attnx._C._set_decode_kernel(False) forces the general
+# path, which must agree, and which every other shape and float64 take.
+# The kernel's multiply-adds are fused; an optimised build contracts the
+# general path's C loops into fused ones too, so both give the same S, z
+# and features bit for bit. An -O0 build (ATTNX_DEBUG=1, the sanitizer run)
+# rounds each product of the C loops apart: there they agree to float32.
+OPTIMIZED = attnx._C.build_info()["optimized"]
+
+
+def assert_same_sums(got, want):
+    if OPTIMIZED:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_close(got, want, np.float32, vscale(want))
+
+
+@contextlib.contextmanager
+def decode_kernel(enabled):
+    before = attnx._C._set_decode_kernel(enabled)
+    try:
+        yield
+    finally:
+        attnx._C._set_decode_kernel(before)
+
+
+def _decode(front, options, q, k, v, n0, kernel):
+    """One-token steps from a state of the first n0 tokens: the outputs,
+    and S and z before (held keys pending) and after reading S."""
+    with decode_kernel(kernel):
+        _, state = front(q[:, :n0], k[:, :n0], v[:, :n0], causal=True, return_state=True,
+                         **options)
+        outs = [state.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+                for t in range(n0, q.shape[1])]
+        lagging = state._S.copy(), state.z.copy()
+        return np.concatenate(outs, axis=1), lagging, (state.S.copy(), state.z.copy())
+
+
+KERNEL_MAPS = {
+    "elu": (attnx.linear_attention, {}, lambda q, k, v: ref.linear_attention(q, k, v, "elu",
+                                                                              causal=True)),
+    "relu": (attnx.linear_attention, {"feature_map": "relu"},
+             lambda q, k, v: ref.linear_attention(q, k, v, "relu", causal=True)),
+    "cosformer": (attnx.cosformer_attention, {"M": 64},
+                  lambda q, k, v: ref.cosformer_attention(q, k, v, causal=True, M=64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_MAPS))
+@pytest.mark.parametrize("d,e", [(64, 64), (16, 16), (32, 48), (48, 80), (16, 128), (128, 32)])
+def test_decode_kernel_equals_general_path_and_reference(name, d, e):
+    """Every tick phase of every head (11 heads, 3 turns and more), e in
+    1 to 4 vectors and past 64, r from 16 to 256 (cosformer doubles d):
+    the outputs against the general path and a float64 reference, S and z
+    bit for bit (the same sums in the same order), held keys and all."""
+    front, options, reference = KERNEL_MAPS[name]
+    rng = np.random.default_rng(d + e)
+    n0, steps = 3, 3 * HELD + 5
+    q, k, v = qkv(rng, (11,), n0 + steps, n0 + steps, d, e, np.float32)
+    got = _decode(front, options, q, k, v, n0, kernel=True)
+    general = _decode(front, options, q, k, v, n0, kernel=False)
+    want = reference(f64(q), f64(k), f64(v))[:, n0:]
+    assert_close(got[0], want, np.float32, vscale(v))
+    assert_close(got[0], general[0], np.float32, vscale(v))
+    for ours, theirs in zip(got[1] + got[2], general[1] + general[2]):
+        assert_same_sums(ours, theirs)
+    assert not np.array_equal(got[1][0], got[2][0])  # some keys were still held
+
+
+@pytest.mark.parametrize("name,d,e,dtype", [("elu", 64, 60, np.float32), ("elu", 24, 64, np.float32),
+                                            ("taylor", 64, 64, np.float32),
+                                            ("elu", 64, 64, np.float64)])
+def test_decode_kernel_falls_back(name, d, e, dtype):
+    """r or e not whole vectors (taylor's r = d + 1), or float64: the
+    general path, the same numbers whether the kernel is allowed or not."""
+    front, options = MAPS[name]
+    rng = np.random.default_rng(d * e)
+    q, k, v = qkv(rng, (5,), 2 + 2 * HELD, 2 + 2 * HELD, d, e, dtype)
+    got = _decode(front, options, q, k, v, 2, kernel=True)
+    general = _decode(front, options, q, k, v, 2, kernel=False)
+    for ours, theirs in zip((got[0],) + got[1] + got[2], (general[0],) + general[1] + general[2]):
+        np.testing.assert_array_equal(ours, theirs)
+    want = ref.linear_attention(f64(q), f64(k), f64(v), name, causal=True, **options)
+    assert_close(got[0], want[:, 2:], dtype, vscale(v))
+
+
+def test_decode_kernel_favor_and_nonfinite_values():
+    """FAVOR+ (stabilised features, the clamp scaled) through the kernel;
+    and a NaN value reaches only its own head, from its step on, on both
+    paths."""
+    rng = np.random.default_rng(9)
+    W = (rng.standard_normal((64, 32)) * 0.5).astype(np.float32)
+    n0, n = 2, 2 + 2 * HELD + 3
+    q, k, v = qkv(rng, (4,), n, n, 32, 32, np.float32)
+    options = {"feature_map": "favor", "projection": W}
+    got = _decode(attnx.linear_attention, options, q, k, v, n0, kernel=True)
+    general = _decode(attnx.linear_attention, options, q, k, v, n0, kernel=False)
+    want = ref.linear_attention(f64(q), f64(k), f64(v), "favor", causal=True,
+                                projection=f64(W))[:, n0:]
+    assert_close(got[0], want, np.float32, vscale(v))
+    assert_close(got[0], general[0], np.float32, vscale(v))
+    assert_same_sums(got[2][0], general[2][0])
+    v[2, 7, 5] = np.nan
+    for kernel in (True, False):
+        out = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=kernel)[0]
+        clean = [0, 1, 3]
+        assert np.all(np.isfinite(out[clean])) and np.all(np.isfinite(out[2, :7 - n0]))
+        assert np.all(np.isnan(out[2, 7 - n0:, 5]))
+
+
+def test_decode_kernel_elu_features_bit_for_bit():
+    """The kernel computes elu + 1 itself: equal to the general path's
+    features bit for bit (z sums them), over both branches, the cut to 0
+    below -87, signed zeros and inputs far out."""
+    rng = np.random.default_rng(12)
+    n0, n = 1, 1 + HELD + 3
+    q, k, v = qkv(rng, (3,), n, n, 32, 16, np.float32)
+    special = np.array([-1e30, -200, -87.5, -87, -86.9, -20, -1e-30, -0.0, 0.0, 1e-30, 3e-8,
+                        88.5, 1e30], np.float32)
+    k[..., :len(special)] = special
+    k[..., len(special):] *= 30
+    q[..., :len(special)] = special[::-1]
+    got = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
+    general = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=False)
+    assert_same_sums(got[1][1], general[1][1])  # z: the sum of the features
+    assert_same_sums(got[2][0], general[2][0])
+    assert_close(got[0], general[0], np.float32, vscale(v))
