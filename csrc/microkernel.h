@@ -956,7 +956,7 @@ static inline __attribute__((always_inline)) void mk_decode_flush_w16(
         for (int i = 0; i < 4; i++)
 #pragma GCC unroll 4
             for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + (f0 + i) * e + h * 16);
-        mk_rank_w16(acc, 4, nv, keys + f0, 1, r, values, e, count);
+        mk_rank_w16(acc, 4, nv, keys + f0, 1, r, values, e, count, NULL);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             __m512 phi_f = _mm512_set1_ps(phi[f0 + i]);
