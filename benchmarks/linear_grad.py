@@ -12,14 +12,20 @@ per token against n (linear when the per-token time stays flat).
 
 Shapes (1, 8, n, 64), float32, every library on the same threads. attnx's
 gradients are checked against torch's (float32, relative 1e-3) before the
-timing.
+timing. Two attnx rows: "attnx" writes into the same out=, dq=, dk=, dv=
+arrays every call (the ratios are taken against it), "attnx fresh outputs"
+lets every call allocate them, as autograd does for the torch forms: above
+glibc's mmap threshold (32 MiB arrays at n = 16384) each call then faults
+and zeroes its outputs' pages anew.
 
 fast-transformers (pytorch-fast-transformers) is timed when
 `fast_transformers.causal_product` imports, from the environment or from the
 directory named by ATTNX_FAST_TRANSFORMERS (a checkout whose CPU causal
-product extension was built in place; docs/performance.md says how). Two rows:
+product extension was built in place; docs/performance.md says how). Three rows:
 "ft causal_dot_product" is its product kernel alone, forward + backward on
-precomputed elu + 1 features (the figure its users quote), and "ft causal
+precomputed elu + 1 features (the figure its users quote) under autograd;
+"ft kernels, buffers" the same two C++ kernels called directly into
+preallocated tensors (the counterpart of the "attnx" row); and "ft causal
 linear" its whole normalised attention as its CausalLinearAttention computes
 it (elu + 1 features, the causal product for the numerator, a cumsum for the
 denominator, 1 / (denominator + 1e-6)) under autograd, on the head-major
@@ -131,6 +137,20 @@ def fast_transformers_linear(causal_dot_product):
     return causal_linear
 
 
+def fast_transformers_kernels(torch, phi_q, phi_k, v, dout):
+    """fast-transformers' forward and backward C++ kernels called directly,
+    writing into tensors allocated once (its kernels zero what they fill)"""
+    from fast_transformers.causal_product import causal_dot_backward_cpu, causal_dot_product_cpu
+    inputs = [torch.from_numpy(x) for x in (phi_q, phi_k, v, dout)]
+    product, *grads = (torch.empty_like(inputs[0]) for _ in range(4))
+
+    def call():
+        causal_dot_product_cpu(*inputs[:3], product)
+        causal_dot_backward_cpu(*inputs, *grads)
+        return grads
+    return call
+
+
 def torch_call(torch, form, q, k, v, dout):
     leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
     grad_out = torch.from_numpy(dout)
@@ -180,16 +200,21 @@ def main():
             attnx.linear_attention(q, k, v, causal=True, out=out)
             return attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
 
-        calls = {"attnx": attnx_call}
+        def attnx_fresh():
+            attnx.linear_attention(q, k, v, causal=True)
+            return attnx.linear_attention_backward(dout, q, k, v, causal=True)
+
+        calls = {"attnx": attnx_call, "attnx fresh outputs": attnx_fresh}
         for name, form in forms.items():
             if name == "torch cumsum" and n > args.cumsum_max:
                 continue
             calls[name] = torch_call(torch, form, q, k, v, dout)
-        checked = ["torch chunk-64 loop"]
+        checked = ["torch chunk-64 loop", "attnx fresh outputs"]
         if ft_product is not None:
             # the product kernel alone: its inputs are the features
             phi_q, phi_k = (np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))) for x in (q, k))
             calls["ft causal_dot_product"] = torch_call(torch, ft_product, phi_q, phi_k, v, dout)
+            calls["ft kernels, buffers"] = fast_transformers_kernels(torch, phi_q, phi_k, v, dout)
             calls["ft causal linear"] = torch_call(torch, ft_causal_linear, q, k, v, dout)
             checked.append("ft causal linear")
         # the answers must agree before they are timed
@@ -197,10 +222,16 @@ def main():
         for other in checked:
             got = calls[other]()
             for mine, theirs, name in zip(want[:3], got, "qkv"):
-                theirs = theirs.numpy()
+                theirs = np.asarray(theirs)
                 err = np.abs(mine - theirs).max() / np.abs(theirs).max()
                 if err > 1e-3:
                     raise SystemExit(f"n = {n}: d{name} differs from {other}'s by {err:.2g}")
+        if ft_product is not None:
+            for direct, through_autograd in zip(calls["ft kernels, buffers"](),
+                                                calls["ft causal_dot_product"]()):
+                if not np.allclose(direct.numpy(), through_autograd.numpy(), rtol=1e-5, atol=1e-5):
+                    raise SystemExit(f"n = {n}: fast-transformers' kernels called directly differ "
+                                     f"from its autograd function")
         stats, _, failures = measure(calls, Settings(min_rounds=args.rounds, max_rounds=args.rounds,
                                                      budget_s=30.0))
         base = stats["attnx"].median
