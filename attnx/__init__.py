@@ -27,7 +27,8 @@ def _load_extension():
 
 
 _C = _load_extension()
-from ._C import gaussian_attention, get_num_threads, set_num_threads, softmax_attention
+from ._C import (gaussian_attention, get_num_threads, set_num_threads, set_output_cache,
+                 softmax_attention)
 from ._grad import Gradients, vjp
 from ._softmax import gaussian_attention_backward, softmax_attention_backward
 from ._inspect import attention_weights, similarity
@@ -106,6 +107,7 @@ __all__ = [
     "vjp",
     "get_num_threads",
     "set_num_threads",
+    "set_output_cache",
     "show_config",
 ]
 
@@ -124,5 +126,9 @@ def show_config():
     dot = "VDPBF16PS on bfloat16-valued float32 inputs" if dot == "avx512_bf16" else "off"
     print(f"  bf16 dot: {dot}")
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
+    limit = set_output_cache(0)
+    set_output_cache(limit)
+    print(f"  results:  freed ones of 1 MiB or more reused, up to {limit / 2**20:g} MiB "
+          f"(attnx.set_output_cache)")
     print(f"  numpy:    {numpy.__version__}")
     print(f"  compiler: {info['compiler']}")

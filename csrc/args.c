@@ -155,7 +155,7 @@ PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailin
     }
     for (int ax = 0; ax < batch->ndim; ax++) shape[ax] = batch->shape[ax];
     for (int ax = 0; ax < n_trailing; ax++) shape[batch->ndim + ax] = trailing[ax];
-    return (PyArrayObject *)PyArray_SimpleNew(batch->ndim + n_trailing, shape, typenum);
+    return attnx_new_result(batch->ndim + n_trailing, shape, typenum);
 }
 
 /* [low, high) byte range an array can touch */
@@ -186,7 +186,7 @@ PyArrayObject *attnx_new_aligned_array(const attnx_batch *batch, const npy_intp 
     for (int ax = 0; ax < n_trailing; ax++) count *= shape[batch->ndim + ax] = trailing[ax];
     PyArray_Descr *descr = PyArray_DescrFromType(typenum);
     npy_intp bytes = count * (npy_intp)PyDataType_ELSIZE(descr) + ATTNX_ALIGN - 1;
-    PyArrayObject *block = (PyArrayObject *)PyArray_SimpleNew(1, &bytes, NPY_UINT8);
+    PyArrayObject *block = attnx_new_result(1, &bytes, NPY_UINT8);
     if (!block) {
         Py_DECREF(descr);
         return NULL;

@@ -194,7 +194,11 @@ void attnx_call_release(attnx_call *call);
 int attnx_resolve_dtypes(PyObject *const *objs, const char *const *names, int count,
                          attnx_dtypes *dtypes);
 
-/* A new C-ordered array batch + (trailing...) */
+/* A new C-ordered array for a result: one of 1 MiB or more takes its
+ * memory from the blocks of attnx's earlier results (output_cache.c) */
+PyArrayObject *attnx_new_result(int ndim, const npy_intp *shape, int typenum);
+
+/* A new C-ordered result array batch + (trailing...) */
 PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailing, int n_trailing,
                                int typenum);
 

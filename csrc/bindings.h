@@ -14,6 +14,10 @@ PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
+/* the memory handler of attnx's results (output_cache.c) */
+int attnx_output_cache_init(void);
+PyObject *attnx_py_set_output_cache(PyObject *self, PyObject *limit);
+PyObject *attnx_py_output_cache_held(PyObject *self, PyObject *unused);
 /* which thread handles signals, for interrupting calls (args.c) */
 void attnx_interrupt_init(void);
 

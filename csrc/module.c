@@ -270,6 +270,11 @@ static PyMethodDef methods[] = {
     {"lsh_attention", attnx_py_lsh_attention, METH_VARARGS, attnx_lsh_attention_doc},
     {"lsh_backward", attnx_py_lsh_backward, METH_VARARGS, attnx_lsh_backward_doc},
     {"lsh_buckets", attnx_py_lsh_buckets, METH_VARARGS, attnx_lsh_buckets_doc},
+    {"set_output_cache", attnx_py_set_output_cache, METH_O,
+     "set_output_cache(limit) -> the previous limit: the bytes of attnx's freed results (of "
+     "1 MiB or more) kept for its next results of the same size; 0 turns it off."},
+    {"_output_cache_held", attnx_py_output_cache_held, METH_NOARGS,
+     "(bytes, blocks) the output cache holds (for tests)."},
     {"get_num_threads", get_num_threads, METH_NOARGS, "Threads attnx kernels use."},
     {"set_num_threads", set_num_threads, METH_O, "Set the threads attnx kernels use."},
     {"_set_softmax_backend", set_softmax_backend, METH_O,
@@ -302,7 +307,7 @@ PyMODINIT_FUNC PyInit__C(void)
                      getenv("ATTNX_SOFTMAX_BACKEND"));
         return NULL;
     }
-    if (attnx_linear_names_init() < 0) return NULL;
+    if (attnx_linear_names_init() < 0 || attnx_output_cache_init() < 0) return NULL;
     attnx_interrupt_init();
     /* the fastest bfloat16 narrowing this CPU has (kept portable without) */
     (void)attnx_set_bf16_path(ATTNX_BF16_AVX512);
