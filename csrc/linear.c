@@ -22,6 +22,8 @@
  *              register-blocked kernel instead (fused_chunk).
  *   recurrent  the RNN form: S += psi(k_j) v_j^T one key at a time, each
  *              query read from the state as soon as its keys are in.
+ *              A float32 call of one token on AVX-512 does both in one
+ *              register-blocked pass per head (fused_step).
  *   cumsum     every prefix state materialised ((m + 1) states), then each
  *              query contracts the one it sees: the literal formula.
  *   quadratic  explicit scores in C x C tiles under any band and mask; the
