@@ -13,9 +13,10 @@ The targets: step < 3 us, functional < 6 us.
     python benchmarks/decode.py [--heads 32] [--d 64] [--calls 5000] [--rounds 7]
                                 [--threads N] [--general-path] [--json FILE]
 
---general-path adds "step general": the same step with the float32
-AVX-512 decoding kernel turned off (the general C path every other shape
-takes), timed in the same rounds, for an A/B comparison in one run.
+--general-path adds "step general" and "functional general": the same
+calls with the float32 AVX-512 decoding kernels turned off (the general C
+path every other shape takes), timed in the same rounds, for an A/B
+comparison in one run.
 
 The machine line says how many cores other processes kept busy just before
 the run (a shared machine inflates every figure).
@@ -63,6 +64,7 @@ def forms(heads, d, dtype, general_path=False):
     if general_path:
         general = fresh_state()
         calls["step general"] = lambda: general.step(q, k, v)
+        calls["functional general"] = functional
     return calls
 
 
@@ -91,7 +93,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="attnx threads (default: all)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--general-path", action="store_true",
-                        help="also time the step with the AVX-512 decoding kernel turned off")
+                        help="also time the step and the functional call with the AVX-512 "
+                        "decoding kernels turned off")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.threads:
@@ -103,11 +106,11 @@ def main():
               os.getloadavg()[0], attnx.get_num_threads(), args.heads, args.d, args.dtype))
     calls = forms(args.heads, args.d, np.dtype(args.dtype), args.general_path)
     for name, call in calls.items():  # warm up: states allocated, caches and threads hot
-        time_calls(call, 1000, kernel=name != "step general")
+        time_calls(call, 1000, kernel=not name.endswith(" general"))
     rounds = {name: [] for name in calls}
     for _ in range(args.rounds):
         for name, call in calls.items():
-            rounds[name].append(time_calls(call, args.calls, kernel=name != "step general") / 1000)
+            rounds[name].append(time_calls(call, args.calls, kernel=not name.endswith(" general")) / 1000)
     results = {}
     for name, medians in rounds.items():
         results[name] = {"median_us": float(np.median(medians)), "min_us": min(medians),
@@ -116,7 +119,7 @@ def main():
         verdict = ("" if target is None else
                    "  %s (target < %g us)" % ("PASS" if results[name]["median_us"] < target
                                               else "MISS", target))
-        print("%-12s %7.2f us  (rounds %.2f .. %.2f)%s" % (
+        print("%-18s %7.2f us  (rounds %.2f .. %.2f)%s" % (
             name, results[name]["median_us"], min(medians), max(medians), verdict))
     if args.json:
         with open(args.json, "w") as file:

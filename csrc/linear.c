@@ -22,6 +22,8 @@
  *              register-blocked kernel instead (fused_chunk).
  *   recurrent  the RNN form: S += psi(k_j) v_j^T one key at a time, each
  *              query read from the state as soon as its keys are in.
+ *              A float32 call of one token on AVX-512 does both in one
+ *              register-blocked pass per head (fused_step).
  *   cumsum     every prefix state materialised ((m + 1) states), then each
  *              query contracts the one it sees: the literal formula.
  *   quadratic  explicit scores in C x C tiles under any band and mask; the
@@ -72,6 +74,7 @@ typedef struct {
     int threads;
     int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
     int decode_kernel;        /* single-token steps go through decode_kernel (likewise) */
+    int step_kernel;          /* a one-token causal call goes through fused_step (likewise) */
 } linear_plan;
 
 /* What every head of one backward call shares. */
@@ -686,11 +689,54 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
     if (last) SFX(absorb)(p, hd, lo, a->m, w, st);
 }
 
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+/* phi and psi of a head's one query and one key, and the key's values,
+ * for the single-token kernels: elu features computed in place
+ * (mk_elu_rows_w16, the same numbers as features.c), the others by the
+ * general code */
+static SFX(values) SFX(token_features)(const linear_plan *p, const SFX(head) *hd,
+                                       const SFX(scratch) *w)
+{
+    const attnx_linear_args *a = p->a;
+    if (a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
+        mk_elu_rows_w16(hd->q, hd->k, a->d, w->phi, w->psi);
+        w->log_scale[0] = 0;
+        return (SFX(values)){hd->v, a->v_row};
+    }
+    SFX(query_block)(p, hd, 0, 1, w);
+    return SFX(key_block)(p, hd, 0, 1, w);
+}
+#endif
+
+/* The functional single-token call (n = m = 1, causal, query 0 sees key
+ * 0) through the float32 AVX-512 kernel (microkernel.h, mk_rnn_step_w16):
+ * the key's RNN step from `from` into st and the query's row read from
+ * it, one pass over the state, where the general path below takes
+ * state_pass plus a dot product. A key removed by key_mask takes no step
+ * (general path). Returns 0 where it does not apply. */
+static int SFX(fused_step)(const linear_plan *p, const SFX(head) *hd, SFX(view) from,
+                           const SFX(scratch) *w, SFX(state) st)
+{
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    const attnx_linear_args *a = p->a;
+    if (!p->step_kernel || !SFX(key_kept)(p, hd, 0)) return 0;
+    SFX(values) vals = SFX(token_features)(p, hd, w);
+    mk_rnn_step_w16(w->phi, w->psi, p->r, vals.v, from.S, from.S_row, from.z, a->e, st.S, st.z,
+                    hd->out, w->den);
+    SFX(finish_rows)(p, 1, w, hd->out);
+    return 1;
+#else
+    (void)p, (void)hd, (void)from, (void)w, (void)st;
+    return 0;
+#endif
+}
+
 static void SFX(recurrent_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t qa,
                                 ptrdiff_t qb, SFX(view) from, ptrdiff_t K, int last,
                                 const SFX(scratch) *w, SFX(state) st)
 {
     const attnx_linear_args *a = p->a;
+    if (SFX(fused_step)(p, hd, from, w, st)) return;
     for (ptrdiff_t i0 = qa; i0 < qb && !linear_stopped(a->interrupt); i0 += p->C) {
         ptrdiff_t rows = ATTNX_MIN(p->C, qb - i0);
         REAL *out = hd->out + i0 * a->out_row;
@@ -738,14 +784,7 @@ static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const S
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     const attnx_linear_args *a = p->a;
     if (!p->decode_kernel) return 0;
-    SFX(values) vals = {hd->v, a->v_row};
-    if (a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
-        mk_elu_rows_w16(hd->q, hd->k, a->d, w->phi, w->psi);
-        w->log_scale[0] = 0;
-    } else {
-        SFX(query_block)(p, hd, 0, 1, w);
-        vals = SFX(key_block)(p, hd, 0, 1, w);
-    }
+    SFX(values) vals = SFX(token_features)(p, hd, w);
     mk_decode_step_w16(w->phi, w->psi, p->r, vals.v, a->e, st.S, st.z, hd->held_keys,
                        hd->held_values, hd->held, hd->adds_held, hd->out, w->den);
     return 1;
@@ -1052,6 +1091,11 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
                      a->e % 16 == 0 && !a->band.has_lo;
     p.decode_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && a->pending.psi &&
                       p.r % 16 == 0 && a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
+    /* the single-token call: its query sees its key, and no segments */
+    p.step_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && !a->pending.psi &&
+                    a->method == ATTNX_METHOD_RECURRENT && a->n == 1 && a->m == 1 &&
+                    !a->band.has_lo && attnx_band_end(&a->band, 0) == 1 && p.r % 16 == 0 &&
+                    a->e % 16 == 0;
 #endif
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);

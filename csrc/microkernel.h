@@ -1046,6 +1046,64 @@ static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdif
 }
 
 /* ------------------------------------------------------------------------
+ * One RNN step of one head from a given state (linear.c, fused_step: the
+ * functional single-token call): S = S0 + psi v^T, z = z0 + psi, and the
+ * query's row read from the state just written,
+ *   out = phi S,  den = phi . z
+ * in one pass over S0 and S: each row of S is written and multiplied into
+ * the row in registers, with two sets of accumulators (even and odd
+ * features) as in mk_decode_read_w16. S's entries are the general path's
+ * (state_pass) bit for bit: one fused multiply-add each. S0 rows S0_row
+ * apart (0: one zero row serves all), S (r, e) contiguous and may be S0
+ * itself (each entry is read before it is written); r % 16 == 0,
+ * e % 16 == 0. */
+
+/* S[:, 0, 16 nv) and out[0, 16 nv) (S0, S, v positioned there) */
+static inline __attribute__((always_inline)) void mk_step_rows_w16(
+    int nv, const float *phi, const float *psi, ptrdiff_t r, const float *v, const float *S0,
+    ptrdiff_t S0_row, ptrdiff_t e, float *S, float *out)
+{
+    __m512 even[4], odd[4], value[4];
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) {
+        value[h] = _mm512_loadu_ps(v + h * 16);
+        even[h] = odd[h] = _mm512_setzero_ps();
+    }
+    for (ptrdiff_t f = 0; f < r; f += 2) {
+        __m512 key_even = _mm512_set1_ps(psi[f]), key_odd = _mm512_set1_ps(psi[f + 1]);
+        __m512 phi_even = _mm512_set1_ps(phi[f]), phi_odd = _mm512_set1_ps(phi[f + 1]);
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) {
+            __m512 s_even = _mm512_fmadd_ps(key_even, value[h], _mm512_loadu_ps(S0 + f * S0_row + h * 16));
+            __m512 s_odd = _mm512_fmadd_ps(key_odd, value[h], _mm512_loadu_ps(S0 + (f + 1) * S0_row + h * 16));
+            _mm512_storeu_ps(S + f * e + h * 16, s_even);
+            _mm512_storeu_ps(S + (f + 1) * e + h * 16, s_odd);
+            even[h] = _mm512_fmadd_ps(phi_even, s_even, even[h]);
+            odd[h] = _mm512_fmadd_ps(phi_odd, s_odd, odd[h]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, _mm512_add_ps(even[h], odd[h]));
+}
+
+/* The step */
+static inline void mk_rnn_step_w16(const float *phi, const float *psi, ptrdiff_t r, const float *v,
+                                   const float *S0, ptrdiff_t S0_row, const float *z0, ptrdiff_t e,
+                                   float *S, float *z, float *out, float *den)
+{
+    __m512 dot = _mm512_setzero_ps();
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __m512 z_f = _mm512_add_ps(_mm512_loadu_ps(z0 + f0), _mm512_loadu_ps(psi + f0));
+        _mm512_storeu_ps(z + f0, z_f);
+        dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), z_f, dot);
+    }
+    *den = _mm512_reduce_add_ps(dot);
+#define MK_STEP(nv) mk_step_rows_w16(nv, phi, psi, r, v + c0, S0 + c0, S0_row, e, S + c0, out + c0)
+    MK_CHUNK_COLUMNS(e, MK_STEP)
+#undef MK_STEP
+}
+
+/* ------------------------------------------------------------------------
  * The backward of one chunk (linear.c, bwd_scan_head), 16 query rows
  * against the 16 keys of their diagonal block. Most of its products read
  * the state with the chunk's rows across the vector lanes ("lanes" form:

@@ -407,3 +407,129 @@ def test_decode_kernel_elu_features_bit_for_bit():
     assert_same_sums(got[1][1], general[1][1])  # z: the sum of the features
     assert_same_sums(got[2][0], general[2][0])
     assert_close(got[0], general[0], np.float32, vscale(v))
+
+
+# The functional single-token call (n = m = 1, causal) from a state of
+# float32 whose r and e are whole AVX-512 vectors runs one fused pass per
+# head too (microkernel.h, mk_rnn_step_w16): S = S0 + psi v^T written and
+# read in the same pass. Its S and z are the general path's bit for bit in
+# an optimised build (one fused multiply-add per entry on both), its
+# outputs agree to float32 rounding (the row's sums run in two halves).
+def _one_token(front, options, q, k, v, n0, kernel, **call):
+    """The call on token n0 from a state of the first n0 tokens (None: no
+    initial state): the output and the returned state's S and z."""
+    with decode_kernel(kernel):
+        state = None
+        if n0 is not None:
+            _, state = front(q[:, :n0], k[:, :n0], v[:, :n0], causal=True, return_state=True,
+                             **options)
+        t = n0 or 0
+        got = front(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], causal=True,
+                    initial_state=state, return_state=True, **options, **call)
+        return got[0], got[1].S, got[1].z
+
+
+@pytest.mark.parametrize("name", sorted(MAPS.keys() | KERNEL_MAPS.keys()))
+@pytest.mark.parametrize("d,e", [(64, 64), (16, 128), (32, 48), (128, 16)])
+def test_step_kernel_functional_equals_general_path(name, d, e):
+    """Every feature map (those whose r is not whole vectors fall back),
+    e in 1 to 8 vectors: S and z bit for bit, the output to float32
+    rounding, against the general path and (maps with a float64 reference
+    here) the whole causal call in float64."""
+    front, options = MAPS[name][:2] if name in MAPS else KERNEL_MAPS[name][:2]
+    if name == "favor":
+        options = dict(options, projection=attnx.random_features(32, d, seed=3))
+    rng = np.random.default_rng(d * e + len(name))
+    n0 = 4
+    q, k, v = qkv(rng, (7,), n0 + 1, n0 + 1, d, e, np.float32)
+    got = _one_token(front, options, q, k, v, n0, kernel=True)
+    general = _one_token(front, options, q, k, v, n0, kernel=False)
+    assert_close(got[0], general[0], np.float32, vscale(v))
+    assert_same_sums(got[1], general[1])
+    assert_same_sums(got[2], general[2])
+    if name in KERNEL_MAPS:
+        want = KERNEL_MAPS[name][2](f64(q), f64(k), f64(v))[:, n0:]
+        assert_close(got[0], want, np.float32, vscale(v))
+    if name == "elu" and d == 64 and e == 64 and OPTIMIZED:
+        # the kernel ran: its row sums round apart from state_pass's somewhere
+        assert not np.array_equal(got[0], general[0])
+
+
+@pytest.mark.parametrize("returns", [True, False])
+def test_step_kernel_functional_without_initial_state(returns):
+    """No initial state (the zero state, one row for all), with and without
+    return_state: the reference of one token."""
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng, (5,), 1, 1, 64, 32, np.float32)
+    want = ref.linear_attention(f64(q), f64(k), f64(v), "elu", causal=True)
+    for kernel in (True, False):
+        with decode_kernel(kernel):
+            got = attnx.linear_attention(q, k, v, causal=True, return_state=returns)
+        out = got[0] if returns else got
+        assert_close(out, want, np.float32, vscale(v))
+        if returns:
+            psi = np.where(k > 0, k + 1, np.exp(np.minimum(k, 0)))
+            assert_close(got[1].z, psi[:, 0], np.float32)
+            assert_close(got[1].S, f64(psi[:, 0, :, None]) * f64(v[:, 0, None, :]), np.float32,
+                         vscale(v) * 2)
+
+
+def test_step_kernel_functional_key_mask_and_nonfinite():
+    """A key removed by key_mask leaves S0 and z0 as they were and the
+    output reads them; a kept key steps as without the mask; a NaN value
+    reaches only its own head's S rows and output columns."""
+    rng = np.random.default_rng(22)
+    n0 = 3
+    q, k, v = qkv(rng, (6,), n0 + 1, n0 + 1, 64, 64, np.float32)
+    keep = np.array([[True], [False], [True], [False], [True], [True]])
+    _, state = attnx.linear_attention(q[:, :n0], k[:, :n0], v[:, :n0], causal=True,
+                                      return_state=True)
+    results = {}
+    for kernel in (True, False):
+        with decode_kernel(kernel):
+            out, after = attnx.linear_attention(q[:, n0:], k[:, n0:], v[:, n0:], causal=True,
+                                                key_mask=keep, initial_state=state,
+                                                return_state=True)
+            plain = attnx.linear_attention(q[:, n0:], k[:, n0:], v[:, n0:], causal=True,
+                                           initial_state=state, return_state=True)
+        results[kernel] = out, after.S, after.z
+        masked = ~keep[:, 0]
+        np.testing.assert_array_equal(after.S[masked], state.S[masked])
+        np.testing.assert_array_equal(after.z[masked], state.z[masked])
+        # with key_mask the features come from features.c, without from
+        # the kernel's elu: the same numbers in an optimised build
+        assert_same_sums(after.S[~masked], plain[1].S[~masked])
+        assert_same_sums(out[~masked], plain[0][~masked])
+        phi = np.where(q[:, n0:] > 0, f64(q[:, n0:]) + 1, np.exp(np.minimum(f64(q[:, n0:]), 0)))
+        S0, z0 = f64(state.S[masked]), f64(state.z[masked])
+        want = phi[masked] @ S0 / (phi[masked] @ z0[..., None])
+        assert_close(out[masked], want, np.float32, vscale(want))
+    assert_close(results[True][0], results[False][0], np.float32, vscale(v))
+    for ours, theirs in zip(results[True][1:], results[False][1:]):
+        assert_same_sums(ours, theirs)
+    v[2, n0, 5] = np.nan
+    for kernel in (True, False):
+        with decode_kernel(kernel):
+            out, after = attnx.linear_attention(q[:, n0:], k[:, n0:], v[:, n0:], causal=True,
+                                                initial_state=state, return_state=True)
+        clean = [0, 1, 3, 4, 5]
+        assert np.all(np.isfinite(out[clean])) and np.all(np.isfinite(after.S[clean]))
+        assert np.all(np.isnan(out[2, :, 5])) and np.all(np.isnan(after.S[2][:, 5]))
+        others = np.arange(64) != 5
+        assert np.all(np.isfinite(out[2][:, others])) and np.all(np.isfinite(after.S[2][:, others]))
+        assert np.all(np.isfinite(after.z))
+
+
+@pytest.mark.parametrize("d,e,dtype", [(64, 60, np.float32), (24, 64, np.float32),
+                                       (64, 64, np.float64)])
+def test_step_kernel_functional_falls_back(d, e, dtype):
+    """r or e not whole vectors, or float64: the general path, the same
+    numbers whether the kernel is allowed or not, and the reference."""
+    rng = np.random.default_rng(d + e)
+    q, k, v = qkv(rng, (3,), 3, 3, d, e, dtype)
+    got = _one_token(attnx.linear_attention, {}, q, k, v, 2, kernel=True)
+    general = _one_token(attnx.linear_attention, {}, q, k, v, 2, kernel=False)
+    for ours, theirs in zip(got, general):
+        np.testing.assert_array_equal(ours, theirs)
+    want = ref.linear_attention(f64(q), f64(k), f64(v), "elu", causal=True)[:, 2:]
+    assert_close(got[0], want, dtype, vscale(v))
