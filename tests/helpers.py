@@ -97,11 +97,27 @@ def run_isolated(code, timeout=180):
 
 
 @contextlib.contextmanager
+def switched(setter, value):
+    """One of attnx._C's test switches (_set_softmax_backend,
+    _set_decode_kernel, _set_bf16_dot, ...; each returns the setting it
+    replaces) set to `value` for the block."""
+    before = setter(value)
+    try:
+        yield value
+    finally:
+        setter(before)
+
+
+def can_switch(setter, value):
+    """Whether this CPU takes `value` for the switch (ValueError if not)."""
+    try:
+        with switched(setter, value):
+            return True
+    except ValueError:
+        return False
+
+
 def softmax_backend(name):
     """Calls inside use at most backend `name` (plain C + BLAS, the
     micro-kernels, AMX), as ATTNX_SOFTMAX_BACKEND=name would have them."""
-    before = attnx._C._set_softmax_backend(name)
-    try:
-        yield name
-    finally:
-        attnx._C._set_softmax_backend(before)
+    return switched(attnx._C._set_softmax_backend, name)

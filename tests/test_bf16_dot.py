@@ -11,7 +11,6 @@ results against the float32 path forced off on the same inputs, float32
 inputs that are no bfloat16 values (which must never take the instruction:
 it would truncate them), and attnx.torch on bfloat16 tensors against
 torch's float32 SDPA of the same values."""
-import contextlib
 
 import numpy as np
 import pytest
@@ -20,21 +19,12 @@ from hypothesis import strategies as st
 
 import attnx
 import reference as ref
-from helpers import hypothesis_settings, tol
+from helpers import can_switch, hypothesis_settings, switched, tol
 from reference_grad import (dropout_keep, gaussian_attention_grads, reduce_to,
                             softmax_attention_grads)
 
 
-def _instruction_available():
-    try:
-        before = attnx._C._set_bf16_dot("avx512_bf16")
-    except ValueError:
-        return False
-    attnx._C._set_bf16_dot(before)
-    return True
-
-
-DOT = _instruction_available()
+DOT = can_switch(attnx._C._set_bf16_dot, "avx512_bf16")
 NO_DOT = "this CPU has no avx512_bf16 (or no AVX-512 micro-kernels)"
 SETTINGS = ["off", pytest.param("avx512_bf16", marks=pytest.mark.skipif(not DOT, reason=NO_DOT))]
 needs_dot = pytest.mark.skipif(not DOT, reason=NO_DOT)
@@ -47,13 +37,8 @@ GRAD_RTOL = 5e-5
 PATH_RTOL = 2e-5
 
 
-@contextlib.contextmanager
 def bf16_dot(name):
-    before = attnx._C._set_bf16_dot(name)
-    try:
-        yield
-    finally:
-        attnx._C._set_bf16_dot(before)
+    return switched(attnx._C._set_bf16_dot, name)
 
 
 @pytest.fixture(params=SETTINGS)

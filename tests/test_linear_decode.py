@@ -4,7 +4,6 @@ step() must give what the functional streaming call gives (exactly, but
 for the rounding of single-token steps, which hold their keys back from S),
 update the state's own arrays, and refuse states it cannot update in place."""
 
-import contextlib
 import os
 import sys
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 import attnx
-from helpers import assert_close, f64, qkv, vscale
+from helpers import assert_close, f64, qkv, switched, vscale
 
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
@@ -297,13 +296,8 @@ def assert_same_sums(got, want):
         assert_close(got, want, np.float32, vscale(want))
 
 
-@contextlib.contextmanager
 def decode_kernel(enabled):
-    before = attnx._C._set_decode_kernel(enabled)
-    try:
-        yield
-    finally:
-        attnx._C._set_decode_kernel(before)
+    return switched(attnx._C._set_decode_kernel, enabled)
 
 
 def _decode(front, options, q, k, v, n0, kernel):

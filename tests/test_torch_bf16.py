@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
+from helpers import can_switch, switched
 
 CONVERT = attnx._C._convert_bf16
 
@@ -26,25 +27,15 @@ def _cpu_flags():
     return None
 
 
-def _instruction_path_available():
-    try:
-        before = attnx._C._set_bf16_conversion("avx512_bf16")
-    except ValueError:
-        return False
-    attnx._C._set_bf16_conversion(before)
-    return True
-
-
-AVX512_BF16 = _instruction_path_available()
+AVX512_BF16 = can_switch(attnx._C._set_bf16_conversion, "avx512_bf16")
 PATHS = ["portable", pytest.param("avx512_bf16", marks=pytest.mark.skipif(
     not AVX512_BF16, reason="this CPU has no avx512_bf16"))]
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    before = attnx._C._set_bf16_conversion(request.param)
-    yield request.param
-    attnx._C._set_bf16_conversion(before)
+    with switched(attnx._C._set_bf16_conversion, request.param):
+        yield request.param
 
 
 # ------------------------------------------------------------- references
@@ -157,11 +148,8 @@ def test_narrow_random_bit_patterns_both_paths_agree():
     x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
     results = {}
     for name in ["portable"] + (["avx512_bf16"] if AVX512_BF16 else []):
-        before = attnx._C._set_bf16_conversion(name)
-        try:
+        with switched(attnx._C._set_bf16_conversion, name):
             results[name] = narrow(x)
-        finally:
-            attnx._C._set_bf16_conversion(before)
         check_narrow(x, results[name])
     if AVX512_BF16:
         # the same bits, NaN included

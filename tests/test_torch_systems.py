@@ -36,6 +36,19 @@ def assert_close(actual, expected, dtype=torch.float64):
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
+def assert_matches(reference, inputs, dout, out, grads, dtype=torch.float64):
+    """out and the gradients `grads` of `inputs` equal those of the
+    `reference` (a gradient None where the reference's is None)"""
+    want, want_grads = grads_of(reference, inputs, dout)
+    assert_close(out, want, dtype)
+    for ours, theirs in zip(grads, want_grads):
+        if theirs is None:
+            assert ours is None
+        else:
+            assert ours.dtype == theirs.dtype
+            assert_close(ours, theirs, dtype)
+
+
 def numpy(t):
     return t.detach().numpy()
 
@@ -143,10 +156,7 @@ def test_block_sparse_matches_numpy_and_dense_autograd(n, m, bs, causal):
     visible = expanded_mask(layout, bs, n, m)
     if causal:
         visible = visible & torch.ones(n, m, dtype=torch.bool).tril(m - n)
-    want, want_grads = grads_of(lambda: dense_reference(q, k, v, visible, bias), [q, k, v, bias], dout)
-    assert_close(out, want)
-    for a, b in zip(grads, want_grads):
-        assert_close(a, b)
+    assert_matches(lambda: dense_reference(q, k, v, visible, bias), [q, k, v, bias], dout, out, grads)
 
 
 def test_block_sparse_gradcheck_and_opcheck():
@@ -199,12 +209,9 @@ def test_pooled_matches_numpy_and_torch_pooling(mode, m, stride):
     np.testing.assert_allclose(numpy(out), attnx.pooled_attention(
         numpy(q), numpy(k), numpy(v), stride, mode, bias=numpy(bias), causal=True), rtol=1e-13, atol=1e-13)
     visible = torch.ones(7, mp, dtype=torch.bool).tril(mp - 7)
-    want, want_grads = grads_of(
+    assert_matches(
         lambda: dense_reference(q, torch_pool(k, stride, mode), torch_pool(v, stride, mode), visible, bias),
-        [q, k, v, bias], dout)
-    assert_close(out, want)
-    for a, b in zip(grads, want_grads):
-        assert_close(a, b)
+        [q, k, v, bias], dout, out, grads)
 
 
 def test_pooled_gradcheck_opcheck_and_errors():
@@ -242,15 +249,8 @@ def test_linformer_matches_torch_autograd(shared, dtype):
     inputs = [q, k, v, E, Fp, bias]
     out, grads = grads_of(lambda: at.linformer_attention(q, k, v, E, None if shared else Fp, bias=bias),
                           inputs, dout)
-    want, want_grads = grads_of(lambda: F.scaled_dot_product_attention(
-        q, E @ k, (E if shared else Fp) @ v, attn_mask=bias), inputs, dout)
-    assert_close(out, want, dtype)
-    for a, b in zip(grads, want_grads):
-        if b is None:
-            assert a is None
-        else:
-            assert a.dtype == dtype
-            assert_close(a, b, dtype)
+    assert_matches(lambda: F.scaled_dot_product_attention(
+        q, E @ k, (E if shared else Fp) @ v, attn_mask=bias), inputs, dout, out, grads, dtype)
     if dtype == torch.float64:
         np.testing.assert_allclose(numpy(out), attnx.linformer_attention(
             numpy(q), numpy(k), numpy(v), numpy(E), None if shared else numpy(Fp), bias=numpy(bias)),
@@ -291,10 +291,7 @@ def test_focused_dwc_matches_torch_convolution(spatial, kernel):
         term = conv(x, weight.unsqueeze(1), padding=tuple(s // 2 for s in kernel), groups=e)
         return at.focused_linear_attention(q, k, v, 2, causal=True) + term.movedim(1, -1).reshape(2, n, e)
 
-    want, want_grads = grads_of(reference, inputs, dout)
-    assert_close(out, want)
-    for a, b in zip(grads, want_grads):
-        assert_close(a, b)
+    assert_matches(reference, inputs, dout, out, grads)
     np.testing.assert_allclose(numpy(out), attnx.focused_linear_attention(
         numpy(q), numpy(k), numpy(v), 2, causal=True, dwc_weight=numpy(weight), spatial=spatial),
         rtol=1e-12, atol=1e-12)
@@ -397,10 +394,7 @@ def test_multihead_grouped_query_matches_sdpa_enable_gqa(positions):
     params = [x] + list(module.parameters())
     assert module.k_proj.weight.shape == (8, 24)
     out, grads = grads_of(lambda: module(x, is_causal=True), params, dout)
-    want, want_grads = grads_of(lambda: torch_gqa_layer(module, x, True), params, dout)
-    assert_close(out, want)
-    for a, b in zip(grads, want_grads):
-        assert_close(a, b)
+    assert_matches(lambda: torch_gqa_layer(module, x, True), params, dout, out, grads)
 
 
 def numpy_layer_arguments(module):
@@ -504,10 +498,7 @@ def test_multihead_compiles_without_graph_breaks():
     dout = randn(2, 12, 16, grad=False, seed=63)
     params = [x] + list(model.parameters())
     out, grads = grads_of(lambda: compiled(x, padding), params, dout)
-    want, want_grads = grads_of(lambda: model(x, padding), params, dout)
-    assert_close(out, want)
-    for a, b in zip(grads, want_grads):
-        assert_close(a, b)
+    assert_matches(lambda: model(x, padding), params, dout, out, grads)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -682,10 +673,7 @@ def test_system_weights_match_numpy_and_torch_softmax(causal):
         numpy_options = {name: numpy(t) if isinstance(t, torch.Tensor) else t for name, t in options.items()}
         np.testing.assert_allclose(numpy(weights), attnx.attention_weights(
             numpy(q), numpy(k), variant, causal=causal, **numpy_options), rtol=1e-12, atol=1e-14)
-        want, want_grads = grads_of(reference, inputs, dout)
-        assert_close(weights, want)
-        for ours, theirs in zip(grads, want_grads):
-            assert_close(ours, theirs)
+        assert_matches(reference, inputs, dout, weights, grads)
 
 
 def test_system_weights_times_values_give_the_output():
