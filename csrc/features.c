@@ -73,14 +73,7 @@ static ATTNX_HOT void SFX(softmax_row)(const REAL *x, ptrdiff_t d, REAL *f)
 {
     REAL top = -(REAL)INFINITY;
     for (ptrdiff_t c = 0; c < d; c++) top = x[c] > top ? x[c] : top;
-    REAL sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (ptrdiff_t c = 0; c < d; c++) {
-        f[c] = SFX(vexp)(x[c] - top);
-        sum += f[c];
-    }
-    REAL inv = 1 / sum;
-    for (ptrdiff_t c = 0; c < d; c++) f[c] *= inv;
+    SFX(exp_normalise)(x, d, top, f);
 }
 
 /* [1, x / |x|] (Su: 1 + cos(q, k) is the first-order Taylor expansion of

@@ -306,15 +306,7 @@ static ATTNX_HOT REAL SFX(lsh_row_softmax)(REAL *s_row, ptrdiff_t cols)
         }
         top = (REAL)NAN;
     }
-    REAL sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (ptrdiff_t c = 0; c < cols; c++) {
-        s_row[c] = SFX(vexp)(s_row[c] - top);
-        sum += s_row[c];
-    }
-    REAL inv = 1 / sum;
-#pragma omp simd
-    for (ptrdiff_t c = 0; c < cols; c++) s_row[c] *= inv;
+    REAL sum = SFX(exp_normalise)(s_row, cols, top, s_row);
     return top + (REAL)log((double)sum);
 }
 

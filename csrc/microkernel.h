@@ -1222,12 +1222,11 @@ static inline void mk_bwd_dscores_w16(float *ds_t, const float *dv_t, __m512i vi
  * into (S, z). r % 8 == 0, e % 16 == 0, every input finite (linear.c
  * checks); `ahead` (or NULL) the next chunk's rows, asked for along the
  * way. */
-static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(const float *phi, const float *psi, ptrdiff_t r,
-                                          const float *v, ptrdiff_t v_row, const float *dout,
-                                          ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
-                                          const float *eps, float *S, float *z, float *inv_den,
-                                          float *row_b, float *dphi, float *scratch,
-                                          mk_ahead *ahead)
+static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(
+    const float *phi, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
+    const float *dout, ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows, const float *eps,
+    float *S, float *z, float *inv_den, float *row_b, float *dphi, float *scratch,
+    mk_ahead *ahead)
 {
     float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r;
     float *p_t = dout_t + 32 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256;
@@ -1297,12 +1296,11 @@ static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(co
  * rows send to these keys: dv (16 rows dv_row apart), dpsi (16, r), then
  * (dS, dz) += what these rows send to the earlier keys. inv_den, row_b
  * from pass 1; the conditions of pass 1. */
-static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(const float *phi, const float *psi, ptrdiff_t r,
-                                          const float *v, ptrdiff_t v_row, const float *dout,
-                                          ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
-                                          const float *inv_den, const float *row_b, float *dS,
-                                          float *dz, float *dv, ptrdiff_t dv_row, float *dpsi,
-                                          float *scratch, mk_ahead *ahead)
+static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(
+    const float *phi, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
+    const float *dout, ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
+    const float *inv_den, const float *row_b, float *dS, float *dz, float *dv, ptrdiff_t dv_row,
+    float *dpsi, float *scratch, mk_ahead *ahead)
 {
     float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r, *v_t = dout_t + 16 * e;
     float *p_t = v_t + 16 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256, *ds = ds_t + 256;

@@ -204,6 +204,22 @@ static inline __attribute__((always_inline)) REAL SFX(vexp)(REAL x)
     return y;
 }
 
+/* f = e^(x - top) / their sum, top the max of x (so that nothing
+ * overflows); f may be x. Returns the sum. */
+static inline ATTNX_HOT REAL SFX(exp_normalise)(const REAL *x, ptrdiff_t count, REAL top, REAL *f)
+{
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t c = 0; c < count; c++) {
+        f[c] = SFX(vexp)(x[c] - top);
+        sum += f[c];
+    }
+    REAL inv = 1 / sum;
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < count; c++) f[c] *= inv;
+    return sum;
+}
+
 /* 2^x for x <= 0, written to vectorise, for the softmax tiles (whose
  * scores are kept in log2 units): x = n + f with n = round(x), |f| <= 1/2,
  * 2^f by a polynomial and 2^n in the exponent bits. float: a degree-6 fit

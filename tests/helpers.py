@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -94,6 +95,68 @@ def run_isolated(code, timeout=180):
     assert p.returncode == 0, "crashed or failed (rc %d):\nstdout:%s\nstderr:%s" % (
         p.returncode, p.stdout, p.stderr)
     return p.stdout
+
+
+def grads_of(fn, inputs, dout):
+    """fn()'s output (detached) and the gradients of sum(dout * fn()) with
+    respect to the torch tensors `inputs` (None where none reaches one)"""
+    for t in inputs:
+        t.grad = None
+    out = fn()
+    out.backward(dout)
+    return out.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
+
+
+def traced_peak(call):
+    """(call(), the peak of the memory Python and numpy allocated during it,
+    in bytes: tracemalloc's)"""
+    tracemalloc.start()
+    try:
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+INTERRUPT = """
+import os, signal, threading, time
+{setup}
+def call():
+    {call}
+sent = []
+def interrupt():
+    time.sleep(0.3)
+    sent.append(time.perf_counter())
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt).start()
+try:
+    call()
+    print("finished")
+except KeyboardInterrupt:
+    print("interrupted after", time.perf_counter() - sent[0])
+{check}
+print("usable")
+"""
+
+
+def assert_interrupted_quickly(setup, call, check):
+    """In a fresh interpreter, after the code `setup`, the long `call`
+    (several seconds whole) ends with KeyboardInterrupt within 0.5 s of a
+    SIGINT sent 0.3 s in, and `check` (attnx still usable and right) then
+    runs. On a machine loaded by other processes one try may be descheduled
+    for longer: the best of three counts."""
+    script = INTERRUPT.format(setup=textwrap.dedent(setup), call=call,
+                              check=textwrap.dedent(check))
+    latencies = []
+    for _ in range(3):
+        stdout = run_isolated(script, timeout=120)
+        lines = stdout.split("\n")
+        assert lines[0].startswith("interrupted after"), stdout
+        assert "usable" in stdout
+        latencies.append(float(lines[0].split()[-1]))
+        if latencies[-1] < 0.5:
+            break
+    assert min(latencies) < 0.5, latencies
 
 
 @contextlib.contextmanager

@@ -2,13 +2,11 @@
 0) are read in place, never materialised: results equal those of the
 materialised arrays, and a call over 2**20 such keys allocates nothing of
 their size (numpy's and attnx's allocations are traced by tracemalloc)."""
-import tracemalloc
-
 import numpy as np
 import pytest
 
 import attnx
-from helpers import assert_close, make
+from helpers import assert_close, make, traced_peak
 
 D, E = 16, 8
 PROJECTION = attnx.random_features(24, D, seed=1)
@@ -127,12 +125,7 @@ def test_many_broadcast_keys_allocate_nothing_of_their_size(call):
     q = make(rng, (4, 64))
     k = np.broadcast_to(make(rng, (64,)), (MANY, 64))
     v = np.broadcast_to(make(rng, (64,)), (MANY, 64))
-    tracemalloc.start()
-    try:
-        out = call(q, k, v)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = traced_peak(lambda: call(q, k, v))
     assert peak < 4 * 2 ** 20, f"peak {peak / 2**20:.1f} MiB: the broadcast rows were copied"
     # every key is the same row: attention returns that value row
     np.testing.assert_allclose(out, np.broadcast_to(v[0], out.shape), rtol=1e-8)
@@ -164,12 +157,7 @@ def test_converted_broadcast_rows_and_heads_allocate_nothing_of_their_size(call)
     q = make(rng, (8, 4, 64), np.float16)
     k = np.broadcast_to(make(rng, (64,), np.float16), (8, MANY, 64))
     v = np.broadcast_to(make(rng, (64,), np.float16), (8, MANY, 64))
-    tracemalloc.start()
-    try:
-        out = call(q, k, v)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = traced_peak(lambda: call(q, k, v))
     assert peak < 4 * 2 ** 20, f"peak {peak / 2**20:.1f} MiB: the broadcast rows were copied"
     assert out.dtype == np.float16
     np.testing.assert_allclose(out.astype(np.float32), np.broadcast_to(v[0, 0], out.shape),
@@ -227,12 +215,7 @@ def test_backward_of_many_broadcast_keys_copies_nothing(backward):
     fn = attnx.softmax_attention if backward == "softmax" else attnx.linear_attention
     out, pullback = attnx.vjp(fn, q, k, v, **({"causal": True} if causal else {}))
     gradients_bytes = 2 * m * 64 * 8
-    tracemalloc.start()
-    try:
-        g = pullback(np.ones_like(out))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    g, peak = traced_peak(lambda: pullback(np.ones_like(out)))
     assert peak < gradients_bytes + 4 * 2 ** 20, (
         f"peak {peak / 2**20:.1f} MiB beside {gradients_bytes / 2**20:.0f} MiB of gradients: "
         "the broadcast rows were copied")

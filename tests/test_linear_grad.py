@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import attnx
 from attnx._linear import LinearAttentionState
+from helpers import traced_peak
 
 torch = pytest.importorskip("torch")
 
@@ -733,17 +734,14 @@ def test_preallocated_gradients_and_inputs_unchanged():
 def test_preallocated_gradients_written_in_place(dtype):
     """dq, dk, dv of the call's whole batch are written by the kernel itself:
     strided rows are honoured, and no gradient-sized temporary is made"""
-    import tracemalloc
     rng = np.random.default_rng(23)
     dout, q, k, v = (x.astype(dtype) for x in inputs(rng, (2, 3), 200, 200, 16, 16))
     want = attnx.linear_attention_backward(dout, q, k, v, causal=True)
     wide = np.full(q.shape[:-1] + (40,), np.nan, dtype)
     dq = wide[..., 5:21]                        # rows 40 apart
     dk, dv = np.empty_like(k), np.empty_like(v)
-    tracemalloc.start()
-    g = attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    g, peak = traced_peak(lambda: attnx.linear_attention_backward(
+        dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv))
     assert g.q is dq and g.k is dk and g.v is dv
     assert peak < q.nbytes / 4, peak
     for got, ref in zip(g[:3], want[:3]):

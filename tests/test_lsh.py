@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import attnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import assert_close, hypothesis_settings, run_isolated, vscale  # noqa: E402
+from helpers import assert_close, assert_interrupted_quickly, hypothesis_settings, run_isolated, vscale  # noqa: E402
 
 HYP = hypothesis_settings(60)
 
@@ -532,27 +532,14 @@ def test_random_wrong_calls_raise_documented_errors_and_never_crash():
     """)
 
 
-INTERRUPT = """
-import os, signal, threading, time
+SETUP = """
 attnx.set_num_threads({threads})
 rng = np.random.default_rng(0)
 q, v = (rng.standard_normal(({heads}, 65536, 64), dtype=np.float32) for _ in range(2))
-t0 = time.perf_counter()
-sent = []
-def interrupt():
-    time.sleep(0.3)
-    sent.append(time.perf_counter())
-    os.kill(os.getpid(), signal.SIGINT)
-threading.Thread(target=interrupt).start()
-try:
-    {call}
-    print("finished", time.perf_counter() - t0)
-except KeyboardInterrupt:
-    print("interrupted after", time.perf_counter() - sent[0])
 small = (q[:2, :300], v[:2, :300])
-assert np.array_equal(attnx.lsh_attention(*small, 8, 2, 16), attnx.lsh_attention(*small, 8, 2, 16))
-print("usable")
 """
+USABLE = ("assert np.array_equal(attnx.lsh_attention(*small, 8, 2, 16), "
+          "attnx.lsh_attention(*small, 8, 2, 16))")
 
 
 @pytest.mark.parametrize("threads, heads, call", [
@@ -565,16 +552,7 @@ def test_ctrl_c_interrupts_a_long_call_within_half_a_second(threads, heads, call
     """The whole call takes several seconds; SIGINT 0.3 s in ends it with
     KeyboardInterrupt within 0.5 s (the best of three tries, on a loaded
     machine), leaving attnx usable."""
-    latencies = []
-    for _ in range(3):
-        stdout = run_isolated(INTERRUPT.format(threads=threads, heads=heads, call=call), timeout=120)
-        lines = stdout.split("\n")
-        assert lines[0].startswith("interrupted after"), stdout
-        assert "usable" in stdout
-        latencies.append(float(lines[0].split()[-1]))
-        if latencies[-1] < 0.5:
-            break
-    assert min(latencies) < 0.5, latencies
+    assert_interrupted_quickly(SETUP.format(threads=threads, heads=heads), call, USABLE)
 
 
 @pytest.mark.parametrize("causal", [False, True])

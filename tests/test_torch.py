@@ -11,6 +11,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import attnx  # noqa: E402
 import attnx.torch as at  # noqa: E402
+from helpers import grads_of  # noqa: E402
 
 
 TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6)}
@@ -19,14 +20,6 @@ TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-
 def randn(*shape, dtype=torch.float64, grad=True, seed=None):
     g = torch.Generator().manual_seed(seed if seed is not None else hash(shape) % 2**31)
     return torch.randn(*shape, dtype=dtype, generator=g).requires_grad_(grad)
-
-
-def grads_of(fn, inputs, dout):
-    for t in inputs:
-        t.grad = None
-    out = fn()
-    out.backward(dout)
-    return out.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
 
 
 def assert_close(actual, expected, dtype):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import attnx  # noqa: E402
 import attnx.torch as at  # noqa: E402
-from helpers import hypothesis_settings  # noqa: E402
+from helpers import grads_of, hypothesis_settings  # noqa: E402
 
 TOL = {torch.float64: dict(rtol=1e-11, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=5e-6)}
 
@@ -22,14 +22,6 @@ TOL = {torch.float64: dict(rtol=1e-11, atol=1e-12), torch.float32: dict(rtol=2e-
 def randn(*shape, dtype=torch.float64, grad=True, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, dtype=dtype, generator=g) * scale).requires_grad_(grad)
-
-
-def grads_of(fn, inputs, dout):
-    for t in inputs:
-        t.grad = None
-    out = fn()
-    out.backward(dout)
-    return out.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
 
 
 def assert_close(actual, expected, dtype=torch.float64):
