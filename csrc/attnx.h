@@ -392,6 +392,14 @@ void attnx_set_num_threads(int num_threads);
 int attnx_bf16_dot_available(void);
 int attnx_bf16_dot(void);
 int attnx_set_bf16_dot(int on);
+/* Work too short for an OpenMP parallel region (a decoding step) split
+ * over helper threads of attnx's own (team.c): task(context, member,
+ * members) runs for member 0 (on the caller) to members - 1, and returns
+ * when all have. 0 without running the task where no team is available
+ * (another caller holds it, members < 2, no threads on this platform);
+ * the caller then runs the work its usual way. */
+typedef void (*attnx_team_task)(void *context, int member, int members);
+int attnx_team_run(int members, attnx_team_task task, void *context);
 /* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
 int attnx_runtime_init(void);
 const char *attnx_blas_name(void);

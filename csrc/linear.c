@@ -981,6 +981,20 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
     }
 }
 
+/* scan_share as a task of attnx_team_run */
+typedef struct {
+    const linear_plan *p;
+    SFX(rows_fn) rows_fn;
+    REAL *starts, *scratch;
+    size_t per_thread;
+} SFX(scan_task);
+
+static void SFX(scan_member)(void *context, int member, int members)
+{
+    const SFX(scan_task) *t = context;
+    SFX(scan_share)(t->p, t->rows_fn, t->starts, t->scratch, t->per_thread, member, members);
+}
+
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
 {
     const attnx_linear_args *a = p->a;
@@ -1009,8 +1023,12 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
     /* one thread runs on the caller: a parallel region of one costs about
      * 0.2 us, a tenth of a one-head decoding step */
     int finished = 0;
+    SFX(scan_task) task = {p, rows_fn, starts, scratch, per_thread};
     if (p->threads == 1) {
         SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 1);
+    } else if (a->n <= 1 && a->m <= 1 && attnx_team_run(p->threads, SFX(scan_member), &task)) {
+        /* a decoding step: attnx's own team (team.c) starts and joins it
+         * in a tenth of what a parallel region takes */
     } else {
 #pragma omp parallel num_threads(p->threads)
         {

@@ -692,6 +692,161 @@ PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ss
     return run_linear(&c);
 }
 
+/* ------------------------------------------------------------------------
+ * The lean decoding step. From its second single-token step on, a
+ * decoding loop calls state.step with arrays that need none of
+ * attnx_bind's work: q, k, v in the state's dtype and batch shape, each
+ * head one C-ordered row, and the state's own C-ordered S, z and held
+ * keys. For that call alone the binding checks just what the kernel
+ * relies on and builds the offset table directly (attnx_bind's
+ * broadcasting, promotion and overlap checks took a quarter of a
+ * one-head step). Any other call, and every call with something wrong,
+ * goes the general way, which says what is wrong. */
+
+/* array a: an ndarray of dtype typenum, C-ordered and aligned, with
+ * the batch shape (lead axes) and the trailing axes `rows` x `cols`
+ * (rows < 0: no row axis) */
+static int lean_fits(PyObject *obj, int typenum, const npy_intp *batch, int lead, npy_intp rows,
+                     npy_intp cols)
+{
+    if (!PyArray_Check(obj)) return 0;
+    PyArrayObject *a = (PyArrayObject *)obj;
+    int nd = lead + 1 + (rows >= 0);
+    if (PyArray_TYPE(a) != typenum || PyArray_NDIM(a) != nd ||
+        !PyArray_CHKFLAGS(a, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED) ||
+        PyArray_DIM(a, nd - 1) != cols || (rows >= 0 && PyArray_DIM(a, nd - 2) != rows))
+        return 0;
+    for (int ax = 0; ax < lead; ax++)
+        if (PyArray_DIM(a, ax) != batch[ax]) return 0;
+    return 1;
+}
+
+/* do the byte ranges of two C-ordered arrays meet? */
+static int lean_meet(const void *a, npy_intp a_bytes, const void *b, npy_intp b_bytes)
+{
+    const char *a_lo = a, *b_lo = b;
+    return a_bytes > 0 && b_bytes > 0 && a_lo < b_lo + b_bytes && b_lo < a_lo + a_bytes;
+}
+
+/* 1: the step ran (*ret the output), 0: not a lean call, -1: error */
+static int lean_step(const linear_call *c, PyObject **ret)
+{
+    linear_options o;
+    PyObject *S_obj = NULL, *z_obj = NULL;
+    PyArrayObject *out = NULL;
+    ptrdiff_t *offsets = NULL;
+    npy_intp offset;
+    int status = -1;
+    if (strcmp(c->variant, "linear") != 0 || c->projection != Py_None) return 0;
+    if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
+                      c->eps, c->p, c->M, c->initial_state, 1, &o) < 0)
+        return -1;
+    if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY || resolve_method(&o, 0, 1) < 0 ||
+        o.method != ATTNX_METHOD_RECURRENT) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (state_get(c->initial_state, 1, &S_obj, &z_obj, &offset) < 0) return -1;
+    PyArrayObject *S = (PyArrayObject *)S_obj, *z = (PyArrayObject *)z_obj;
+    status = 0;
+    if (!PyArray_Check(S_obj) || PyArray_NDIM(S) < 2 ||
+        (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE))
+        goto done;
+    int typenum = PyArray_TYPE(S), lead = PyArray_NDIM(S) - 2;
+    const npy_intp *batch = PyArray_DIMS(S);
+    npy_intp r = batch[lead], e = batch[lead + 1];
+    npy_intp d = PyArray_Check(c->q) && PyArray_NDIM((PyArrayObject *)c->q) == lead + 2
+                     ? PyArray_DIM((PyArrayObject *)c->q, lead + 1) : -1;
+    if (d < 1 || fixed_feature_size(o.kind, d) != r || !PyArray_ISWRITEABLE(S) ||
+        !lean_fits(S_obj, typenum, batch, lead, r, e) || !lean_fits(z_obj, typenum, batch, lead, -1, r) ||
+        !PyArray_ISWRITEABLE(z) || !lean_fits(c->q, typenum, batch, lead, 1, d) ||
+        !lean_fits(c->k, typenum, batch, lead, 1, d) || !lean_fits(c->v, typenum, batch, lead, 1, e) ||
+        (c->out != Py_None && (!lean_fits(c->out, typenum, batch, lead, 1, e) ||
+                               !PyArray_ISWRITEABLE((PyArrayObject *)c->out))))
+        goto done;
+    attnx_pending pending;
+    if (held_keys_get(c->initial_state, S, &pending) < 0) {
+        status = -1;
+        goto done;
+    }
+    if (!pending.psi) goto done;  /* the first step makes the held keys' arrays */
+    npy_intp heads = PyArray_SIZE(z) / r, item = PyArray_ITEMSIZE(S);
+    if (c->out == Py_None) {
+        npy_intp shape[NPY_MAXDIMS];
+        memcpy(shape, batch, (size_t)lead * sizeof(npy_intp));
+        shape[lead] = 1;
+        shape[lead + 1] = e;
+        if (!(out = (PyArrayObject *)PyArray_SimpleNew(lead + 2, shape, typenum))) {
+            status = -1;
+            goto done;
+        }
+    } else {
+        out = (PyArrayObject *)c->out;
+        Py_INCREF(out);
+    }
+    /* the arrays the step writes against every other it touches */
+    PyArrayObject *read[] = {(PyArrayObject *)c->q, (PyArrayObject *)c->k, (PyArrayObject *)c->v};
+    const void *written[] = {PyArray_DATA(S), PyArray_DATA(z), pending.psi, pending.v,
+                             PyArray_DATA(out)};
+    npy_intp written_bytes[] = {PyArray_NBYTES(S), PyArray_NBYTES(z), heads * HELD_KEYS * r * item,
+                                heads * HELD_KEYS * e * item, PyArray_NBYTES(out)};
+    for (int w = 0; w < 5; w++) {
+        for (int i = 0; i < 3; i++)
+            if (lean_meet(written[w], written_bytes[w], PyArray_DATA(read[i]), PyArray_NBYTES(read[i])))
+                goto done;
+        for (int u = w + 1; u < 5; u++)
+            if (lean_meet(written[w], written_bytes[w], written[u], written_bytes[u])) goto done;
+    }
+    if (!(offsets = PyMem_RawMalloc((size_t)heads * ATTNX_LIN_NOPS * sizeof(ptrdiff_t)))) {
+        PyErr_NoMemory();
+        status = -1;
+        goto done;
+    }
+    for (npy_intp h = 0; h < heads; h++) {
+        ptrdiff_t *row = offsets + h * ATTNX_LIN_NOPS;
+        row[ATTNX_LIN_Q] = row[ATTNX_LIN_K] = h * d * item;
+        row[ATTNX_LIN_V] = row[ATTNX_LIN_OUT] = h * e * item;
+        row[ATTNX_LIN_KEY_MASK] = row[ATTNX_LIN_MASK] = 0;
+        row[ATTNX_LIN_S0] = row[ATTNX_LIN_S_OUT] = h * r * e * item;
+        row[ATTNX_LIN_Z0] = row[ATTNX_LIN_Z_OUT] = h * r * item;
+    }
+    attnx_linear_args kargs = {
+        .n = 1, .m = 1, .d = d, .e = e, .heads = heads, .offsets = offsets,
+        .q = PyArray_DATA((PyArrayObject *)c->q), .k = PyArray_DATA((PyArrayObject *)c->k),
+        .v = PyArray_DATA((PyArrayObject *)c->v), .out = PyArray_DATA(out),
+        .S0 = PyArray_DATA(S), .z0 = PyArray_DATA(z), .S_out = PyArray_DATA(S),
+        .z_out = PyArray_DATA(z),
+        .q_row = d, .k_row = d, .v_row = e, .out_row = e, .S0_row = e,
+        .features = options_features(&o, d, r, NULL, offset),
+        .band = options_band(&o, 1, 1),
+        .method = o.method,
+        .chunk = 1,
+        .eps = o.eps,
+        .normalise = 1,
+        .num_threads = attnx_get_num_threads(),
+        .pending = pending,
+    };
+    int kernel_status;
+    Py_BEGIN_ALLOW_THREADS
+    kernel_status = linear_kernels[typenum == NPY_DOUBLE](&kargs);
+    Py_END_ALLOW_THREADS
+    if (attnx_check_status(kernel_status) < 0 ||
+        set_int_attr(c->initial_state, name_offset, (Py_ssize_t)(offset + 1)) < 0 ||
+        set_int_attr(c->initial_state, name_tick, attnx_pending_next(pending.tick, HELD_KEYS)) < 0) {
+        status = -1;
+        goto done;
+    }
+    *ret = (PyObject *)out;
+    out = NULL;
+    status = 1;
+done:
+    PyMem_RawFree(offsets);
+    Py_XDECREF(out);
+    Py_XDECREF(S_obj);
+    Py_XDECREF(z_obj);
+    return status;
+}
+
 /* state.step(q, k, v, out): the causal call that continues `state`, with
  * the options of the call that made it (state._options: variant,
  * feature_map, causal, eps, projection, p, M), writing the new state into
@@ -737,7 +892,9 @@ PyObject *attnx_py_linear_step(PyObject *self, PyObject *const *args, Py_ssize_t
     c.projection = PyTuple_GET_ITEM(options, 4);
     c.p = PyTuple_GET_ITEM(options, 5);
     c.M = PyTuple_GET_ITEM(options, 6);
-    PyObject *ret = c.variant ? run_linear(&c) : NULL;
+    PyObject *ret = NULL;
+    int lean = c.variant ? lean_step(&c, &ret) : -1;
+    if (lean == 0) ret = run_linear(&c);
     Py_DECREF(options);  /* after the call: the tuple owns the borrowed items */
     return ret;
 }

@@ -135,3 +135,23 @@ def test_multiprocessing_fork_pool(two_threads):
     for index, (softmax_out, linear_out) in enumerate(results):
         np.testing.assert_array_equal(softmax_out, expected_softmax[index])
         np.testing.assert_array_equal(linear_out, expected_linear[index])
+
+
+def test_forked_child_decodes_after_parent_used_its_team(two_threads):
+    """Decoding steps run on attnx's own helper threads (team.c), which a
+    forked child does not have: its steps run on one thread"""
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((2, 16, 12, 64), dtype=np.float32) for _ in range(3))
+
+    def decode():
+        _, state = attnx.linear_attention(q[..., :2, :], k[..., :2, :], v[..., :2, :],
+                                          causal=True, return_state=True)
+        return [state.step(q[..., t:t + 1, :].copy(), k[..., t:t + 1, :].copy(),
+                           v[..., t:t + 1, :].copy()) for t in range(2, 12)]
+
+    expected = decode()  # the team's helpers now exist in this process
+
+    def child():
+        return 0 if all(np.array_equal(a, b) for a, b in zip(decode(), expected)) else 3
+
+    assert _fork_and_run(child) == 0

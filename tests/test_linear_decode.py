@@ -5,6 +5,7 @@ for the rounding of single-token steps, which hold their keys back from S),
 update the state's own arrays, and refuse states it cannot update in place."""
 
 import os
+import threading
 import sys
 
 import numpy as np
@@ -199,6 +200,21 @@ def _token(dtype=np.float32, lead=(2,), e=5, d=D):
     return qkv(rng, lead, 1, 1, d, e, dtype)
 
 
+@pytest.fixture(params=[False, True], ids=["fresh", "stepped"])
+def make_state(request):
+    """_state, and for "stepped" one single-token step taken: from the
+    second step on, a step whose arrays all fit takes the lean binding
+    (py_linear.c, lean_step), which must leave every refusal to the
+    general one."""
+    def make(*args, **options):
+        state = _state(*args, **options)
+        if request.param:
+            state.step(*_token(state.z.dtype))
+            assert state._tick == 1
+        return state
+    return make
+
+
 def test_step_refuses_non_causal_state():
     state = _state(causal=False)
     with pytest.raises(ValueError, match="causal"):
@@ -212,8 +228,8 @@ def test_step_refuses_a_state_built_by_hand():
         hand.step(*_token())
 
 
-def test_step_refuses_wrong_shapes():
-    state = _state()
+def test_step_refuses_wrong_shapes(make_state):
+    state = make_state()
     with pytest.raises(ValueError):
         state.step(*_token(d=D + 1))  # features of another size
     with pytest.raises(ValueError):
@@ -227,8 +243,8 @@ def test_step_refuses_wrong_shapes():
     assert state.offset == before[1]
 
 
-def test_step_refuses_other_dtypes():
-    state = _state(np.float32)
+def test_step_refuses_other_dtypes(make_state):
+    state = make_state(np.float32)
     with pytest.raises(TypeError, match="dtype"):
         state.step(*_token(np.float64))
     state.S = state.S.astype(np.float64)
@@ -236,25 +252,30 @@ def test_step_refuses_other_dtypes():
         state.step(*_token(np.float32))
 
 
-def test_step_refuses_read_only_or_strided_state():
-    state = _state()
+def test_step_refuses_read_only_or_strided_state(make_state):
+    state = make_state()
     state.S.setflags(write=False)
     with pytest.raises(ValueError, match="writeable"):
         state.step(*_token())
-    state = _state()
+    state = make_state()
     state.z = np.asfortranarray(np.stack([state.z, state.z], -1))[..., 0]
     assert not state.z.flags.c_contiguous
     with pytest.raises(ValueError, match="C-contiguous"):
         state.step(*_token())
 
 
-def test_step_refuses_overlap():
-    state = _state()
+def test_step_refuses_overlap(make_state):
+    state = make_state()
     q, k, v = _token()
     with pytest.raises(ValueError, match="overlap"):
         state.step(q, k, state.S[:, :1, :])  # v read from the state being written
     with pytest.raises(ValueError, match="overlap"):
         state.step(q, k, v, out=state.S[:, :1, :])
+    # C-ordered views of the state's own memory, shaped as a token's arrays
+    with pytest.raises(ValueError, match="overlap"):
+        state.step(q, k, state._S.reshape(-1)[:10].reshape(v.shape))
+    with pytest.raises(ValueError, match="overlap"):
+        state.step(q, k, v, out=state.z.reshape(-1)[:10].reshape(v.shape))
 
 
 def test_step_is_repeatable_across_threads():
@@ -527,3 +548,89 @@ def test_step_kernel_functional_falls_back(d, e, dtype):
         np.testing.assert_array_equal(ours, theirs)
     want = ref.linear_attention(f64(q), f64(k), f64(v), "elu", causal=True)[:, 2:]
     assert_close(got[0], want, dtype, vscale(v))
+
+
+# A single-token step of many heads splits them over attnx's own helper
+# threads (team.c) rather than an OpenMP parallel region, which costs more
+# than the step's arithmetic; a second caller that finds the team busy
+# uses OpenMP. Each head is one thread's work whichever way the heads are
+# split, so every split gives the one-thread numbers bit for bit.
+def _decoding_inputs(seed=9, tokens=20):
+    rng = np.random.default_rng(seed)
+    # 32 heads of d = 64, e = 48: enough state for the step to use every thread
+    return qkv(rng, (2, 16), tokens, tokens, 64, 48, np.float32)
+
+
+def _decode_tokens(q, k, v, first=4, contiguous=True):
+    """The outputs of single-token steps after a state of `first` tokens,
+    and the state (S read at the end)"""
+    _, state = attnx.linear_attention(q[..., :first, :], k[..., :first, :], v[..., :first, :],
+                                      causal=True, return_state=True)
+    token = np.ascontiguousarray if contiguous else (lambda x: x)
+    outs = [state.step(token(q[..., t:t + 1, :]), token(k[..., t:t + 1, :]),
+                       token(v[..., t:t + 1, :])) for t in range(first, q.shape[-2])]
+    return np.concatenate(outs, axis=-2), state
+
+
+def _one_thread(call, *args, **kwargs):
+    threads = attnx.get_num_threads()
+    attnx.set_num_threads(1)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        attnx.set_num_threads(threads)
+
+
+def test_lean_and_general_step_bindings_agree():
+    """Contiguous tokens take the lean binding; strided views of the same
+    numbers (each head's row not where a C-ordered array puts it) take the
+    general one: the same outputs, S, z, offset and held keys"""
+    q, k, v = _decoding_inputs()
+    lean, lean_state = _decode_tokens(q, k, v, contiguous=True)
+    general, general_state = _decode_tokens(q, k, v, contiguous=False)
+    assert not q[..., 5:6, :].flags.c_contiguous
+    np.testing.assert_array_equal(lean, general)
+    assert lean_state._tick == general_state._tick and lean_state.offset == general_state.offset
+    for a, b in zip(lean_state._pending, general_state._pending):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(lean_state.S, general_state.S)
+    np.testing.assert_array_equal(lean_state.z, general_state.z)
+    assert_close(lean, attnx.linear_attention(q, k, v, causal=True)[..., 4:, :], np.float32)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 1, 2])
+def test_step_threads_equal_one_thread(threads):
+    """Any thread count (three helpers on two cores, a team larger than
+    the next call's, none) gives the one-thread steps"""
+    q, k, v = _decoding_inputs()
+    want, want_state = _one_thread(_decode_tokens, q, k, v)
+    before = attnx.get_num_threads()
+    attnx.set_num_threads(threads)
+    try:
+        got, state = _decode_tokens(q, k, v)
+    finally:
+        attnx.set_num_threads(before)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(state.S, want_state.S)
+
+
+def test_steps_from_several_python_threads_at_once():
+    """Four Python threads decode their own states together (the GIL is
+    released in the kernel): one holds the team, the others run on
+    OpenMP, and each gets its one-thread numbers"""
+    inputs = [_decoding_inputs(seed, tokens=60) for seed in range(4)]
+    want = [_one_thread(_decode_tokens, *qkv_)[0] for qkv_ in inputs]
+    got = [None] * 4
+    before = attnx.get_num_threads()
+    attnx.set_num_threads(2)
+    try:
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _decode_tokens(*inputs[i])[0]))
+                   for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        attnx.set_num_threads(before)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
