@@ -771,6 +771,7 @@ static int lean_step(const linear_call *c, PyObject **ret)
     }
     if (!pending.psi) goto done;  /* the first step makes the held keys' arrays */
     npy_intp heads = PyArray_SIZE(z) / r, item = PyArray_ITEMSIZE(S);
+    if (heads == 0 || e == 0) goto done;  /* nothing to run: the general path's defined results */
     if (c->out == Py_None) {
         npy_intp shape[NPY_MAXDIMS];
         memcpy(shape, batch, (size_t)lead * sizeof(npy_intp));
