@@ -1023,13 +1023,14 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
     /* one thread runs on the caller: a parallel region of one costs about
      * 0.2 us, a tenth of a one-head decoding step */
     int finished = 0;
+    /* a decoding step splits over attnx's own team (team.c), which starts
+     * and joins in a ninth of what a parallel region takes, when the team
+     * is free */
+    int decoding = a->n <= 1 && a->m <= 1;
     SFX(scan_task) task = {p, rows_fn, starts, scratch, per_thread};
     if (p->threads == 1) {
         SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 1);
-    } else if (a->n <= 1 && a->m <= 1 && attnx_team_run(p->threads, SFX(scan_member), &task)) {
-        /* a decoding step: attnx's own team (team.c) starts and joins it
-         * in a tenth of what a parallel region takes */
-    } else {
+    } else if (!decoding || !attnx_team_run(p->threads, SFX(scan_member), &task)) {
 #pragma omp parallel num_threads(p->threads)
         {
             SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, omp_get_thread_num(),

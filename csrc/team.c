@@ -1,7 +1,7 @@
 /* team.c - helper threads for work too short for an OpenMP parallel
  * region.
  *
- * A decoding step of 32 heads takes about 2 us of arithmetic per core;
+ * A decoding step of 32 heads takes about 2.8 us of arithmetic per core;
  * GNU OpenMP's fork and join around it took another 0.6 us (measured
  * inside the step: its helper started 0.37 us after the region opened,
  * and the join took 0.27 us). Here the caller posts a task by bumping a
