@@ -18,6 +18,13 @@ calls with the float32 AVX-512 decoding kernels turned off (the general C
 path every other shape takes), timed in the same rounds, for an A/B
 comparison in one run.
 
+Then "step after softmax": steps that each follow a two-thread
+softmax_attention call (8 heads of 128 tokens), the step alone timed. A
+run of steps splits its heads over attnx's own helper threads from its
+17th step on; an OpenMP region in between sends them to sleep, so this
+row shows what a step costs when decoding alternates with other
+multi-threaded attnx calls (csrc/team.c).
+
 The machine line says how many cores other processes kept busy just before
 the run (a shared machine inflates every figure).
 """
@@ -84,6 +91,24 @@ def time_calls(call, calls, kernel=True):
     return float(np.median(times))
 
 
+def step_after_softmax(heads, d, dtype, calls):
+    """The median time of a step that follows a softmax_attention call of
+    several threads, in us (the step alone timed)."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, heads, 1, d)).astype(dtype) for _ in range(3))
+    x = rng.standard_normal((1, 8, 128, d)).astype(dtype)
+    empty = q[..., :0, :]
+    state = attnx.linear_attention(empty, empty, empty, causal=True, return_state=True)[1]
+    times = np.empty(calls, dtype=np.int64)
+    clock = time.perf_counter_ns
+    for i in range(calls):
+        attnx.softmax_attention(x, x, x)
+        start = clock()
+        state.step(q, k, v)
+        times[i] = clock() - start
+    return float(np.median(times[calls // 10:])) / 1000
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=32)
@@ -121,6 +146,12 @@ def main():
                                               else "MISS", target))
         print("%-18s %7.2f us  (rounds %.2f .. %.2f)%s" % (
             name, results[name]["median_us"], min(medians), max(medians), verdict))
+    after = [step_after_softmax(args.heads, args.d, np.dtype(args.dtype), args.calls // 4)
+             for _ in range(3)]
+    results["step after softmax"] = {"median_us": float(np.median(after)), "min_us": min(after),
+                                     "max_us": max(after)}
+    print("%-18s %7.2f us  (runs %.2f .. %.2f)" % ("step after softmax", np.median(after),
+                                                  min(after), max(after)))
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"heads": args.heads, "d": args.d, "dtype": args.dtype,

@@ -400,6 +400,16 @@ int attnx_set_bf16_dot(int on);
  * the caller then runs the work its usual way. */
 typedef void (*attnx_team_task)(void *context, int member, int members);
 int attnx_team_run(int members, attnx_team_task task, void *context);
+/* The team's helpers stop spinning, and the next decoding step goes to
+ * OpenMP: the call of every OpenMP region of more than one thread, as
+ * num_threads(attnx_omp_threads(n)), so that the two pools never spin on
+ * the cores at once. */
+void attnx_team_rest(void);
+static inline int attnx_omp_threads(int threads)
+{
+    if (threads > 1) attnx_team_rest();
+    return threads;
+}
 /* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
 int attnx_runtime_init(void);
 const char *attnx_blas_name(void);

@@ -224,7 +224,7 @@ static int convert(widen_fn widen, narrow_fn narrow, void *dst, const void *src,
     ptrdiff_t pieces = (total + PIECE - 1) / PIECE;
     int threads = attnx_get_num_threads();
     if (total / PER_THREAD < threads) threads = total / PER_THREAD > 1 ? (int)(total / PER_THREAD) : 1;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
     for (ptrdiff_t piece = 0; piece < pieces; piece++) {
         ptrdiff_t first = piece * PIECE;
         ptrdiff_t last = first + PIECE < total ? first + PIECE : total;

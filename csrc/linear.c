@@ -1008,13 +1008,13 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
         deltas = malloc((size_t)(increments + a->heads * p->segs) * (size_t)size * sizeof(REAL));
         if (!deltas) return ATTNX_ENOMEM;
         starts = deltas + increments * size;
-#pragma omp parallel for num_threads(p->threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(p->threads)) schedule(dynamic, 1)
         for (ptrdiff_t item = 0; item < increments; item++) {
             if (linear_stopped(a->interrupt)) continue;
             SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
             SFX(segment_increment)(p, item, deltas + item * size, &w);
         }
-#pragma omp parallel for num_threads(p->threads)
+#pragma omp parallel for num_threads(attnx_omp_threads(p->threads))
         for (ptrdiff_t h = 0; h < a->heads; h++) {
             SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
             SFX(segment_starts)(p, h, deltas, starts, &w);
@@ -1031,7 +1031,7 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
     if (p->threads == 1) {
         SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 1);
     } else if (!decoding || !attnx_team_run(p->threads, SFX(scan_member), &task)) {
-#pragma omp parallel num_threads(p->threads)
+#pragma omp parallel num_threads(decoding ? p->threads : attnx_omp_threads(p->threads))
         {
             SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, omp_get_thread_num(),
                             omp_get_num_threads());
@@ -1070,7 +1070,7 @@ static int SFX(run_quadratic)(const linear_plan *p, REAL *scratch, size_t per_th
     const attnx_linear_args *a = p->a;
     ptrdiff_t tiles = (a->n + p->C - 1) / p->C;
     int finished = 0;
-#pragma omp parallel num_threads(p->threads)
+#pragma omp parallel num_threads(attnx_omp_threads(p->threads))
     {
 #pragma omp for schedule(dynamic, 1) nowait
         for (ptrdiff_t item = 0; item < a->heads * tiles; item++) {
@@ -1085,7 +1085,7 @@ static int SFX(run_quadratic)(const linear_plan *p, REAL *scratch, size_t per_th
     if (a->interrupt && a->interrupt->stopped) return ATTNX_EINTR;
     if (!a->S_out) return ATTNX_OK;
     /* the returned state: every key of the call */
-#pragma omp parallel for num_threads(p->threads)
+#pragma omp parallel for num_threads(attnx_omp_threads(p->threads))
     for (ptrdiff_t h = 0; h < a->heads; h++) {
         SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * omp_get_thread_num());
         SFX(head) hd = SFX(head_at)(a, h);
@@ -1169,7 +1169,7 @@ void SFX(attnx_linear_flush)(void *S_data, const attnx_pending *pending, ptrdiff
 {
     REAL *S = S_data;
     const ptrdiff_t capacity = pending->capacity;
-#pragma omp parallel for num_threads(ATTNX_MAX(num_threads, 1))
+#pragma omp parallel for num_threads(attnx_omp_threads(ATTNX_MAX(num_threads, 1)))
     for (ptrdiff_t h = 0; h < heads; h++)
         SFX(add_held)(r, e, S + h * r * e, (const REAL *)pending->psi + h * capacity * r,
                       (const REAL *)pending->v + h * capacity * e,
@@ -1961,7 +1961,7 @@ int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
     }
     /* Ctrl-C between heads (linear_stopped) */
     int finished = 0;
-#pragma omp parallel num_threads(p.threads)
+#pragma omp parallel num_threads(attnx_omp_threads(p.threads))
     {
 #pragma omp for schedule(dynamic, 1) nowait
         for (ptrdiff_t h = 0; h < a->heads; h++) {

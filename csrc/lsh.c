@@ -419,7 +419,7 @@ static void SFX(lsh_prepare)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh_
         h->norm[j] = (REAL)sqrt(sq);
         h->inv_norm[j] = h->norm[j] > 0 ? 1 / h->norm[j] : 0;
     }
-#pragma omp parallel for num_threads(inner) schedule(static) if (inner > 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(inner)) schedule(static) if (inner > 1)
     for (int r = 0; r < (int)a->n_hashes; r++) {
         int32_t *bucket = h->sorted.bucket + r * n;
         SFX(lsh_hash_round)(a, h->q, r, bucket, works[omp_get_thread_num()].xr);
@@ -434,7 +434,7 @@ static void SFX(lsh_fwd_head)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh
     const ptrdiff_t n = a->n, e = a->e, H = a->n_hashes;
     const ptrdiff_t chunks = (n + a->chunk - 1) / a->chunk;
     SFX(lsh_prepare)(a, h, works, inner);
-#pragma omp parallel for num_threads(inner) schedule(dynamic, 1) if (inner > 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(inner)) schedule(dynamic, 1) if (inner > 1)
     for (ptrdiff_t item = 0; item < H * chunks; item++) {
         if (attnx_interrupted(a->interrupt, polls && omp_get_thread_num() == 0)) continue;
         SFX(lsh_fwd_chunk)(a, h, (int)(item / chunks), item % chunks,
@@ -443,7 +443,7 @@ static void SFX(lsh_fwd_head)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh
     if (a->interrupt && a->interrupt->stopped) return;
     /* merge the rounds by log-sum-exp, in round order */
     REAL scale = (REAL)a->scale;
-#pragma omp parallel for num_threads(inner) schedule(static) if (inner > 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(inner)) schedule(static) if (inner > 1)
     for (ptrdiff_t i = 0; i < n; i++) {
         REAL *out_i = h->out_w + i * a->out_row, top = -(REAL)INFINITY;
         for (ptrdiff_t r = 0; r < H; r++) {
@@ -516,7 +516,7 @@ static void SFX(lsh_bwd_head)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh
     ptrdiff_t round_size = n * (2 * d + e);
     if (inner > 1) {
         /* rounds in parallel, each into its own gradients, added in round order */
-#pragma omp parallel for num_threads(inner) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(inner)) schedule(dynamic, 1)
         for (int r = 0; r < (int)H; r++)
             SFX(lsh_bwd_round)(a, h, r, &works[omp_get_thread_num()], h->round_grads + r * round_size,
                                polls && omp_get_thread_num() == 0);
@@ -620,7 +620,7 @@ static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
         works[t] = w;
     }
     if (outer) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(dynamic, 1) if (threads > 1)
         for (ptrdiff_t head = 0; head < heads; head++) {
             int t = omp_get_thread_num();
             if (a->interrupt && a->interrupt->stopped) continue;
@@ -658,7 +658,7 @@ int SFX(attnx_lsh_buckets)(const attnx_lsh_args *a, int32_t *buckets)
     if ((double)items * n * a->d * a->half < LSH_PARALLEL_WORK) threads = 1;
     REAL *xr = malloc((size_t)(threads * HASH_ROWS * a->half) * sizeof(REAL));
     if (!xr) return ATTNX_ENOMEM;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
     for (ptrdiff_t item = 0; item < items; item++) {
         ptrdiff_t head = item / H;
         const REAL *q = (const REAL *)((const char *)a->q + a->offsets[head * ATTNX_LSH_NOPS + ATTNX_LSH_Q]);

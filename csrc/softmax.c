@@ -498,7 +498,7 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
     } else {
         for (int t = 0; t < threads; t++)
             shares[t] = (item_range){work * t / threads, work * (t + 1) / threads};
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(attnx_omp_threads(threads))
         {
             int self = omp_get_thread_num();
             for (ptrdiff_t item; !attnx_interrupted(a->interrupt, self == 0) &&

@@ -642,7 +642,7 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
 #endif
     }
 
-#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp parallel num_threads(attnx_omp_threads(threads)) if (threads > 1)
     {
         /* pass 1, per head: D, row offsets; dQ cleared */
 #pragma omp for schedule(static)

@@ -11,11 +11,21 @@
  *
  * A helper spins for SPIN_NS after its last task (a decoding loop's next
  * step comes sooner), then sleeps on a condition variable, so an idle
- * process burns no core; GNU OpenMP's own threads spin likewise after a
- * region. One caller at a time: a second thread that finds the team busy
- * is told so and uses OpenMP instead. A process created by fork() has no
- * helpers, but it never asks for any (runtime.c: a forked child runs on
- * one thread). */
+ * process burns no core. Two pools spinning on two cores would take turns
+ * on them: GNU OpenMP's threads spin for milliseconds after a region, and
+ * a decoding step alternating with a softmax call took 531 us instead of
+ * 5.5 us when each step woke the team. So the team serves only long runs
+ * of decoding steps: a step runs on it when the RUN_BEFORE_TEAM calls
+ * before it that used several threads were decoding steps too (they go to
+ * OpenMP, whose threads are awake from the call before the run), and
+ * every OpenMP region of more than one thread first sends the helpers to
+ * sleep (attnx_omp_threads). Waking them costs the run's first step on
+ * the team about 20 us, against 1.5 us saved on each later step: with 16
+ * steps on OpenMP first, no run loses more than that once, and runs of up
+ * to 16 steps are what they were. One caller at a time: a second thread that finds
+ * the team busy is told so and uses OpenMP instead. A process created by
+ * fork() has no helpers, but it never asks for any (runtime.c: a forked
+ * child runs on one thread). */
 #include "attnx.h"
 
 #if defined(_WIN32) || defined(__STDC_NO_ATOMICS__)
@@ -26,6 +36,8 @@ int attnx_team_run(int members, attnx_team_task task, void *context)
     return 0;
 }
 
+void attnx_team_rest(void) {}
+
 #else
 
 #include <pthread.h>
@@ -35,6 +47,7 @@ int attnx_team_run(int members, attnx_team_task task, void *context)
 
 #define TEAM_MAX 64
 #define SPIN_NS 500000L
+#define RUN_BEFORE_TEAM 16
 
 static struct {
     atomic_flag busy;               /* held by the caller running a task */
@@ -46,9 +59,12 @@ static struct {
     atomic_ulong generation;        /* bumped once per task */
     atomic_int working;             /* helpers yet to finish the task */
     atomic_int sleepers;            /* helpers waiting on `wake` */
+    atomic_int resting;             /* set: spinning helpers go to sleep now */
+    atomic_int decoding;            /* the calls of several threads since the last that was
+                                       not a decoding step (at most RUN_BEFORE_TEAM) */
     pthread_mutex_t lock;
     pthread_cond_t wake;
-} team = {ATOMIC_FLAG_INIT, 0, {0}, NULL, NULL, 0, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER,
+} team = {ATOMIC_FLAG_INIT, 0, {0}, NULL, NULL, 0, 0, 0, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER,
           PTHREAD_COND_INITIALIZER};
 
 static inline void cpu_relax(void)
@@ -77,6 +93,7 @@ static unsigned long next_task(unsigned long seen)
         generation = atomic_load_explicit(&team.generation, memory_order_acquire);
         if (generation != seen) return generation;
         cpu_relax();
+        if (atomic_load_explicit(&team.resting, memory_order_relaxed)) break;
         if (spins % 1024 == 0 && elapsed_ns(&start) > SPIN_NS) break;
     }
     pthread_mutex_lock(&team.lock);
@@ -131,6 +148,11 @@ static int start_helpers(int wanted)
 int attnx_team_run(int members, attnx_team_task task, void *context)
 {
     if (members < 2 || members > TEAM_MAX) return 0;
+    /* a run's first steps go to OpenMP (see the top of this file) */
+    if (atomic_load_explicit(&team.decoding, memory_order_relaxed) < RUN_BEFORE_TEAM) {
+        atomic_fetch_add_explicit(&team.decoding, 1, memory_order_relaxed);
+        return 0;
+    }
     if (atomic_flag_test_and_set_explicit(&team.busy, memory_order_acquire)) return 0;
     if (start_helpers(members - 1) < 0) {
         atomic_flag_clear_explicit(&team.busy, memory_order_release);
@@ -140,6 +162,7 @@ int attnx_team_run(int members, attnx_team_task task, void *context)
     team.context = context;
     atomic_store_explicit(&team.members, members, memory_order_relaxed);
     atomic_store_explicit(&team.working, members - 1, memory_order_relaxed);
+    atomic_store_explicit(&team.resting, 0, memory_order_relaxed);
     atomic_fetch_add(&team.generation, 1);
     if (atomic_load(&team.sleepers)) {
         pthread_mutex_lock(&team.lock);
@@ -150,6 +173,13 @@ int attnx_team_run(int members, attnx_team_task task, void *context)
     while (atomic_load_explicit(&team.working, memory_order_acquire) > 0) cpu_relax();
     atomic_flag_clear_explicit(&team.busy, memory_order_release);
     return 1;
+}
+
+void attnx_team_rest(void)
+{
+    atomic_store_explicit(&team.decoding, 0, memory_order_relaxed);
+    if (!atomic_load_explicit(&team.resting, memory_order_relaxed))
+        atomic_store_explicit(&team.resting, 1, memory_order_relaxed);
 }
 
 #endif

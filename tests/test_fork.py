@@ -141,13 +141,14 @@ def test_forked_child_decodes_after_parent_used_its_team(two_threads):
     """Decoding steps run on attnx's own helper threads (team.c), which a
     forked child does not have: its steps run on one thread"""
     rng = np.random.default_rng(21)
-    q, k, v = (rng.standard_normal((2, 16, 12, 64), dtype=np.float32) for _ in range(3))
+    # runs of 38 steps: the team takes them from the 17th on (team.c)
+    q, k, v = (rng.standard_normal((2, 16, 40, 64), dtype=np.float32) for _ in range(3))
 
     def decode():
         _, state = attnx.linear_attention(q[..., :2, :], k[..., :2, :], v[..., :2, :],
                                           causal=True, return_state=True)
         return [state.step(q[..., t:t + 1, :].copy(), k[..., t:t + 1, :].copy(),
-                           v[..., t:t + 1, :].copy()) for t in range(2, 12)]
+                           v[..., t:t + 1, :].copy()) for t in range(2, 40)]
 
     expected = decode()  # the team's helpers now exist in this process
 

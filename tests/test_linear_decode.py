@@ -552,10 +552,12 @@ def test_step_kernel_functional_falls_back(d, e, dtype):
 
 # A single-token step of many heads splits them over attnx's own helper
 # threads (team.c) rather than an OpenMP parallel region, which costs more
-# than the step's arithmetic; a second caller that finds the team busy
-# uses OpenMP. Each head is one thread's work whichever way the heads are
-# split, so every split gives the one-thread numbers bit for bit.
-def _decoding_inputs(seed=9, tokens=20):
+# than the step's arithmetic, from the 17th step of a run of steps on (the
+# first 16 go to OpenMP); a second caller that finds the team busy uses
+# OpenMP. Each head is one thread's work whichever way the heads are split,
+# so every split gives the one-thread numbers bit for bit. Runs of 36
+# steps here: both ways.
+def _decoding_inputs(seed=9, tokens=40):
     rng = np.random.default_rng(seed)
     # 32 heads of d = 64, e = 48: enough state for the step to use every thread
     return qkv(rng, (2, 16), tokens, tokens, 64, 48, np.float32)
