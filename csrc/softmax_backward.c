@@ -102,29 +102,22 @@ static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_blo
     for (int r = 0; r < block_rows; r++)
 #pragma GCC unroll 2
         for (int x = 0; x < vecs; x++) sum[r][x] = (vec){0};
-#if !REAL_IS_DOUBLE
-    if (pairs)
-        for (ptrdiff_t p = 0; p < depth; p++) {
-            vec b_p[2];
-#pragma GCC unroll 2
-            for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
-#pragma GCC unroll 8
-            for (int r = 0; r < block_rows; r++) {
-                /* a broadcast, no arithmetic: the bits stay as they are */
-                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p]);
-#pragma GCC unroll 2
-                for (int x = 0; x < vecs; x++)
-                    sum[r][x] = (vec)mk_dot_pairs((__m512)sum[r][x], (__m512)b_p[x], a_rp);
-            }
-        }
-    else
-#endif
     for (ptrdiff_t p = 0; p < depth; p++) {
         vec b_p[2];
 #pragma GCC unroll 2
         for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
 #pragma GCC unroll 8
         for (int r = 0; r < block_rows; r++) {
+#if !REAL_IS_DOUBLE
+            if (pairs) {  /* a constant once inlined: no test in the loop */
+                /* a broadcast, no arithmetic: the bits stay as they are */
+                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p]);
+#pragma GCC unroll 2
+                for (int x = 0; x < vecs; x++)
+                    sum[r][x] = (vec)mk_dot_pairs((__m512)sum[r][x], (__m512)b_p[x], a_rp);
+                continue;
+            }
+#endif
             /* x - 0 is x for every x (x + 0 would turn -0 into +0), so gcc
              * drops the subtraction and broadcasts straight from memory */
             vec a_rp = a[r * a_row + p * a_col] - (vec){0};
