@@ -728,13 +728,17 @@ static int lean_meet(const void *a, npy_intp a_bytes, const void *b, npy_intp b_
     return a_bytes > 0 && b_bytes > 0 && a_lo < b_lo + b_bytes && b_lo < a_lo + a_bytes;
 }
 
+#define LEAN_HEADS 64
+
 /* 1: the step ran (*ret the output), 0: not a lean call, -1: error */
 static int lean_step(const linear_call *c, PyObject **ret)
 {
     linear_options o;
     PyObject *S_obj = NULL, *z_obj = NULL;
     PyArrayObject *out = NULL;
-    ptrdiff_t *offsets = NULL;
+    /* the offset table of up to LEAN_HEADS heads lives on the stack: a
+     * step allocates nothing but its output */
+    ptrdiff_t table[LEAN_HEADS * ATTNX_LIN_NOPS], *offsets = NULL;
     npy_intp offset;
     int status = -1;
     if (strcmp(c->variant, "linear") != 0 || c->projection != Py_None) return 0;
@@ -798,7 +802,9 @@ static int lean_step(const linear_call *c, PyObject **ret)
         for (int u = w + 1; u < 5; u++)
             if (lean_meet(written[w], written_bytes[w], written[u], written_bytes[u])) goto done;
     }
-    if (!(offsets = PyMem_RawMalloc((size_t)heads * ATTNX_LIN_NOPS * sizeof(ptrdiff_t)))) {
+    offsets = heads <= LEAN_HEADS ? table
+                                  : PyMem_RawMalloc((size_t)heads * ATTNX_LIN_NOPS * sizeof(ptrdiff_t));
+    if (!offsets) {
         PyErr_NoMemory();
         status = -1;
         goto done;
@@ -841,7 +847,7 @@ static int lean_step(const linear_call *c, PyObject **ret)
     out = NULL;
     status = 1;
 done:
-    PyMem_RawFree(offsets);
+    if (offsets != table) PyMem_RawFree(offsets);
     Py_XDECREF(out);
     Py_XDECREF(S_obj);
     Py_XDECREF(z_obj);
