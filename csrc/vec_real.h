@@ -249,22 +249,39 @@ static inline __attribute__((always_inline)) REAL SFX(vexp2)(REAL x)
 
 /* 0 when every entry of the (rows, cols) block is finite: no entry has
  * all exponent bits set (an integer test, free of the latency of a
- * floating-point sum) */
+ * floating-point sum). Each lane of a vector keeps the largest exponent
+ * field of its column across the rows, reduced once at the end, not per
+ * row (the checks took 2% of a causal forward + backward). */
+#define NONFINITE_LANES (64 / (ptrdiff_t)sizeof(REAL))
 static inline ATTNX_HOT int SFX(has_nonfinite)(const REAL *block, ptrdiff_t rows, ptrdiff_t cols,
                                         ptrdiff_t row_stride)
 {
     const SFX(bits_t) exponent = (SFX(bits_t))((1 << (sizeof(REAL) == 4 ? 8 : 11)) - 1)
                                  << (sizeof(REAL) == 4 ? 23 : 52);
-    int nonfinite = 0;
-    for (ptrdiff_t r = 0; r < rows; r++)
-#pragma omp simd reduction(| : nonfinite)
-        for (ptrdiff_t c = 0; c < cols; c++) {
+    SFX(bits_t) top[NONFINITE_LANES] = {0}, largest = 0;
+    const ptrdiff_t whole = cols / NONFINITE_LANES * NONFINITE_LANES;
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const REAL *row = block + r * row_stride;
+        for (ptrdiff_t c0 = 0; c0 < whole; c0 += NONFINITE_LANES)
+#pragma omp simd
+            for (ptrdiff_t lane = 0; lane < NONFINITE_LANES; lane++) {
+                SFX(bits_t) bits;
+                memcpy(&bits, &row[c0 + lane], sizeof bits);
+                bits &= exponent;
+                top[lane] = bits > top[lane] ? bits : top[lane];
+            }
+        for (ptrdiff_t c = whole; c < cols; c++) {
             SFX(bits_t) bits;
-            memcpy(&bits, &block[r * row_stride + c], sizeof bits);
-            nonfinite |= (bits & exponent) == exponent;
+            memcpy(&bits, &row[c], sizeof bits);
+            bits &= exponent;
+            largest = bits > largest ? bits : largest;
         }
-    return nonfinite;
+    }
+    for (ptrdiff_t lane = 0; lane < NONFINITE_LANES; lane++)
+        largest = top[lane] > largest ? top[lane] : largest;
+    return largest == exponent;
 }
+#undef NONFINITE_LANES
 
 #undef EXP_LO
 #undef EXP2_LO

@@ -1014,6 +1014,33 @@ def test_softmax_feature_map_large_inputs(dtype):
                                                          causal=True), **t)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [1, 15, 16, 37, 64])
+def test_elu_feature_values(dtype, d):
+    """The elu + 1 features themselves, read through similarity against
+    one-hot keys (psi(0) = 1, psi(-inf) = 0): x + 1 above 0, e^x within 2
+    ulps below, down to the underflow edge (float32: -87, float64: -708,
+    where the features flush to 0), at every lane of whole and partial
+    vectors (float32 AVX-512 computes them in microkernel.h). Then NaN,
+    +inf and -inf alone in a row of d = 1."""
+    lo = -87.0 if dtype == np.float32 else -708.0
+    rng = np.random.default_rng(d)
+    edge = [lo, lo + 0.01, lo - 0.01, lo - 1, -0.0, 0.0, 1e-30, -1e-30, -0.5, -1e-3,
+            1e-3, 3.5, 1e30]
+    x = np.concatenate([edge, rng.uniform(lo, 10, 200)]).astype(dtype)
+    x = np.resize(x, (-(-x.size // d), d))
+    keys = np.where(np.eye(d, dtype=bool), 0, -np.inf).astype(dtype)
+    got = attnx.similarity(x, keys, variant="linear", feature_map="elu")
+    x64 = x.astype(np.float64)
+    want = np.where(x64 > 0, x64 + 1, np.where(x64 < lo, 0, np.exp(np.minimum(x64, 0))))
+    ulp = np.finfo(dtype).eps
+    np.testing.assert_allclose(got, want, rtol=2 * ulp, atol=0)
+    special = np.array([[np.nan], [np.inf], [-np.inf]], dtype)
+    got = attnx.similarity(special, np.zeros((1, 1), dtype), variant="linear",
+                           feature_map="elu")
+    np.testing.assert_array_equal(got, [[np.nan], [np.inf], [0]])
+
+
 # --------------------------------------------------------------------------
 # efficient attention
 # --------------------------------------------------------------------------
