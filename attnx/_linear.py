@@ -60,7 +60,7 @@ class LinearAttentionState:
     dtype with the batch shape of the step's q, k, v; otherwise ``step``
     raises ValueError (TypeError for another dtype)."""
 
-    __slots__ = ("_S", "z", "offset", "_options", "_features", "_pending", "_tick")
+    __slots__ = ("_S", "z", "offset", "_options", "_features", "_pending", "_tick", "_out")
 
     def __init__(self, S, z, offset):
         self._S = S
@@ -76,6 +76,9 @@ class LinearAttentionState:
         # steps since S last held every key (0: it holds them all)
         self._pending = None
         self._tick = 0
+        # the output of the last single-token step, whose memory the next
+        # one takes when nothing else holds it any more
+        self._out = None
 
     @property
     def S(self):
@@ -89,14 +92,6 @@ class LinearAttentionState:
         self._S = value
         self._tick = 0
 
-    def step(self, q, k, v, out=None):
-        """Decode in place: the outputs (..., n, e) for the new queries q
-        against every key so far plus the new keys k (causal), with S, z
-        and offset of this state updated to include k, v. See the class
-        docstring."""
-        if self._features is not None:
-            q, k = _callable_features(self._features, q, k, v)
-        return _C.linear_step(self, q, k, v, out)
 
     def __repr__(self):
         return (f"LinearAttentionState(S: {self.S.dtype}{self.S.shape}, "
@@ -189,6 +184,10 @@ def _checked_features(feature_map, x, name, dtype):
         raise ValueError(f"feature_map callable returned negative features for {name}; "
                          "features must be non-negative")
     return features.astype(dtype, copy=False)
+
+
+# state.step is a C method (csrc/py_linear.c): a decoding step is one C call
+LinearAttentionState.step = _C.state_class(LinearAttentionState, _callable_features)
 
 
 def _performer_projection(q, projection, num_features, seed):

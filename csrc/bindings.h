@@ -7,7 +7,7 @@ PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *k
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *attnx_py_linear_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *attnx_py_state_class(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
@@ -25,7 +25,7 @@ extern const char attnx_softmax_attention_doc[];
 extern const char attnx_gaussian_attention_doc[];
 extern const char attnx_softmax_backward_doc[];
 extern const char attnx_linear_attention_doc[];
-extern const char attnx_linear_step_doc[];
+extern const char attnx_state_class_doc[];
 extern const char attnx_linear_flush_doc[];
 extern const char attnx_linear_attention_backward_doc[];
 extern const char attnx_lsh_attention_doc[];

@@ -8,6 +8,7 @@
  * LinearAttentionState.step, is the same call with the options the state
  * remembers, writing the new state into the state's own arrays. */
 #include "args.h"
+#include <structmember.h> /* T_OBJECT_EX */
 
 #include <limits.h>
 #include <math.h>
@@ -270,7 +271,7 @@ static int projection_convert(PyObject *projection_obj, const attnx_call *call,
  * on every call costs about as much as the lookup. `S` is a property that
  * first adds the held keys (below); a step reads the array behind it. */
 static PyObject *name_S, *name_own_S, *name_z, *name_offset, *name_options, *name_pending,
-    *name_tick;
+    *name_tick, *name_features;
 
 int attnx_linear_names_init(void)
 {
@@ -281,8 +282,9 @@ int attnx_linear_names_init(void)
     name_options = PyUnicode_InternFromString("_options");
     name_pending = PyUnicode_InternFromString("_pending");
     name_tick = PyUnicode_InternFromString("_tick");
+    name_features = PyUnicode_InternFromString("_features");
     return name_S && name_own_S && name_z && name_offset && name_options && name_pending &&
-                   name_tick
+                   name_tick && name_features
                ? 0
                : -1;
 }
@@ -347,16 +349,11 @@ static int state_get(PyObject *state, int own, PyObject **S, PyObject **z, npy_i
  * none yet, or S was replaced), and state._tick. The arrays are the
  * state's private ones, made by hold_keys; held keys that do not fit S
  * were set by hand. */
-static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pending)
+static int held_keys_of(PyObject *tick_obj, PyObject *pair, PyArrayObject *S,
+                        attnx_pending *pending)
 {
     pending->psi = pending->v = NULL;
     pending->capacity = HELD_KEYS;
-    PyObject *tick_obj = PyObject_GetAttr(state, name_tick);
-    PyObject *pair = tick_obj ? PyObject_GetAttr(state, name_pending) : NULL;
-    if (!pair) {
-        Py_XDECREF(tick_obj);
-        return -1;
-    }
     pending->tick = PyLong_Check(tick_obj) ? PyLong_AsSsize_t(tick_obj) : -1;
     int nd = PyArray_NDIM(S), fits = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
     for (int i = 0; fits && i < 2; i++) {
@@ -371,8 +368,6 @@ static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pendi
         pending->psi = PyArray_DATA((PyArrayObject *)PyTuple_GET_ITEM(pair, 0));
         pending->v = PyArray_DATA((PyArrayObject *)PyTuple_GET_ITEM(pair, 1));
     }
-    Py_DECREF(tick_obj);
-    Py_DECREF(pair);
     /* steps store ticks below 2 HELD_KEYS (attnx_pending_next) */
     if (pending->tick == 0 || (fits && pending->tick > 0 && pending->tick < 2 * HELD_KEYS)) return 0;
     PyErr_Clear();
@@ -380,6 +375,17 @@ static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pendi
                     "this state's held decoding keys (_pending, _tick) do not fit its S: they "
                     "were changed by hand; assign state.S to start again from a given S");
     return -1;
+}
+
+/* held_keys_of the state's _tick and _pending */
+static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pending)
+{
+    PyObject *tick_obj = PyObject_GetAttr(state, name_tick);
+    PyObject *pair = tick_obj ? PyObject_GetAttr(state, name_pending) : NULL;
+    int status = pair ? held_keys_of(tick_obj, pair, S, pending) : -1;
+    Py_XDECREF(tick_obj);
+    Py_XDECREF(pair);
+    return status;
 }
 
 /* obj.name = value */
@@ -728,34 +734,69 @@ static int lean_meet(const void *a, npy_intp a_bytes, const void *b, npy_intp b_
     return a_bytes > 0 && b_bytes > 0 && a_lo < b_lo + b_bytes && b_lo < a_lo + a_bytes;
 }
 
+/* LinearAttentionState (attnx/_linear.py) as the binding knows it,
+ * registered once by _C.state_class: the offsets of its slots, which the
+ * lean step of that exact class reads and writes in place (getattr and
+ * setattr of eight of them took a seventh of a one-head step), and the
+ * function that applies a callable feature map. Another class, a subclass
+ * included, goes the general way, through getattr. */
+enum { SLOT_S, SLOT_Z, SLOT_OFFSET, SLOT_OPTIONS, SLOT_FEATURES, SLOT_PENDING, SLOT_TICK, SLOT_OUT,
+       NSLOTS };
+static const char *const slot_names[NSLOTS] = {"_S", "z", "offset", "_options", "_features",
+                                               "_pending", "_tick", "_out"};
+static PyTypeObject *state_type;
+static Py_ssize_t slot_offsets[NSLOTS];
+static PyObject *callable_features;
+
+/* slot i of a state of exactly state_type (borrowed; NULL when unset) */
+static PyObject *slot_get(PyObject *state, int i)
+{
+    return *(PyObject **)((char *)state + slot_offsets[i]);
+}
+
+/* slot i = value (a new reference, which the slot takes) */
+static void slot_put(PyObject *state, int i, PyObject *value)
+{
+    PyObject **slot = (PyObject **)((char *)state + slot_offsets[i]);
+    Py_XSETREF(*slot, value);
+}
+
 #define LEAN_HEADS 64
 
 /* 1: the step ran (*ret the output), 0: not a lean call, -1: error */
 static int lean_step(const linear_call *c, PyObject **ret)
 {
+    PyObject *state = c->initial_state;
     linear_options o;
-    PyObject *S_obj = NULL, *z_obj = NULL;
     PyArrayObject *out = NULL;
     /* the offset table of up to LEAN_HEADS heads lives on the stack: a
-     * step allocates nothing but its output */
+     * step allocates nothing but its output, and not that when the output
+     * of the last step is free (below) */
     ptrdiff_t table[LEAN_HEADS * ATTNX_LIN_NOPS], *offsets = NULL;
-    npy_intp offset;
-    int status = -1;
-    if (strcmp(c->variant, "linear") != 0 || c->projection != Py_None) return 0;
+    if (Py_TYPE(state) != state_type || strcmp(c->variant, "linear") != 0 ||
+        c->projection != Py_None)
+        return 0;
+    PyObject *S_obj = slot_get(state, SLOT_S), *z_obj = slot_get(state, SLOT_Z);
+    PyObject *offset_obj = slot_get(state, SLOT_OFFSET), *tick_obj = slot_get(state, SLOT_TICK);
+    PyObject *pair = slot_get(state, SLOT_PENDING), *last = slot_get(state, SLOT_OUT);
+    if (!S_obj || !z_obj || !offset_obj || !tick_obj || !pair || !PyLong_CheckExact(offset_obj) ||
+        !PyArray_Check(S_obj) || PyArray_NDIM((PyArrayObject *)S_obj) < 2)
+        return 0;
+    npy_intp offset = PyLong_AsSsize_t(offset_obj);
+    if (offset < 0) {
+        PyErr_Clear();
+        return 0;
+    }
     if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
-                      c->eps, c->p, c->M, c->initial_state, 1, &o) < 0)
+                      c->eps, c->p, c->M, state, 1, &o) < 0)
         return -1;
     if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY || resolve_method(&o, 0, 1) < 0 ||
         o.method != ATTNX_METHOD_RECURRENT) {
         PyErr_Clear();
         return 0;
     }
-    if (state_get(c->initial_state, 1, &S_obj, &z_obj, &offset) < 0) return -1;
     PyArrayObject *S = (PyArrayObject *)S_obj, *z = (PyArrayObject *)z_obj;
-    status = 0;
-    if (!PyArray_Check(S_obj) || PyArray_NDIM(S) < 2 ||
-        (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE))
-        goto done;
+    if (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE) return 0;
     int typenum = PyArray_TYPE(S), lead = PyArray_NDIM(S) - 2;
     const npy_intp *batch = PyArray_DIMS(S);
     npy_intp r = batch[lead], e = batch[lead + 1];
@@ -767,28 +808,31 @@ static int lean_step(const linear_call *c, PyObject **ret)
         !lean_fits(c->k, typenum, batch, lead, 1, d) || !lean_fits(c->v, typenum, batch, lead, 1, e) ||
         (c->out != Py_None && (!lean_fits(c->out, typenum, batch, lead, 1, e) ||
                                !PyArray_ISWRITEABLE((PyArrayObject *)c->out))))
-        goto done;
+        return 0;
     attnx_pending pending;
-    if (held_keys_get(c->initial_state, S, &pending) < 0) {
-        status = -1;
-        goto done;
-    }
-    if (!pending.psi) goto done;  /* the first step makes the held keys' arrays */
+    if (held_keys_of(tick_obj, pair, S, &pending) < 0) return -1;
+    if (!pending.psi) return 0;  /* the first step makes the held keys' arrays */
     npy_intp heads = PyArray_SIZE(z) / r, item = PyArray_ITEMSIZE(S);
-    if (heads == 0 || e == 0) goto done;  /* nothing to run: the general path's defined results */
-    if (c->out == Py_None) {
+    if (heads == 0 || e == 0) return 0;  /* nothing to run: the general path's defined results */
+    int status = -1;
+    if (c->out != Py_None) {
+        out = (PyArrayObject *)c->out;
+        Py_INCREF(out);
+    } else if (last && Py_REFCNT(last) == 1 && lean_fits(last, typenum, batch, lead, 1, e) &&
+               PyArray_ISWRITEABLE((PyArrayObject *)last)) {
+        /* the last step's output, which nothing but this state holds any
+         * more (no name, view or buffer of it is left): the new one takes
+         * its memory (allocating and freeing it took 0.17 us) */
+        out = (PyArrayObject *)last;
+        Py_INCREF(out);
+    } else {
         npy_intp shape[NPY_MAXDIMS];
         memcpy(shape, batch, (size_t)lead * sizeof(npy_intp));
         shape[lead] = 1;
         shape[lead + 1] = e;
-        if (!(out = (PyArrayObject *)PyArray_SimpleNew(lead + 2, shape, typenum))) {
-            status = -1;
-            goto done;
-        }
-    } else {
-        out = (PyArrayObject *)c->out;
-        Py_INCREF(out);
+        if (!(out = (PyArrayObject *)PyArray_SimpleNew(lead + 2, shape, typenum))) goto done;
     }
+    status = 0;
     /* the arrays the step writes against every other it touches */
     PyArrayObject *read[] = {(PyArrayObject *)c->q, (PyArrayObject *)c->k, (PyArrayObject *)c->v};
     const void *written[] = {PyArray_DATA(S), PyArray_DATA(z), pending.psi, pending.v,
@@ -802,11 +846,11 @@ static int lean_step(const linear_call *c, PyObject **ret)
         for (int u = w + 1; u < 5; u++)
             if (lean_meet(written[w], written_bytes[w], written[u], written_bytes[u])) goto done;
     }
+    status = -1;
     offsets = heads <= LEAN_HEADS ? table
                                   : PyMem_RawMalloc((size_t)heads * ATTNX_LIN_NOPS * sizeof(ptrdiff_t));
     if (!offsets) {
         PyErr_NoMemory();
-        status = -1;
         goto done;
     }
     for (npy_intp h = 0; h < heads; h++) {
@@ -837,11 +881,18 @@ static int lean_step(const linear_call *c, PyObject **ret)
     Py_BEGIN_ALLOW_THREADS
     kernel_status = linear_kernels[typenum == NPY_DOUBLE](&kargs);
     Py_END_ALLOW_THREADS
-    if (attnx_check_status(kernel_status) < 0 ||
-        set_int_attr(c->initial_state, name_offset, (Py_ssize_t)(offset + 1)) < 0 ||
-        set_int_attr(c->initial_state, name_tick, attnx_pending_next(pending.tick, HELD_KEYS)) < 0) {
-        status = -1;
+    PyObject *next_offset = PyLong_FromSsize_t((Py_ssize_t)(offset + 1));
+    PyObject *next_tick = next_offset ? PyLong_FromSsize_t(attnx_pending_next(pending.tick, HELD_KEYS))
+                                      : NULL;
+    if (attnx_check_status(kernel_status) < 0 || !next_tick) {
+        Py_XDECREF(next_offset);
         goto done;
+    }
+    slot_put(state, SLOT_OFFSET, next_offset);
+    slot_put(state, SLOT_TICK, next_tick);
+    if (c->out == Py_None && (PyObject *)out != last) {
+        Py_INCREF(out);
+        slot_put(state, SLOT_OUT, (PyObject *)out);
     }
     *ret = (PyObject *)out;
     out = NULL;
@@ -849,49 +900,101 @@ static int lean_step(const linear_call *c, PyObject **ret)
 done:
     if (offsets != table) PyMem_RawFree(offsets);
     Py_XDECREF(out);
-    Py_XDECREF(S_obj);
-    Py_XDECREF(z_obj);
     return status;
 }
 
-/* state.step(q, k, v, out): the causal call that continues `state`, with
- * the options of the call that made it (state._options: variant,
+/* The arguments of state.step(q, k, v, out=None) from a vectorcall: found
+ * (q, k, v, out), borrowed */
+static int step_arguments(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                          PyObject *found[4])
+{
+    static const char *const names[4] = {"q", "k", "v", "out"};
+    Py_ssize_t keywords = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs > 4) {
+        PyErr_Format(PyExc_TypeError, "step() takes q, k, v and optionally out (%zd given)", nargs);
+        return -1;
+    }
+    for (int i = 0; i < 4; i++) found[i] = i < nargs ? args[i] : NULL;
+    for (Py_ssize_t j = 0; j < keywords; j++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+        int i = 0;
+        while (i < 4 && PyUnicode_CompareWithASCIIString(name, names[i]) != 0) i++;
+        if (i == 4) {
+            PyErr_Format(PyExc_TypeError, "step() got an unexpected keyword argument %R", name);
+            return -1;
+        }
+        if (found[i]) {
+            PyErr_Format(PyExc_TypeError, "step() got multiple values for argument '%s'", names[i]);
+            return -1;
+        }
+        found[i] = args[nargs + j];
+    }
+    for (int i = 0; i < 3; i++)
+        if (!found[i]) {
+            PyErr_Format(PyExc_TypeError, "step() missing required argument '%s'", names[i]);
+            return -1;
+        }
+    if (!found[3]) found[3] = Py_None;
+    return 0;
+}
+
+/* an attribute of the state: its slot when the state is of exactly
+ * state_type and the slot is set, else getattr (new reference) */
+static PyObject *state_attr(PyObject *state, int slot, PyObject *name)
+{
+    PyObject *value = Py_TYPE(state) == state_type ? slot_get(state, slot) : NULL;
+    if (!value) return PyObject_GetAttr(state, name);
+    Py_INCREF(value);
+    return value;
+}
+
+/* state.step(q, k, v, out=None): the causal call that continues `state`,
+ * with the options of the call that made it (state._options: variant,
  * feature_map, causal, eps, projection, p, M), writing the new state into
- * the state's own arrays and advancing its offset. */
-PyObject *attnx_py_linear_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+ * the state's own arrays and advancing its offset. A method descriptor of
+ * LinearAttentionState (_C.state_class), so that a step is one C call. */
+static PyObject *state_step(PyObject *state, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames)
 {
     linear_call c = {.key_mask = Py_None, .mask = Py_None, .window = Py_None, .method = Py_None,
-                     .chunk_size = Py_None, .causal = Py_True, .normalise = 1, .in_place = 1};
-    PyObject *options, *made_causal;
-    if (nargs < 4 || nargs > 5) {
-        PyErr_Format(PyExc_TypeError, "step() takes q, k, v and optionally out (%zd given)",
-                     nargs - 1);
-        return NULL;
+                     .chunk_size = Py_None, .causal = Py_True, .normalise = 1, .in_place = 1,
+                     .initial_state = state};
+    PyObject *found[4], *options = NULL, *features = NULL, *mapped = NULL, *ret = NULL;
+    if (step_arguments(args, PyVectorcall_NARGS(nargs), kwnames, found) < 0) return NULL;
+    c.q = found[0];
+    c.k = found[1];
+    c.v = found[2];
+    c.out = found[3];
+    /* a callable feature map runs in Python (attnx/_linear.py), and its
+     * features enter the kernel as q and k */
+    if (!(features = state_attr(state, SLOT_FEATURES, name_features))) return NULL;
+    if (features != Py_None) {
+        mapped = PyObject_CallFunctionObjArgs(callable_features, features, c.q, c.k, c.v, NULL);
+        if (!mapped) goto done;
+        if (!PyTuple_Check(mapped) || PyTuple_GET_SIZE(mapped) != 2) {
+            PyErr_SetString(PyExc_SystemError, "_callable_features must return (phi_q, phi_k)");
+            goto done;
+        }
+        c.q = PyTuple_GET_ITEM(mapped, 0);
+        c.k = PyTuple_GET_ITEM(mapped, 1);
     }
-    c.initial_state = args[0];
-    c.q = args[1];
-    c.k = args[2];
-    c.v = args[3];
-    c.out = nargs == 5 ? args[4] : Py_None;
-    if (!(options = PyObject_GetAttr(c.initial_state, name_options))) return NULL;
+    if (!(options = state_attr(state, SLOT_OPTIONS, name_options))) goto done;
     if (!PyTuple_Check(options) || PyTuple_GET_SIZE(options) != 7 ||
         !PyUnicode_Check(PyTuple_GET_ITEM(options, 0))) {
         PyErr_SetString(PyExc_ValueError,
                         "step() needs a state returned by an attnx call with return_state=True "
                         "(it remembers that call's feature map and options); this state was "
                         "built by hand");
-        Py_DECREF(options);
-        return NULL;
+        goto done;
     }
     int causal;
-    made_causal = PyTuple_GET_ITEM(options, 2);
+    PyObject *made_causal = PyTuple_GET_ITEM(options, 2);
     if (attnx_parse_causal(made_causal, &causal) < 0 || !causal) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError,
                             "step() continues causal decoding only: this state comes from a "
                             "non-causal call (causal=False)");
-        Py_DECREF(options);
-        return NULL;
+        goto done;
     }
     c.variant = PyUnicode_AsUTF8(PyTuple_GET_ITEM(options, 0));
     c.feature_map = PyTuple_GET_ITEM(options, 1);
@@ -899,11 +1002,52 @@ PyObject *attnx_py_linear_step(PyObject *self, PyObject *const *args, Py_ssize_t
     c.projection = PyTuple_GET_ITEM(options, 4);
     c.p = PyTuple_GET_ITEM(options, 5);
     c.M = PyTuple_GET_ITEM(options, 6);
-    PyObject *ret = NULL;
     int lean = c.variant ? lean_step(&c, &ret) : -1;
     if (lean == 0) ret = run_linear(&c);
-    Py_DECREF(options);  /* after the call: the tuple owns the borrowed items */
+done:
+    /* after the call: the tuples own the borrowed items */
+    Py_XDECREF(options);
+    Py_XDECREF(mapped);
+    Py_DECREF(features);
     return ret;
+}
+
+static PyMethodDef state_step_def = {
+    "step", (PyCFunction)(void (*)(void))state_step, METH_FASTCALL | METH_KEYWORDS,
+    "step($self, q, k, v, out=None)\n"
+    "--\n\n"
+    "Decode in place: the outputs (..., n, e) for the new queries q against\n"
+    "every key so far plus the new keys k (causal), with S, z and offset of\n"
+    "this state updated to include k, v. See the class docstring."};
+
+/* _C.state_class(cls, callable_features): registers LinearAttentionState
+ * (its slots) and the function applying a callable feature map; returns
+ * the step method for the class */
+PyObject *attnx_py_state_class(PyObject *self, PyObject *args)
+{
+    PyObject *cls, *function;
+    Py_ssize_t offsets[NSLOTS];
+    if (!PyArg_ParseTuple(args, "O!O:state_class", &PyType_Type, &cls, &function)) return NULL;
+    for (int i = 0; i < NSLOTS; i++) {
+        PyObject *descr = PyObject_GetAttrString(cls, slot_names[i]);
+        if (!descr) return NULL;
+        int is_slot = Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+                      ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
+        offsets[i] = is_slot ? ((PyMemberDescrObject *)descr)->d_member->offset : -1;
+        Py_DECREF(descr);
+        if (!is_slot) {
+            PyErr_Format(PyExc_TypeError, "state_class: %s is not a slot of %R", slot_names[i], cls);
+            return NULL;
+        }
+    }
+    PyObject *step = PyDescr_NewMethod((PyTypeObject *)cls, &state_step_def);
+    if (!step) return NULL;
+    memcpy(slot_offsets, offsets, sizeof offsets);
+    Py_INCREF(cls);
+    Py_XSETREF(state_type, (PyTypeObject *)cls);
+    Py_INCREF(function);
+    Py_XSETREF(callable_features, function);
+    return step;
 }
 
 /* state.S: the held keys of single-token steps into the state's S */
@@ -1084,10 +1228,12 @@ const char attnx_linear_attention_doc[] = (
 "(every argument positional; use the front ends). Returns out, or\n"
 "(out, S, z, offset) with return_state.");
 
-const char attnx_linear_step_doc[] = (
-"linear_step(state, q, k, v, out=None)\n"
+const char attnx_state_class_doc[] = (
+"state_class(cls, callable_features)\n"
 "--\n\n"
-"The kernel behind attnx.LinearAttentionState.step (use the method).");
+"Registers attnx.LinearAttentionState (its slots, read in place by a\n"
+"decoding step) and the function that applies a callable feature map;\n"
+"returns the class's step method.");
 
 const char attnx_linear_flush_doc[] = (
 "linear_flush(state)\n"

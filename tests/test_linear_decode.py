@@ -602,6 +602,71 @@ def test_lean_and_general_step_bindings_agree(lead):
     assert_close(lean, attnx.linear_attention(q, k, v, causal=True)[..., 4:, :], np.float32)
 
 
+def test_step_output_memory_reused_only_when_free():
+    """A step without out= returns its output in the memory of the last
+    step's output when nothing holds that any more (no name, view or
+    buffer): the lean binding's saving. An output still held is never
+    written again, and every output is what the steps with all outputs
+    kept give."""
+    q, k, v = _decoding_inputs()
+    want, _ = _decode_tokens(q, k, v)  # every output kept in a list: none reused
+    _, state = attnx.linear_attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], causal=True,
+                                      return_state=True)
+    holders = {14: lambda out: out, 15: lambda out: out[0], 16: memoryview}
+    address, copies, kept = {}, [], {}
+    for t in range(4, q.shape[-2]):
+        out = state.step(*(np.ascontiguousarray(x[..., t:t + 1, :]) for x in (q, k, v)))
+        address[t] = out.__array_interface__["data"][0]
+        copies.append(out.copy())
+        if t in holders:
+            kept[t] = holders[t](out)
+        del out
+    np.testing.assert_array_equal(np.concatenate(copies, axis=-2), want)
+    # token 4 is the state's first single-token step (the general binding);
+    # from token 5 on the lean one, in one array's memory while nothing holds it
+    assert len({address[t] for t in range(5, 15)}) == 1
+    # held by name (14), through a view (15), through a buffer (16): new memory
+    assert len({address[14], address[15], address[16], address[17]}) == 4
+    assert {address[t] for t in range(17, q.shape[-2])} == {address[17]}
+    np.testing.assert_array_equal(kept[14], copies[14 - 4])
+    np.testing.assert_array_equal(kept[15], copies[15 - 4][0])
+    np.testing.assert_array_equal(np.asarray(kept[16]), copies[16 - 4])
+
+
+def test_step_keywords_and_subclass():
+    """step takes q, k, v and out by keyword too, with Python's errors for
+    wrong arguments; a subclass of LinearAttentionState steps through the
+    general binding (getattr: it may override the attributes), equal to
+    the class's own lean steps."""
+    q, k, v = _decoding_inputs(tokens=8)
+
+    class Subclass(attnx.LinearAttentionState):
+        pass
+
+    _, state = attnx.linear_attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], causal=True,
+                                      return_state=True)
+    sub = Subclass(state.S.copy(), state.z.copy(), state.offset)
+    sub._options = state._options
+    outs, sub_outs = [], []
+    for t in range(4, 8):
+        token = [np.ascontiguousarray(x[..., t:t + 1, :]) for x in (q, k, v)]
+        out = np.empty_like(token[2])
+        outs.append(state.step(v=token[2], q=token[0], k=token[1], out=out))
+        assert outs[-1] is out
+        sub_outs.append(sub.step(*token))
+    np.testing.assert_array_equal(np.concatenate(outs, -2), np.concatenate(sub_outs, -2))
+    assert sub._out is None and state.offset == sub.offset == 8
+    np.testing.assert_array_equal(state.S, sub.S)
+    token = [x[..., 8 - 1:8, :] for x in (q, k, v)]
+    for args, kwargs, message in [
+            (token, {"w": 1}, "unexpected keyword argument 'w'"),
+            (token, {"q": token[0]}, "multiple values for argument 'q'"),
+            (token[:2], {}, "missing required argument 'v'"),
+            (token + [None, None], {}, r"takes q, k, v and optionally out \(5 given\)")]:
+        with pytest.raises(TypeError, match=message):
+            state.step(*args, **kwargs)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 1, 2])
 def test_step_threads_equal_one_thread(threads):
     """Any thread count (three helpers on two cores, a team larger than
