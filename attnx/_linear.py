@@ -45,7 +45,7 @@ class LinearAttentionState:
     of new tokens per step.
 
     A step of one token holds its key back from ``S`` (``z`` takes it at
-    once) and adds the keys a head holds into ``S`` 8 at a time, the heads
+    once) and adds the keys a head holds into ``S`` 4 at a time, the heads
     taking turns; its output counts them all. Most steps then only read
     ``S`` instead of reading and writing it, which halves a step's memory
     traffic. Reading ``state.S`` (or passing the state as
@@ -72,7 +72,7 @@ class LinearAttentionState:
         self._options = None
         self._features = None
         # the keys single-token steps hold back from S: two arrays
-        # (..., 8, r) and (..., 8, e) made by the first such step, and the
+        # (..., 4, r) and (..., 4, e) made by the first such step, and the
         # steps since S last held every key (0: it holds them all)
         self._pending = None
         self._tick = 0

@@ -295,8 +295,11 @@ int attnx_linear_names_init(void)
  * A step of several tokens, or reading state.S, first adds them in.
  * Measured on the development machine (32 heads, d = 64, float32, 2
  * threads, out=), a step took 9.7-10.0, 9.3-9.6 and 9.7-9.8 us holding 4,
- * 8 and 16 keys, against 11.0 us for the RNN step that writes S each time. */
-#define HELD_KEYS 8
+ * 8 and 16 keys, against 11.0 us for the RNN step that writes S each time.
+ * With the AVX-512 decoding kernel (AMD Zen 5, 2 threads, out=, medians of
+ * 7 alternating runs): 3.34, 3.10-3.14, 3.11, 3.52 us holding 2, 4, 6 and
+ * 16 keys against 3.20-3.21 us holding 8. */
+#define HELD_KEYS 4
 
 /* initial_state: its S (new references; NULL for None), z and offset;
  * S through the property, or, for a step (own), the array behind it */
