@@ -766,8 +766,27 @@ static void slot_put(PyObject *state, int i, PyObject *value)
 
 #define LEAN_HEADS 64
 
+/* The options of the last lean step, parsed: state._options is made once
+ * per state, so while it is the same tuple of the same immutable values
+ * (the tuple is held here, so its address is not reused) its parse is the
+ * same (parsing took a tenth of a one-head step). */
+static PyObject *lean_options_of;
+static linear_options lean_options;
+
+/* are the options tuple's items values that cannot change? */
+static int options_immutable(PyObject *options)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(options); i++) {
+        PyObject *item = PyTuple_GET_ITEM(options, i);
+        if (item != Py_None && !PyBool_Check(item) && !PyUnicode_CheckExact(item) &&
+            !PyLong_CheckExact(item) && !PyFloat_CheckExact(item))
+            return 0;
+    }
+    return 1;
+}
+
 /* 1: the step ran (*ret the output), 0: not a lean call, -1: error */
-static int lean_step(const linear_call *c, PyObject **ret)
+static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
 {
     PyObject *state = c->initial_state;
     linear_options o;
@@ -790,13 +809,22 @@ static int lean_step(const linear_call *c, PyObject **ret)
         PyErr_Clear();
         return 0;
     }
-    if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
-                      c->eps, c->p, c->M, state, 1, &o) < 0)
-        return -1;
-    if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY || resolve_method(&o, 0, 1) < 0 ||
-        o.method != ATTNX_METHOD_RECURRENT) {
-        PyErr_Clear();
-        return 0;
+    if (options == lean_options_of) {
+        o = lean_options;
+    } else {
+        if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method,
+                          c->chunk_size, c->eps, c->p, c->M, state, 1, &o) < 0)
+            return -1;
+        if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY ||
+            resolve_method(&o, 0, 1) < 0 || o.method != ATTNX_METHOD_RECURRENT) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (options_immutable(options)) {
+            Py_INCREF(options);
+            Py_XSETREF(lean_options_of, options);
+            lean_options = o;
+        }
     }
     PyArrayObject *S = (PyArrayObject *)S_obj, *z = (PyArrayObject *)z_obj;
     if (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE) return 0;
@@ -815,7 +843,8 @@ static int lean_step(const linear_call *c, PyObject **ret)
     attnx_pending pending;
     if (held_keys_of(tick_obj, pair, S, &pending) < 0) return -1;
     if (!pending.psi) return 0;  /* the first step makes the held keys' arrays */
-    npy_intp heads = PyArray_SIZE(z) / r, item = PyArray_ITEMSIZE(S);
+    npy_intp heads = 1, item = PyArray_ITEMSIZE(S);
+    for (int ax = 0; ax < lead; ax++) heads *= batch[ax];
     if (heads == 0 || e == 0) return 0;  /* nothing to run: the general path's defined results */
     int status = -1;
     if (c->out != Py_None) {
@@ -836,16 +865,18 @@ static int lean_step(const linear_call *c, PyObject **ret)
         if (!(out = (PyArrayObject *)PyArray_SimpleNew(lead + 2, shape, typenum))) goto done;
     }
     status = 0;
-    /* the arrays the step writes against every other it touches */
-    PyArrayObject *read[] = {(PyArrayObject *)c->q, (PyArrayObject *)c->k, (PyArrayObject *)c->v};
+    /* the arrays the step writes against every other it touches (all
+     * C-ordered, of the batch shape: their sizes follow from it) */
+    const void *read[] = {PyArray_DATA((PyArrayObject *)c->q), PyArray_DATA((PyArrayObject *)c->k),
+                          PyArray_DATA((PyArrayObject *)c->v)};
+    npy_intp read_bytes[] = {heads * d * item, heads * d * item, heads * e * item};
     const void *written[] = {PyArray_DATA(S), PyArray_DATA(z), pending.psi, pending.v,
                              PyArray_DATA(out)};
-    npy_intp written_bytes[] = {PyArray_NBYTES(S), PyArray_NBYTES(z), heads * HELD_KEYS * r * item,
-                                heads * HELD_KEYS * e * item, PyArray_NBYTES(out)};
+    npy_intp written_bytes[] = {heads * r * e * item, heads * r * item, heads * HELD_KEYS * r * item,
+                                heads * HELD_KEYS * e * item, heads * e * item};
     for (int w = 0; w < 5; w++) {
         for (int i = 0; i < 3; i++)
-            if (lean_meet(written[w], written_bytes[w], PyArray_DATA(read[i]), PyArray_NBYTES(read[i])))
-                goto done;
+            if (lean_meet(written[w], written_bytes[w], read[i], read_bytes[i])) goto done;
         for (int u = w + 1; u < 5; u++)
             if (lean_meet(written[w], written_bytes[w], written[u], written_bytes[u])) goto done;
     }
@@ -1005,7 +1036,7 @@ static PyObject *state_step(PyObject *state, PyObject *const *args, Py_ssize_t n
     c.projection = PyTuple_GET_ITEM(options, 4);
     c.p = PyTuple_GET_ITEM(options, 5);
     c.M = PyTuple_GET_ITEM(options, 6);
-    int lean = c.variant ? lean_step(&c, &ret) : -1;
+    int lean = c.variant ? lean_step(&c, options, &ret) : -1;
     if (lean == 0) ret = run_linear(&c);
 done:
     /* after the call: the tuples own the borrowed items */

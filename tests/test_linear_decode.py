@@ -633,6 +633,36 @@ def test_step_output_memory_reused_only_when_free():
     np.testing.assert_array_equal(np.asarray(kept[16]), copies[16 - 4])
 
 
+def test_steps_of_states_with_other_options_interleaved():
+    """The lean binding keeps the parse of the last state's options: states
+    made with other feature maps and eps (one eps a numpy scalar, parsed
+    every time) stepping in turn each keep their own, equal to stepping
+    each alone."""
+    q, k, v = _decoding_inputs(tokens=12)
+    made = [dict(feature_map="elu"), dict(feature_map="relu", eps=0.5),
+            dict(feature_map="elu", eps=np.float64(1e7)), dict(feature_map="softmax")]
+
+    def start(options):
+        return attnx.linear_attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], causal=True,
+                                      return_state=True, **options)[1]
+
+    def token(t):
+        return [np.ascontiguousarray(x[..., t:t + 1, :]) for x in (q, k, v)]
+
+    alone = [np.concatenate([state.step(*token(t)) for t in range(4, 12)], -2)
+             for state in map(start, made)]
+    states = [start(options) for options in made]
+    together = [[] for _ in made]
+    for t in range(4, 12):
+        for outs, state in zip(together, states):
+            outs.append(state.step(*token(t)))
+    for want, got, options in zip(alone, together, made):
+        np.testing.assert_array_equal(np.concatenate(got, -2), want)
+        assert_close(want, attnx.linear_attention(q, k, v, causal=True, **options)[..., 4:, :],
+                     np.float32)
+    assert not np.allclose(alone[0], alone[2])  # eps = 1e7 clamps
+
+
 def test_step_keywords_and_subclass():
     """step takes q, k, v and out by keyword too, with Python's errors for
     wrong arguments; a subclass of LinearAttentionState steps through the
