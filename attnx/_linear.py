@@ -41,8 +41,9 @@ class LinearAttentionState:
     the state) returns as output, with that call's options (feature map,
     projection, eps, p, M), but absorbs the new keys and values into this
     object's own ``S`` and ``z`` in place and advances ``offset``, so a
-    step allocates nothing but its output (none with ``out=``). Any number
-    of new tokens per step.
+    step allocates nothing but its output (none with ``out=``, nor when
+    the output of the state's last step is no longer held anywhere: the
+    new one takes its memory). Any number of new tokens per step.
 
     A step of one token holds its key back from ``S`` (``z`` takes it at
     once) and adds the keys a head holds into ``S`` 4 at a time, the heads
