@@ -93,7 +93,6 @@ class LinearAttentionState:
         self._S = value
         self._tick = 0
 
-
     def __repr__(self):
         return (f"LinearAttentionState(S: {self.S.dtype}{self.S.shape}, "
                 f"z: {self.z.dtype}{self.z.shape}, offset={self.offset})")
