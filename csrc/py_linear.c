@@ -920,6 +920,7 @@ static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
                                       : NULL;
     if (attnx_check_status(kernel_status) < 0 || !next_tick) {
         Py_XDECREF(next_offset);
+        Py_XDECREF(next_tick);
         goto done;
     }
     slot_put(state, SLOT_OFFSET, next_offset);
