@@ -1011,7 +1011,8 @@ static inline void mk_elu_row_w16(const float *x, ptrdiff_t d, float *f)
 
 /* phi = elu(q) + 1, psi = elu(k) + 1 for one query and one key row of d
  * features, d % 16 == 0: both rows' vectors interleaved, the exponentials'
- * chains of dependent operations overlapping */
+ * chains of dependent operations overlapping (two calls of mk_elu_row_w16
+ * instead: a 32-head decoding step 4.47 against 4.40 us on one thread) */
 static inline void mk_elu_rows_w16(const float *q, const float *k, ptrdiff_t d, float *phi,
                                    float *psi)
 {
