@@ -806,8 +806,9 @@ static inline __attribute__((always_inline)) void mk_chunk_state_w16(
 
 /* S (r, e) += psi^T V over `keys` keys (psi rows r apart), in key order,
  * 6 features at a time: r % 2 == 0 (r % 6 is then 0, 2 or 4), e % 16 == 0 */
-static inline void mk_add_keys_w16(const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
-                                   ptrdiff_t keys, float *S, ptrdiff_t e, mk_ahead *ahead)
+static inline __attribute__((always_inline)) void mk_add_keys_body_w16(
+    const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row, ptrdiff_t keys, float *S,
+    ptrdiff_t e, mk_ahead *ahead)
 {
 #define MK_STATE(nv)                                                                            \
     do {                                                                                        \
@@ -821,6 +822,12 @@ static inline void mk_add_keys_w16(const float *psi, ptrdiff_t r, const float *v
     } while (0)
     MK_CHUNK_COLUMNS(e, MK_STATE)
 #undef MK_STATE
+}
+
+static inline void mk_add_keys_w16(const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
+                                   ptrdiff_t keys, float *S, ptrdiff_t e, mk_ahead *ahead)
+{
+    mk_add_keys_body_w16(psi, r, v, v_row, keys, S, e, ahead);
 }
 
 /* z (r,) += sum_t w[t] x_t over 16 rows x_t (r apart), w NULL: all 1;
@@ -841,9 +848,9 @@ static inline void mk_add_rows_w16(float *z, const float *x, ptrdiff_t r, const 
 /* out (16 rows out_row apart, e) = phi S + P V for a chunk's 16 rows:
  * phi (16, r), S (r, e), P (16, 16), V (16 rows v_row apart, e), in row
  * blocks of 6, 6 and 4 (mk_chunk_out_w16's registers) */
-static inline void mk_chunk_rows_w16(const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e,
-                                     const float *p, const float *v, ptrdiff_t v_row, float *out,
-                                     ptrdiff_t out_row, mk_ahead *ahead)
+static inline __attribute__((always_inline)) void mk_chunk_rows_w16(
+    const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e, const float *p, const float *v,
+    ptrdiff_t v_row, float *out, ptrdiff_t out_row, mk_ahead *ahead)
 {
 #define MK_ROWS(nv)                                                                             \
     do {                                                                                        \
@@ -863,11 +870,10 @@ static inline void mk_chunk_rows_w16(const float *phi, ptrdiff_t r, const float 
  * NaN kept); then S += psi^T V and z += sum_j psi_j. r % 8 == 0, e % 16
  * == 0, V finite (linear.c checks); psi_t (r, 16) and p (16, 16) scratch;
  * `ahead` (or NULL) the next chunk's rows, asked for along the way. */
-static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdiff_t r,
-                                       const float *v, ptrdiff_t v_row, ptrdiff_t e,
-                                       const ptrdiff_t *visible, float *S, float *z, float *out,
-                                       ptrdiff_t out_row, float *den, float *psi_t, float *p,
-                                       mk_ahead *ahead)
+static inline __attribute__((always_inline)) void mk_linear_chunk_body_w16(
+    const float *phi, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row, ptrdiff_t e,
+    const ptrdiff_t *visible, float *S, float *z, float *out, ptrdiff_t out_row, float *den,
+    float *psi_t, float *p, mk_ahead *ahead)
 {
     /* pass 1: P, each row one vector over the 16 keys, from psi^T */
     for (ptrdiff_t f0 = 0; f0 < r; f0 += 8)
@@ -892,8 +898,22 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
     /* pass 2: the output, from the state before the chunk's keys */
     mk_chunk_rows_w16(phi, r, S, e, p, v, v_row, out, out_row, ahead);
     /* pass 3: the chunk's keys into the state */
-    mk_add_keys_w16(psi, r, v, v_row, 16, S, e, ahead);
+    mk_add_keys_body_w16(psi, r, v, v_row, 16, S, e, ahead);
     mk_add_rows_w16(z, psi, r, NULL);
+}
+
+static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                       const float *v, ptrdiff_t v_row, ptrdiff_t e,
+                                       const ptrdiff_t *visible, float *S, float *z, float *out,
+                                       ptrdiff_t out_row, float *den, float *psi_t, float *p,
+                                       mk_ahead *ahead)
+{
+    if (r == 64 && e == 64 && v_row == 64 && out_row == 64)
+        mk_linear_chunk_body_w16(phi, psi, 64, v, 64, 64, visible, S, z, out, 64, den, psi_t, p,
+                                 ahead);
+    else
+        mk_linear_chunk_body_w16(phi, psi, r, v, v_row, e, visible, S, z, out, out_row, den, psi_t,
+                                 p, ahead);
 }
 
 /* ------------------------------------------------------------------------
@@ -1234,12 +1254,14 @@ static inline void mk_bwd_dscores_w16(float *ds_t, const float *dv_t, __m512i vi
  * into row_b[t] (from the clamp eps[t] per row), then the chunk's keys
  * into (S, z). r % 8 == 0, e % 16 == 0, every input finite (linear.c
  * checks); `ahead` (or NULL) the next chunk's rows, asked for along the
- * way. */
+ * way. When `kept` is not NULL, the block's P^T and ds_t (what pass 2
+ * would compute again) go into its 16 rows (kept_row apart) of 32
+ * numbers: row t holds vector t of p_t, then vector t of ds_t. */
 static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(
     const float *phi, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
     const float *dout, ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows, const float *eps,
-    float *S, float *z, float *inv_den, float *row_b, float *dphi, float *scratch,
-    mk_ahead *ahead)
+    float *S, float *z, float *inv_den, float *row_b, float *dphi, float *kept, ptrdiff_t kept_row,
+    float *scratch, mk_ahead *ahead)
 {
     float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r;
     float *p_t = dout_t + 32 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256;
@@ -1288,6 +1310,11 @@ static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(
     _mm512_storeu_ps(inv_den, inv);
     _mm512_storeu_ps(row_b, b);
     mk_bwd_dscores_w16(ds_t, dv_t, visible, inv, b);
+    if (kept)
+        for (int t = 0; t < 16; t++) {
+            _mm512_storeu_ps(kept + t * kept_row, _mm512_loadu_ps(p_t + t * 16));
+            _mm512_storeu_ps(kept + t * kept_row + 16, _mm512_loadu_ps(ds_t + t * 16));
+        }
     /* dphi = a S^T + b z^T + ds psi, in lanes form over U */
 #define MK_DPHI(mr)                                                                           \
     do {                                                                                      \
@@ -1301,31 +1328,38 @@ static inline __attribute__((always_inline)) void mk_linear_bwd_rows_body_w16(
     MK_LANE_ROWS(r, MK_DPHI)
 #undef MK_DPHI
     mk_from_lanes_w16(dphi, r, grad_t, r);
-    mk_add_keys_w16(psi, r, v, v_row, 16, S, e, ahead);
+    mk_add_keys_body_w16(psi, r, v, v_row, 16, S, e, ahead);
     mk_add_rows_w16(z, psi, r, NULL);
 }
 
 /* Pass 2 over the chunk, (dS, dz) holding the gradient that the later
  * rows send to these keys: dv (16 rows dv_row apart), dpsi (16, r), then
  * (dS, dz) += what these rows send to the earlier keys. inv_den, row_b
- * from pass 1; the conditions of pass 1. */
+ * from pass 1; the conditions of pass 1. `kept`: pass 1's P^T and ds_t
+ * of the block, or NULL to compute them again. */
 static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(
     const float *phi, const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
     const float *dout, ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
     const float *inv_den, const float *row_b, float *dS, float *dz, float *dv, ptrdiff_t dv_row,
-    float *dpsi, float *scratch, mk_ahead *ahead)
+    float *dpsi, const float *kept, ptrdiff_t kept_row, float *scratch, mk_ahead *ahead)
 {
     float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r, *v_t = dout_t + 16 * e;
     float *p_t = v_t + 16 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256, *ds = ds_t + 256;
     float *a = ds + 256;
-    __m512i visible = _mm512_loadu_si512(visible_rows);
-    __m512 inv = _mm512_loadu_ps(inv_den), b = _mm512_loadu_ps(row_b), unused;
-    mk_to_lanes_w16(phi_t, phi, r, r);
-    mk_to_lanes_w16(dout_t, dout, dout_row, e);
     mk_to_lanes_w16(v_t, v, v_row, e);
-    mk_bwd_block_w16(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t, dv_t, &unused, ahead);
-    mk_bwd_dscores_w16(ds_t, dv_t, visible, inv, b);
-    mk_transpose16(ds, 16, ds_t, 16);
+    if (kept) {
+        for (int t = 0; t < 16; t++)
+            _mm512_storeu_ps(p_t + t * 16, _mm512_loadu_ps(kept + t * kept_row));
+        mk_transpose16(ds, 16, kept + 16, kept_row);
+    } else {
+        __m512i visible = _mm512_loadu_si512(visible_rows);
+        __m512 unused;
+        mk_to_lanes_w16(phi_t, phi, r, r);
+        mk_to_lanes_w16(dout_t, dout, dout_row, e);
+        mk_bwd_block_w16(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t, dv_t, &unused, ahead);
+        mk_bwd_dscores_w16(ds_t, dv_t, visible, _mm512_loadu_ps(inv_den), _mm512_loadu_ps(row_b));
+        mk_transpose16(ds, 16, ds_t, 16);
+    }
     for (int t = 0; t < 16; t++) {
         __m512 inv_t = _mm512_set1_ps(inv_den[t]);
         for (ptrdiff_t c = 0; c < e; c += 16)
@@ -1346,7 +1380,7 @@ static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(
     MK_LANE_ROWS(r, MK_DPSI)
 #undef MK_DPSI
     mk_from_lanes_w16(dpsi, r, grad_t, r);
-    mk_add_keys_w16(phi, r, a, e, 16, dS, e, ahead);
+    mk_add_keys_body_w16(phi, r, a, e, 16, dS, e, ahead);
     mk_add_rows_w16(dz, phi, r, row_b);
 }
 
@@ -1359,15 +1393,15 @@ static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, pt
                                           const float *v, ptrdiff_t v_row, const float *dout,
                                           ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
                                           const float *eps, float *S, float *z, float *inv_den,
-                                          float *row_b, float *dphi, float *scratch,
-                                          mk_ahead *ahead)
+                                          float *row_b, float *dphi, float *kept,
+                                          ptrdiff_t kept_row, float *scratch, mk_ahead *ahead)
 {
     if (r == 64 && e == 64 && v_row == 64)
         mk_linear_bwd_rows_body_w16(phi, psi, 64, v, 64, dout, dout_row, 64, visible_rows, eps, S,
-                                    z, inv_den, row_b, dphi, scratch, ahead);
+                                    z, inv_den, row_b, dphi, kept, kept_row, scratch, ahead);
     else
         mk_linear_bwd_rows_body_w16(phi, psi, r, v, v_row, dout, dout_row, e, visible_rows, eps, S,
-                                    z, inv_den, row_b, dphi, scratch, ahead);
+                                    z, inv_den, row_b, dphi, kept, kept_row, scratch, ahead);
 }
 
 static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, ptrdiff_t r,
@@ -1375,14 +1409,15 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
                                           ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
                                           const float *inv_den, const float *row_b, float *dS,
                                           float *dz, float *dv, ptrdiff_t dv_row, float *dpsi,
-                                          float *scratch, mk_ahead *ahead)
+                                          const float *kept, ptrdiff_t kept_row, float *scratch,
+                                          mk_ahead *ahead)
 {
     if (r == 64 && e == 64 && v_row == 64)
         mk_linear_bwd_keys_body_w16(phi, psi, 64, v, 64, dout, dout_row, 64, visible_rows, inv_den,
-                                    row_b, dS, dz, dv, dv_row, dpsi, scratch, ahead);
+                                    row_b, dS, dz, dv, dv_row, dpsi, kept, kept_row, scratch, ahead);
     else
         mk_linear_bwd_keys_body_w16(phi, psi, r, v, v_row, dout, dout_row, e, visible_rows, inv_den,
-                                    row_b, dS, dz, dv, dv_row, dpsi, scratch, ahead);
+                                    row_b, dS, dz, dv, dv_row, dpsi, kept, kept_row, scratch, ahead);
 }
 #undef MK_LANE_ROWS
 #undef MK_CHUNK_COLUMNS

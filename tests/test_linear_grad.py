@@ -405,6 +405,30 @@ def test_whole_chunks_float32_64_features(e, values):
         assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
 
 
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("n, m, causal", [(80, 80, True), (48, 83, True), (83, 75, True),
+                                          (83, 48, "upper_left"), (48, 83, "upper_left")])
+def test_whole_chunks_keep_block_in_dk_rows(d, n, m, causal):
+    """with d >= 32 the rows pass keeps each fused block's products in the
+    chunk's dk rows for the keys pass: a preallocated dk full of NaN, rows
+    wider than d, gets exactly the gradients torch float64 gives, nothing
+    outside its d columns is written, and the alignments of queries and keys
+    where those rows would be overwritten first (m < n lower right) or lie
+    past m are handled"""
+    rng = np.random.default_rng(zlib.crc32(repr((d, n, m, causal)).encode()))
+    dout, q, k, v = inputs(rng, (2,), n, m, d, 64, "elu")
+    dout, q, k, v = (x.astype(np.float32).astype(np.float64) for x in (dout, q, k, v))
+    f32 = lambda x: x.astype(np.float32)
+    wide = np.full((2, m, d + 24), np.nan, np.float32)
+    dk = wide[..., 8:8 + d]
+    g = attnx.linear_attention_backward(f32(dout), f32(q), f32(k), f32(v), causal=causal, dk=dk)
+    assert g.k is dk
+    want = torch_grads(dout, q, k, v, "elu", causal)
+    for got, ref, name in zip(g[:3], want[1:4], "qkv"):
+        assert_close(got, ref, F32_TOL, f"d{name}")
+    assert np.isnan(wide[..., :8]).all() and np.isnan(wide[..., 8 + d:]).all()
+
+
 def test_float32_against_float64_reference_long_causal():
     """chunks of the default length, several of them, float32"""
     rng = np.random.default_rng(5)
