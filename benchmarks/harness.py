@@ -17,7 +17,21 @@ Per case:
    threads spin for about 2^28 cycles (~0.1 s) after a call and libgomp's
    for a few ms. With a 5 ms pause, attnx at n = 512 timed right after the
    gemm measured 2.6-11 ms instead of its 1.5 ms alone; from 0.1 s on it
-   measures 1.5-1.6 ms, as alone.
+   measures 1.5-1.6 ms, as alone;
+4. after the pause and before the sample, a competitor whose call lasts
+   under `rewarm_below_s` runs once untimed. The pause itself slows the
+   next calls: on the two-vCPU development VM (AMD Zen 5, November 2026),
+   after 0.15 s of sleep the first causal linear attention forward +
+   backward at (1, 8, 4096, 64) on two threads took 2.8 + 7.2 ms against
+   2.1 + 5.8 ms back to back, and fast-transformers' causal product
+   forward + backward 46.0, 44.1, 43.4 ms against 41.8 ms (medians of 7
+   and 9 pauses; one thread showed no such cost). A sample of three short
+   calls pays that once, a sample of one long call pays it too, and the
+   ratio between them would measure the pause, not the libraries. The
+   untimed call makes every sample start from the state a loop of calls
+   is in; calls longer than `rewarm_below_s` skip it (the slowdown is then
+   a few per cent of one call at most, and the extra call would double
+   their rounds).
 """
 import gc
 import math
@@ -34,6 +48,7 @@ class Settings:
     warmup_s: float = 0.2
     min_sample_s: float = 0.02
     pause_s: float = 0.15
+    rewarm_below_s: float = 0.25
 
 
 @dataclass
@@ -103,7 +118,7 @@ def measure(calls, settings):
     {name: error message} for the calls that raised during warm-up, which
     are left out of the rounds).
     """
-    first_results, numbers, failures = {}, {}, {}
+    first_results, numbers, rewarm, failures = {}, {}, {}, {}
     seconds_per_round = 0.0
     for name, call in calls.items():
         time.sleep(settings.pause_s)
@@ -113,11 +128,14 @@ def measure(calls, settings):
             failures[name] = "%s: %s" % (type(error).__name__, error)
             continue
         numbers[name] = max(1, math.ceil(settings.min_sample_s / max(fastest, 1e-9)))
-        seconds_per_round += numbers[name] * fastest + settings.pause_s
+        rewarm[name] = fastest < settings.rewarm_below_s
+        seconds_per_round += (numbers[name] + rewarm[name]) * fastest + settings.pause_s
     samples = {name: [] for name in numbers}
     for _ in range(round_count(seconds_per_round, settings)):
         for name in numbers:
             time.sleep(settings.pause_s)
+            if rewarm[name]:
+                calls[name]()
             samples[name].append(take_sample(calls[name], numbers[name]))
     stats = {name: Stats(samples[name], numbers[name]) for name in numbers}
     return stats, first_results, failures
