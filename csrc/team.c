@@ -39,7 +39,7 @@
  * against 19 us through OpenMP, whose threads back off. Helpers are named
  * "attnx-team" (top -H, py-spy, /proc/PID/task/TID/comm). */
 #if defined(__linux__)
-#define _GNU_SOURCE  /* sched_setaffinity, CPU_SET, pthread_setname_np */
+#define _GNU_SOURCE  /* sched_getaffinity, CPU_SET, pthread_setaffinity_np, pthread_setname_np */
 #endif
 #include "attnx.h"
 
@@ -83,8 +83,6 @@ static struct {
     atomic_int decoding;            /* the calls of several threads since the last that was
                                        not a decoding step (at most RUN_BEFORE_TEAM) */
 #if defined(__linux__)
-    int bound;                      /* helpers run on `cpus` (helper_cpus) */
-    cpu_set_t cpus;
     int crowded;                    /* teams of this many or more have too few CPUs */
 #endif
     pthread_mutex_t lock;
@@ -134,20 +132,19 @@ static unsigned long next_task(unsigned long seen)
 
 #if defined(__linux__)
 /* The CPUs of OpenMP's places that the calling thread may not run on,
- * into team.cpus (team.bound: found any). OpenMP binds the initial thread
- * to one place, and a Python thread started by it inherits that mask, so
- * the caller's mask is read from the system, not from OpenMP. With no
- * places (no binding asked for), or a caller free to run on all of them,
- * a helper keeps the caller's mask: the process's own, or what the user
+ * into cpus (*bound: found any). OpenMP binds the initial thread to one
+ * place, and a Python thread started by it inherits that mask, so the
+ * caller's mask is read from the system, not from OpenMP. With no places
+ * (no binding asked for), or a caller free to run on all of them, a
+ * helper keeps the caller's mask: the process's own, or what the user
  * chose with taskset or os.sched_setaffinity. Returns 0 when the caller
- * and the helpers, `members` threads, would share CPUs (the masks as they
- * are when the helpers are first needed). */
-static int helper_cpus(int members)
+ * and the helpers, `members` threads, would share CPUs. */
+static int helper_cpus(int members, cpu_set_t *cpus, int *bound)
 {
     cpu_set_t caller, usable;
     int places = omp_get_num_places();
-    team.bound = 0;
-    CPU_ZERO(&team.cpus);
+    *bound = 0;
+    CPU_ZERO(cpus);
     if (sched_getaffinity(0, sizeof caller, &caller) != 0) return 1;  /* cannot tell */
     for (int place = 0; place < places; place++) {
         int count = omp_get_place_num_procs(place);
@@ -156,12 +153,12 @@ static int helper_cpus(int members)
         omp_get_place_proc_ids(place, ids);
         for (int i = 0; i < count; i++)
             if (ids[i] >= 0 && ids[i] < CPU_SETSIZE && !CPU_ISSET(ids[i], &caller)) {
-                CPU_SET(ids[i], &team.cpus);
-                team.bound = 1;
+                CPU_SET(ids[i], cpus);
+                *bound = 1;
             }
         free(ids);
     }
-    CPU_OR(&usable, &caller, &team.cpus);
+    CPU_OR(&usable, &caller, cpus);
     return CPU_COUNT(&usable) >= members;
 }
 #endif
@@ -169,11 +166,6 @@ static int helper_cpus(int members)
 static void *helper_main(void *arg)
 {
     int member = (int)(intptr_t)arg;
-#if defined(__linux__)
-    pthread_setname_np(pthread_self(), "attnx-team");
-    /* a failure leaves the caller's mask: slower, never wrong */
-    if (team.bound) (void)sched_setaffinity(0, sizeof team.cpus, &team.cpus);
-#endif
     /* not the generation now: the task it was made for may be posted already */
     unsigned long seen = team.born[member];
     for (;;) {
@@ -197,8 +189,10 @@ static void *helper_main(void *arg)
 static int start_helpers(int wanted)
 {
 #if defined(__linux__)
+    cpu_set_t cpus;
+    int bound = 0;
     if (team.crowded && wanted + 1 >= team.crowded) return -1;
-    if (team.helpers < wanted && !helper_cpus(wanted + 1)) {
+    if (team.helpers < wanted && !helper_cpus(wanted + 1, &cpus, &bound)) {
         team.crowded = wanted + 1;
         return -1;
     }
@@ -212,6 +206,11 @@ static int start_helpers(int wanted)
         int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)(team.helpers + 1));
         pthread_attr_destroy(&attr);
         if (failed) return -1;
+#if defined(__linux__)
+        pthread_setname_np(thread, "attnx-team");
+        /* a failure leaves the caller's mask: slower, never wrong */
+        if (bound) (void)pthread_setaffinity_np(thread, sizeof cpus, &cpus);
+#endif
         team.helpers++;
     }
     return 0;
