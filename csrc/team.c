@@ -36,7 +36,7 @@
  * when caller and helpers would not each have a CPU of their own (a
  * process held to one CPU by taskset, asked for two threads), the team is
  * not used at all: one spinning while the other works took 525 us a step
- * against 19 us through OpenMP, whose threads back off. Helpers are named
+ * against 15 us through OpenMP, whose threads back off. Helpers are named
  * "attnx-team" (top -H, py-spy, /proc/PID/task/TID/comm). */
 #if defined(__linux__)
 #define _GNU_SOURCE  /* sched_getaffinity, CPU_SET, pthread_setaffinity_np, pthread_setname_np */

@@ -6,7 +6,7 @@ the caller's core, each spinning while the other works (a 32-head step took
 places instead, and keep the process's mask when nothing is bound. When
 the caller and its helpers would share CPUs whatever their masks (a process
 held to one CPU, asked for two threads), the helpers are not used at all:
-a step then took 525 us against 19 us through OpenMP.
+a step then took 525 us against 15 us through OpenMP.
 
 Each case runs in a child process, since OpenMP reads its environment once
 at start-up. The helpers are found by their name, "attnx-team"."""
