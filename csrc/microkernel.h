@@ -824,6 +824,9 @@ static inline __attribute__((always_inline)) void mk_add_keys_body_w16(
 #undef MK_STATE
 }
 
+/* the same as a call of its own, for linear.c's held keys; the fused
+ * kernels inline the body, so that their r = e = 64 variants (below)
+ * reach it with constant sizes */
 static inline void mk_add_keys_w16(const float *psi, ptrdiff_t r, const float *v, ptrdiff_t v_row,
                                    ptrdiff_t keys, float *S, ptrdiff_t e, mk_ahead *ahead)
 {
@@ -902,6 +905,8 @@ static inline __attribute__((always_inline)) void mk_linear_chunk_body_w16(
     mk_add_rows_w16(z, psi, r, NULL);
 }
 
+/* with r = e = 64 and packed rows (the common head size) the body's
+ * loops take constant bounds and strides */
 static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdiff_t r,
                                        const float *v, ptrdiff_t v_row, ptrdiff_t e,
                                        const ptrdiff_t *visible, float *S, float *z, float *out,
