@@ -376,10 +376,13 @@ int attnx_set_softmax_backend_limit(int limit);
 int attnx_softmax_backend_from_name(const char *name);
 const char *attnx_softmax_backend_name(int backend);
 /* The float32 AVX-512 decoding step (linear.c, decode_kernel) runs where it
- * applies unless a test turned it off to check the general path;
- * attnx_set_decode_kernel returns the setting it replaces. */
+ * applies unless a test turned it off to check the general path, and takes
+ * four heads at once (decode_group) unless a test turned that off to check
+ * them against single heads; the setters return the setting they replace. */
 int attnx_decode_kernel_enabled(void);
 int attnx_set_decode_kernel(int enabled);
+int attnx_decode_group_enabled(void);
+int attnx_set_decode_group(int enabled);
 void attnx_set_num_threads(int num_threads);
 /* The bfloat16 dot products of float32 softmax attention (VDPBF16PS,
  * avx512_bf16): a product of two operands whose numbers are all bfloat16

@@ -74,6 +74,7 @@ typedef struct {
     int threads;
     int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
     int decode_kernel;        /* single-token steps go through decode_kernel (likewise) */
+    int decode_group;         /* and four heads at once through decode_group */
     int step_kernel;          /* a one-token causal call goes through fused_step (likewise) */
 } linear_plan;
 
@@ -89,6 +90,9 @@ typedef struct {
 
 /* The fused chunk kernel's chunk length */
 #define KERNEL_CHUNK 16
+/* Heads whose decoding steps go through the decoding kernel together
+ * (decode_group) */
+#define DECODE_GROUP 4
 
 /* Ctrl-C (attnx.h, attnx_interrupt), asked between work items and between
  * blocks of rows or keys; thread 0 of a team (or the caller, outside one)
@@ -151,9 +155,10 @@ typedef struct {
     ptrdiff_t v_row;
 } SFX(values);
 
-/* One thread's scratch. */
+/* One thread's scratch; F = feature_rows(p), a chunk's rows or a
+ * decoding group's heads. */
 typedef struct {
-    REAL *phi, *psi, *scores;  /* (C, r), (C, r), (C, C) */
+    REAL *phi, *psi, *scores;  /* (F, r), (F, r), (C, C) */
     REAL *psi_t;               /* (r, C) the fused chunk kernel's psi^T */
     REAL *values;              /* (C, e) a block of values with masked keys' rows zeroed */
     REAL *den, *log_scale;     /* (C,) per query row of a chunk */
@@ -214,13 +219,16 @@ static ptrdiff_t SFX(running_state_size)(const linear_plan *p)
     return p->a->S_out ? 0 : p->state_size;
 }
 
+/* rows of phi and psi in a scratch */
+static ptrdiff_t SFX(feature_rows)(const linear_plan *p) { return ATTNX_MAX(p->C, DECODE_GROUP); }
+
 static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
 {
-    const ptrdiff_t C = p->C, r = p->r, e = p->a->e;
+    const ptrdiff_t C = p->C, F = SFX(feature_rows)(p), r = p->r, e = p->a->e;
     SFX(scratch) w;
     w.phi = block;
-    w.psi = w.phi + C * r;
-    w.scores = w.psi + C * r;
+    w.psi = w.phi + F * r;
+    w.scores = w.psi + F * r;
     w.psi_t = w.scores + C * C;
     w.values = w.psi_t + C * r;
     w.den = w.values + C * e;
@@ -237,7 +245,8 @@ static SFX(scratch) SFX(scratch_at)(const linear_plan *p, REAL *block)
 static size_t SFX(scratch_size)(const linear_plan *p)
 {
     const attnx_linear_args *a = p->a;
-    size_t size = (size_t)(3 * p->C * p->r + p->C * p->C + p->C * a->e + 2 * p->C + a->d +
+    size_t size = (size_t)((2 * SFX(feature_rows)(p) + p->C) * p->r + p->C * p->C + p->C * a->e +
+                           2 * p->C + a->d +
                            ATTNX_MAX(p->r, a->e) + SFX(running_state_size)(p));
     if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)p->state_size;
     size_t line = CACHE_LINE / sizeof(REAL);
@@ -794,6 +803,44 @@ static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const S
 #endif
 }
 
+/* The decoding steps of the heads items[0..3] in one pass over their
+ * states (microkernel.h, mk_decode_group_w16), where exactly one of them
+ * takes its turn: with capacity 4 (HELD_KEYS in py_linear.c) any four
+ * heads in a row have one turn among them. Elu features only, without a
+ * key mask (the features token_features makes in place, no stabiliser
+ * for finish_rows to undo); returns 0 where it does not apply, leaving
+ * the heads to deferred_step, with the same numbers. */
+static int SFX(decode_group)(const linear_plan *p, const ptrdiff_t items[DECODE_GROUP],
+                             const SFX(scratch) *w)
+{
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    const attnx_linear_args *a = p->a;
+    if (!p->decode_group) return 0;
+    SFX(head) hd[DECODE_GROUP];
+    int turn = -1;
+    for (int j = 0; j < DECODE_GROUP; j++) {
+        hd[j] = SFX(head_at)(a, items[j]);
+        if (hd[j].key_mask || (hd[j].adds_held && turn >= 0)) return 0;
+        if (hd[j].adds_held) turn = j;
+    }
+    if (turn < 0) return 0;
+    mk_decode_head heads[DECODE_GROUP];
+    for (int j = 0; j < DECODE_GROUP; j++) {
+        REAL *phi = w->phi + j * p->r, *psi = w->psi + j * p->r;
+        mk_elu_rows_w16(hd[j].q, hd[j].k, a->d, phi, psi);
+        heads[j] = (mk_decode_head){phi, hd[j].S_out, hd[j].held_keys, hd[j].held_values,
+                                    hd[j].held + 1, 0, hd[j].out};
+        mk_decode_take_w16(phi, psi, p->r, hd[j].v, a->e, hd[j].z_out, hd[j].held_keys,
+                           hd[j].held_values, hd[j].held, &heads[j].den);
+    }
+    mk_decode_group_w16(heads, turn, p->r, a->e, (REAL)a->eps);
+    return 1;
+#else
+    (void)p, (void)items, (void)w;
+    return 0;
+#endif
+}
+
 /* One single-token decoding step of a head (a->pending), in its own
  * state st: the key joins z at once
  * but S only through the head's held keys, and the query reads
@@ -975,7 +1022,16 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
             SFX(segment_rows)(p, rows_fn, item, starts, &w);
             continue;
         }
-        /* a decoding step: one head per item, one segment, in its own state */
+        /* a decoding step: four heads at once where they can, else one
+         * head per item, one segment, in its own state */
+        if (i + DECODE_GROUP <= end - first) {
+            ptrdiff_t items[DECODE_GROUP];
+            for (int j = 0; j < DECODE_GROUP; j++) items[j] = backwards ? item - j : item + j;
+            if (SFX(decode_group)(p, items, &w)) {
+                i += DECODE_GROUP - 1;
+                continue;
+            }
+        }
         SFX(head) hd = SFX(head_at)(a, item);
         SFX(deferred_step)(p, &hd, &w, (SFX(state)){hd.S_out, hd.z_out});
     }
@@ -1110,6 +1166,8 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
                      a->e % 16 == 0 && !a->band.has_lo;
     p.decode_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && a->pending.psi &&
                       p.r % 16 == 0 && a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
+    p.decode_group = p.decode_kernel && attnx_decode_group_enabled() &&
+                     a->features.kind == ATTNX_FM_ELU && a->normalise;
     /* the single-token call: its query sees its key, and no segments */
     p.step_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && !a->pending.psi &&
                     a->method == ATTNX_METHOD_RECURRENT && a->n == 1 && a->m == 1 &&

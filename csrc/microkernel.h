@@ -931,10 +931,56 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
  * their terms to the row:
  *   out = phi S + sum_t (phi . keys_t) values_t,  den = phi . z
  * A step is one pass over S, which streams from L2: the row is built in
- * registers, with two sets of accumulators (even and odd features) so
- * that the fused multiply-adds of one set wait on the other's latency.
+ * registers, one accumulator per vector of columns, rows in order (the
+ * loads set the pace, not the multiply-adds' latency: two sets of
+ * accumulators, even and odd rows, read a head in 92 against 80 ns on AMD
+ * Zen 5). Four heads can also take their steps together
+ * (mk_decode_group_w16, below), with the same numbers.
  * S (r, e) contiguous; r % 16 == 0, e % 16 == 0, held < MK_DECODE_HELD. */
 #define MK_DECODE_HELD 16
+
+/* the step's key joins z and the held keys (as key `held`); den = phi . z */
+static inline void mk_decode_take_w16(const float *phi, const float *psi, ptrdiff_t r,
+                                      const float *v, ptrdiff_t e, float *z, float *keys,
+                                      float *values, ptrdiff_t held, float *den)
+{
+    __m512 dot = _mm512_setzero_ps();
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
+        __m512 psi_f = _mm512_loadu_ps(psi + f0), z_f = _mm512_loadu_ps(z + f0);
+        _mm512_storeu_ps(keys + held * r + f0, psi_f);
+        z_f = _mm512_add_ps(z_f, psi_f);
+        _mm512_storeu_ps(z + f0, z_f);
+        dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), z_f, dot);
+    }
+    *den = _mm512_reduce_add_ps(dot);
+    for (ptrdiff_t c0 = 0; c0 < e; c0 += 16)
+        _mm512_storeu_ps(values + held * e + c0, _mm512_loadu_ps(v + c0));
+}
+
+/* weights[t] = phi . keys_t over the `held` held keys */
+static inline void mk_decode_weights_w16(const float *phi, ptrdiff_t r, const float *keys,
+                                         ptrdiff_t held, float *weights)
+{
+    for (ptrdiff_t t = 0; t < held; t++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (ptrdiff_t f0 = 0; f0 < r; f0 += 16)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), _mm512_loadu_ps(keys + t * r + f0), sum);
+        weights[t] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* row[0, nv) += sum_t weights[t] values_t (values positioned at the row's
+ * first column, rows e apart) */
+static inline __attribute__((always_inline)) void mk_decode_held_terms_w16(
+    int nv, __m512 row[4], const float *weights, const float *values, ptrdiff_t e, ptrdiff_t held)
+{
+    for (ptrdiff_t t = 0; t < held; t++) {
+        __m512 weight = _mm512_set1_ps(weights[t]);
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++)
+            row[h] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + t * e + h * 16), row[h]);
+    }
+}
 
 /* out[0, 16 nv) = phi S + sum_t weights[t] values_t over S's columns
  * [0, 16 nv) (S and values positioned there, rows e apart) */
@@ -942,27 +988,18 @@ static inline __attribute__((always_inline)) void mk_decode_read_w16(
     int nv, const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e, const float *weights,
     const float *values, ptrdiff_t held, float *out)
 {
-    __m512 even[4], odd[4];
+    __m512 row[4];
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) even[h] = odd[h] = _mm512_setzero_ps();
-    for (ptrdiff_t f = 0; f < r; f += 2) {
-        __m512 phi_even = _mm512_set1_ps(phi[f]), phi_odd = _mm512_set1_ps(phi[f + 1]);
-#pragma GCC unroll 4
-        for (int h = 0; h < nv; h++) {
-            even[h] = _mm512_fmadd_ps(phi_even, _mm512_loadu_ps(S + f * e + h * 16), even[h]);
-            odd[h] = _mm512_fmadd_ps(phi_odd, _mm512_loadu_ps(S + (f + 1) * e + h * 16), odd[h]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) even[h] = _mm512_add_ps(even[h], odd[h]);
-    for (ptrdiff_t t = 0; t < held; t++) {
-        __m512 weight = _mm512_set1_ps(weights[t]);
+    for (int h = 0; h < nv; h++) row[h] = _mm512_setzero_ps();
+    for (ptrdiff_t f = 0; f < r; f++) {
+        __m512 phi_f = _mm512_set1_ps(phi[f]);
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++)
-            even[h] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + t * e + h * 16), even[h]);
+            row[h] = _mm512_fmadd_ps(phi_f, _mm512_loadu_ps(S + f * e + h * 16), row[h]);
     }
+    mk_decode_held_terms_w16(nv, row, weights, values, e, held);
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, even[h]);
+    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
 }
 
 /* S[:, 0, 16 nv) += keys^T values over `count` keys, in key order (what
@@ -1053,17 +1090,7 @@ static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdif
                                       float *keys, float *values, ptrdiff_t held, int adds,
                                       float *out, float *den)
 {
-    __m512 dot = _mm512_setzero_ps();
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
-        __m512 psi_f = _mm512_loadu_ps(psi + f0), z_f = _mm512_loadu_ps(z + f0);
-        _mm512_storeu_ps(keys + held * r + f0, psi_f);
-        z_f = _mm512_add_ps(z_f, psi_f);
-        _mm512_storeu_ps(z + f0, z_f);
-        dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), z_f, dot);
-    }
-    *den = _mm512_reduce_add_ps(dot);
-    for (ptrdiff_t c0 = 0; c0 < e; c0 += 16)
-        _mm512_storeu_ps(values + held * e + c0, _mm512_loadu_ps(v + c0));
+    mk_decode_take_w16(phi, psi, r, v, e, z, keys, values, held, den);
     held++;
     if (adds) {
 #define MK_FLUSH(nv) mk_decode_flush_w16(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
@@ -1072,15 +1099,127 @@ static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdif
         return;
     }
     float weights[MK_DECODE_HELD];
-    for (ptrdiff_t t = 0; t < held; t++) {
-        __m512 sum = _mm512_setzero_ps();
-        for (ptrdiff_t f0 = 0; f0 < r; f0 += 16)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), _mm512_loadu_ps(keys + t * r + f0), sum);
-        weights[t] = _mm512_reduce_add_ps(sum);
-    }
+    mk_decode_weights_w16(phi, r, keys, held, weights);
 #define MK_READ(nv) mk_decode_read_w16(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
     MK_CHUNK_COLUMNS(e, MK_READ)
 #undef MK_READ
+}
+
+/* Four heads' steps in one pass over their states, one of them at its
+ * turn. Alone, a read streams S from L2 with the multiply-add units half
+ * idle, and a turn keeps them busy (a multiply-add per held key and S
+ * element) while L2 waits; side by side, the turn's arithmetic runs under
+ * the reads' loads. The turn's head goes through S two rows at a time,
+ * adding its held keys in key order as mk_decode_flush_w16 does, and the
+ * others read as mk_decode_read_w16 does: S, z and the rows are those of
+ * four single steps, bit for bit. The rows leave divided by their
+ * denominators, as linear.c's finish_rows divides them (1 / max(den, eps),
+ * zeros where den == 0): done in registers here, since finish_rows after
+ * the group, reading the rows back, took a tenth of the group's time.
+ * Each head's key must have joined its held keys (mk_decode_take_w16). */
+typedef struct {
+    const float *phi;              /* (r) */
+    float *S;                      /* (r, e) contiguous */
+    const float *keys, *values;    /* the held keys, the step's own among them */
+    ptrdiff_t held;
+    float den;                     /* phi . z */
+    float *out;                    /* (e) */
+} mk_decode_head;
+
+/* out[0, 16 nv) = row / max(den, eps), or zeros where den == 0 */
+static inline __attribute__((always_inline)) void mk_decode_store_w16(int nv, const __m512 row[4],
+                                                                      float den, float eps,
+                                                                      float *out)
+{
+    __m512 scale = _mm512_set1_ps(den == 0 ? 0 : 1 / (den < eps ? eps : den));
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++)
+        _mm512_storeu_ps(out + h * 16, den == 0 ? _mm512_setzero_ps() : _mm512_mul_ps(row[h], scale));
+}
+
+/* columns [c0, c0 + 16 nv) of the four heads' rows: turn the head at its
+ * turn, readers the other three, weights their held keys' weights */
+static inline __attribute__((always_inline)) void mk_decode_group_cols_w16(
+    int nv, const mk_decode_head *turn, const mk_decode_head *const readers[3],
+    const float (*weights)[MK_DECODE_HELD], ptrdiff_t r, ptrdiff_t e, float eps, ptrdiff_t c0)
+{
+    /* what the loop reads, in locals: its stores (may_alias) would make it
+     * load the structs' fields again at every row */
+    const float *S_a = readers[0]->S + c0, *S_b = readers[1]->S + c0, *S_c = readers[2]->S + c0;
+    const float *phi_a = readers[0]->phi, *phi_b = readers[1]->phi, *phi_c = readers[2]->phi;
+    const float *phi = turn->phi, *keys = turn->keys, *values = turn->values + c0;
+    float *S = turn->S + c0;
+    const ptrdiff_t held = turn->held;
+    __m512 row_a[4], row_b[4], row_c[4], row[4];
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) row_a[h] = row_b[h] = row_c[h] = row[h] = _mm512_setzero_ps();
+    for (ptrdiff_t f = 0; f < r; f += 2) {
+        __m512 acc[2][4];
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; i++)
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + (f + i) * e + h * 16);
+        for (ptrdiff_t t = 0; t < held; t++)
+#pragma GCC unroll 2
+            for (int i = 0; i < 2; i++) {
+                __m512 key = _mm512_set1_ps(keys[t * r + f + i]);
+#pragma GCC unroll 4
+                for (int h = 0; h < nv; h++)
+                    acc[i][h] = _mm512_fmadd_ps(key, _mm512_loadu_ps(values + t * e + h * 16), acc[i][h]);
+            }
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; i++) {
+            __m512 phi_f = _mm512_set1_ps(phi[f + i]), phi_af = _mm512_set1_ps(phi_a[f + i]);
+            __m512 phi_bf = _mm512_set1_ps(phi_b[f + i]), phi_cf = _mm512_set1_ps(phi_c[f + i]);
+            ptrdiff_t at = (f + i) * e;
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++) {
+                row_a[h] = _mm512_fmadd_ps(phi_af, _mm512_loadu_ps(S_a + at + h * 16), row_a[h]);
+                row_b[h] = _mm512_fmadd_ps(phi_bf, _mm512_loadu_ps(S_b + at + h * 16), row_b[h]);
+                row_c[h] = _mm512_fmadd_ps(phi_cf, _mm512_loadu_ps(S_c + at + h * 16), row_c[h]);
+            }
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++) {
+                _mm512_storeu_ps(S + at + h * 16, acc[i][h]);
+                row[h] = _mm512_fmadd_ps(phi_f, acc[i][h], row[h]);
+            }
+        }
+    }
+    mk_decode_store_w16(nv, row, turn->den, eps, turn->out + c0);
+    mk_decode_held_terms_w16(nv, row_a, weights[0], readers[0]->values + c0, e, readers[0]->held);
+    mk_decode_store_w16(nv, row_a, readers[0]->den, eps, readers[0]->out + c0);
+    mk_decode_held_terms_w16(nv, row_b, weights[1], readers[1]->values + c0, e, readers[1]->held);
+    mk_decode_store_w16(nv, row_b, readers[1]->den, eps, readers[1]->out + c0);
+    mk_decode_held_terms_w16(nv, row_c, weights[2], readers[2]->values + c0, e, readers[2]->held);
+    mk_decode_store_w16(nv, row_c, readers[2]->den, eps, readers[2]->out + c0);
+}
+
+/* heads[turn] takes its turn; r % 2 == 0 */
+static inline __attribute__((always_inline)) void mk_decode_group_body_w16(
+    const mk_decode_head heads[4], int turn, ptrdiff_t r, ptrdiff_t e, float eps)
+{
+    const mk_decode_head *readers[3];
+    float weights[3][MK_DECODE_HELD];
+    for (int j = 0, i = 0; j < 4; j++) {
+        if (j == turn) continue;
+        readers[i] = &heads[j];
+        mk_decode_weights_w16(heads[j].phi, r, heads[j].keys, heads[j].held, weights[i]);
+        i++;
+    }
+#define MK_GROUP(nv) mk_decode_group_cols_w16(nv, &heads[turn], readers, weights, r, e, eps, c0)
+    MK_CHUNK_COLUMNS(e, MK_GROUP)
+#undef MK_GROUP
+}
+
+/* with r = e = 64 (the common head size) the loops take constant bounds
+ * and strides, which leaves them their pointers in registers (a group of
+ * 32-head steps on one thread took 5.6 us without, against 4.7 us for
+ * single steps) */
+static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, ptrdiff_t r,
+                                       ptrdiff_t e, float eps)
+{
+    if (r == 64 && e == 64) mk_decode_group_body_w16(heads, turn, 64, 64, eps);
+    else mk_decode_group_body_w16(heads, turn, r, e, eps);
 }
 
 /* ------------------------------------------------------------------------

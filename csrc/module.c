@@ -45,13 +45,25 @@ static PyObject *set_softmax_backend(PyObject *self, PyObject *arg)
     return PyUnicode_FromString(attnx_softmax_backend_name(attnx_set_softmax_backend_limit(limit)));
 }
 
-/* _set_decode_kernel(flag): whether single-token decoding steps may use
- * the float32 AVX-512 kernel (attnx.h); returns the setting before */
-static PyObject *set_decode_kernel(PyObject *self, PyObject *arg)
+/* a switch of attnx.h from Python's truth of arg; returns the setting before */
+static PyObject *set_switch(PyObject *arg, int (*set)(int))
 {
     int enabled = PyObject_IsTrue(arg);
     if (enabled < 0) return NULL;
-    return PyBool_FromLong(attnx_set_decode_kernel(enabled));
+    return PyBool_FromLong(set(enabled));
+}
+
+/* _set_decode_kernel(flag): whether single-token decoding steps may use
+ * the float32 AVX-512 kernel; _set_decode_group(flag): whether it may
+ * take four heads at once */
+static PyObject *set_decode_kernel(PyObject *self, PyObject *arg)
+{
+    return set_switch(arg, attnx_set_decode_kernel);
+}
+
+static PyObject *set_decode_group(PyObject *self, PyObject *arg)
+{
+    return set_switch(arg, attnx_set_decode_group);
 }
 
 /* 1 when this CPU (and build) can run the softmax backend */
@@ -282,6 +294,9 @@ static PyMethodDef methods[] = {
     {"_set_decode_kernel", set_decode_kernel, METH_O,
      "Whether single-token decoding steps may use the float32 AVX-512 kernel (for tests); "
      "returns the previous setting."},
+    {"_set_decode_group", set_decode_group, METH_O,
+     "Whether that kernel may take the steps of four heads at once (for tests); returns the "
+     "previous setting."},
     {"_set_bf16_conversion", set_bf16_conversion, METH_O,
      "The bfloat16 narrowing, 'avx512_bf16' or 'portable' (for tests); returns the previous one."},
     {"_set_bf16_dot", set_bf16_dot, METH_O,

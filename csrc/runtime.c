@@ -27,7 +27,7 @@
 
 static int num_threads = 1;
 static int softmax_backend_limit = ATTNX_BACKEND_AMX;
-static int decode_kernel = 1;
+static int decode_kernel = 1, decode_group = 1;
 /* the bfloat16 dot products in use (set at import where available) */
 static int bf16_dot = 0;
 static const char *const softmax_backend_names[ATTNX_BACKENDS] = {"plain", "mk", "amx"};
@@ -59,13 +59,17 @@ int attnx_set_softmax_backend_limit(int limit)
 }
 
 int attnx_decode_kernel_enabled(void) { return decode_kernel; }
+int attnx_decode_group_enabled(void) { return decode_group; }
 
-int attnx_set_decode_kernel(int enabled)
+static int replace_flag(int *flag, int enabled)
 {
-    int before = decode_kernel;
-    decode_kernel = enabled != 0;
+    int before = *flag;
+    *flag = enabled != 0;
     return before;
 }
+
+int attnx_set_decode_kernel(int enabled) { return replace_flag(&decode_kernel, enabled); }
+int attnx_set_decode_group(int enabled) { return replace_flag(&decode_group, enabled); }
 
 int attnx_softmax_backend_from_name(const char *name)
 {

@@ -405,6 +405,35 @@ def test_decode_kernel_favor_and_nonfinite_values():
         assert np.all(np.isnan(out[2, 7 - n0:, 5]))
 
 
+@pytest.mark.parametrize("d,e", [(64, 64), (32, 80), (16, 128)])
+def test_decode_group_equals_single_heads(d, e):
+    """Four heads in a row take their steps together, one of them at its
+    turn (microkernel.h, mk_decode_group_w16): the outputs, S and z of the
+    same steps taken one head at a time, bit for bit, over every tick
+    phase, both directions of the heads' order (heads 0 and 1 are in a
+    group on one step and alone on the next), e past one vector block; a
+    row whose denominator is 0 gives zeros, one below eps is divided by
+    eps, and a NaN value reaches its own head only."""
+    rng = np.random.default_rng(d + e)
+    n0, steps, heads = 2, 3 * HELD + 3, 6
+    q, k, v = qkv(rng, (heads,), n0 + steps, n0 + steps, d, e, np.float32)
+    q[1, n0 + 3] = -100  # phi = 0: den == 0
+    q[2, n0 + 5] = -60   # phi ~ 1e-26: den < eps
+    v[3, n0 + 6, 2] = np.nan
+    together = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
+    with switched(attnx._C._set_decode_group, False):
+        alone = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
+    for ours, theirs in zip((together[0],) + together[1] + together[2],
+                            (alone[0],) + alone[1] + alone[2]):
+        np.testing.assert_array_equal(ours, theirs)
+    out = together[0]
+    assert np.all(out[1, 3] == 0) and np.all(np.isfinite(out[[0, 1, 2, 4, 5]]))
+    assert np.all(np.isnan(out[3, 6:, 2])) and np.all(np.isfinite(out[3, :6]))
+    want = ref.linear_attention(f64(q), f64(k), f64(v), "elu", causal=True)[:, n0:]
+    finite = np.isfinite(want)
+    assert_close(out[finite], want[finite], np.float32, vscale(v))
+
+
 def test_decode_kernel_elu_features_bit_for_bit():
     """The kernel computes elu + 1 itself: equal to the general path's
     features bit for bit (z sums them), over both branches, the cut to 0
