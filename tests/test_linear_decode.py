@@ -742,11 +742,15 @@ def test_step_threads_equal_one_thread(threads):
     np.testing.assert_array_equal(state.S, want_state.S)
 
 
-def test_steps_from_several_python_threads_at_once():
+@pytest.mark.parametrize("leads", [[(2, 16)] * 4, [(2, 16), (1, 8), (3, 4), (1, 40)]],
+                         ids=["one shape", "four shapes"])
+def test_steps_from_several_python_threads_at_once(leads):
     """Four Python threads decode their own states together (the GIL is
     released in the kernel): one holds the team, the others run on
-    OpenMP, and each gets its one-thread numbers"""
-    inputs = [_decoding_inputs(seed, tokens=60) for seed in range(4)]
+    OpenMP, and each gets its one-thread numbers; states of one shape share
+    the offset table kept between steps, and a step of another shape while
+    it is in use makes its own (py_linear.c, kept_table)"""
+    inputs = [_decoding_inputs(seed, tokens=150, lead=lead) for seed, lead in enumerate(leads)]
     want = [_one_thread(_decode_tokens, *qkv_)[0] for qkv_ in inputs]
     got = [None] * 4
     before = attnx.get_num_threads()
