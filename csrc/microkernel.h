@@ -1134,7 +1134,8 @@ static inline __attribute__((always_inline)) void mk_decode_store_w16(int nv, co
     __m512 scale = _mm512_set1_ps(1 / (den < eps ? eps : den));
 #pragma GCC unroll 4
     for (int h = 0; h < nv; h++)
-        _mm512_storeu_ps(out + h * 16, den == 0 ? _mm512_setzero_ps() : _mm512_mul_ps(row[h], scale));
+        _mm512_storeu_ps(out + h * 16,
+                         den == 0 ? _mm512_setzero_ps() : _mm512_mul_ps(row[h], scale));
 }
 
 /* columns [c0, c0 + 16 nv) of the four heads' rows: turn the head at its
@@ -1165,7 +1166,8 @@ static inline __attribute__((always_inline)) void mk_decode_group_cols_w16(
                 __m512 key = _mm512_set1_ps(keys[t * r + f + i]);
 #pragma GCC unroll 4
                 for (int h = 0; h < nv; h++)
-                    acc[i][h] = _mm512_fmadd_ps(key, _mm512_loadu_ps(values + t * e + h * 16), acc[i][h]);
+                    acc[i][h] = _mm512_fmadd_ps(key, _mm512_loadu_ps(values + t * e + h * 16),
+                                                acc[i][h]);
             }
 #pragma GCC unroll 2
         for (int i = 0; i < 2; i++) {
