@@ -1002,9 +1002,32 @@ static inline __attribute__((always_inline)) void mk_decode_read_w16(
     for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
 }
 
-/* S[:, 0, 16 nv) += keys^T values over `count` keys, in key order (what
- * mk_add_keys_w16 computes), 4 rows of S at a time, and out[0, 16 nv) =
- * phi S from the rows just written, still in registers */
+/* rows [f0, f0 + mr) of S[:, 0, 16 nv) += keys^T values over `count`
+ * keys, in key order (what mk_add_keys_w16 computes), and row += phi S
+ * over those rows, from the rows just written, still in registers */
+static inline __attribute__((always_inline)) void mk_decode_turn_rows_w16(
+    int mr, int nv, ptrdiff_t f0, const float *phi, const float *keys, ptrdiff_t r,
+    const float *values, ptrdiff_t e, ptrdiff_t count, float *S, __m512 row[4])
+{
+    __m512 acc[6][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + (f0 + i) * e + h * 16);
+    mk_rank_w16(acc, mr, nv, keys + f0, 1, r, values, e, count, NULL);
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++) {
+        __m512 phi_f = _mm512_set1_ps(phi[f0 + i]);
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) {
+            _mm512_storeu_ps(S + (f0 + i) * e + h * 16, acc[i][h]);
+            row[h] = _mm512_fmadd_ps(phi_f, acc[i][h], row[h]);
+        }
+    }
+}
+
+/* A head's turn: all of S's columns [0, 16 nv) take the held keys, 4 rows
+ * at a time, and out[0, 16 nv) = phi S from the new S */
 static inline __attribute__((always_inline)) void mk_decode_flush_w16(
     int nv, const float *phi, const float *keys, ptrdiff_t r, const float *values, ptrdiff_t e,
     ptrdiff_t count, float *S, float *out)
@@ -1012,23 +1035,8 @@ static inline __attribute__((always_inline)) void mk_decode_flush_w16(
     __m512 row[4];
 #pragma GCC unroll 4
     for (int h = 0; h < nv; h++) row[h] = _mm512_setzero_ps();
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 4) {
-        __m512 acc[6][4];
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-#pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + (f0 + i) * e + h * 16);
-        mk_rank_w16(acc, 4, nv, keys + f0, 1, r, values, e, count, NULL);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            __m512 phi_f = _mm512_set1_ps(phi[f0 + i]);
-#pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) {
-                _mm512_storeu_ps(S + (f0 + i) * e + h * 16, acc[i][h]);
-                row[h] = _mm512_fmadd_ps(phi_f, acc[i][h], row[h]);
-            }
-        }
-    }
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += 4)
+        mk_decode_turn_rows_w16(4, nv, f0, phi, keys, r, values, e, count, S, row);
 #pragma GCC unroll 4
     for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
 }
@@ -1109,9 +1117,9 @@ static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdif
  * turn. Alone, a read streams S from L2 with the multiply-add units half
  * idle, and a turn keeps them busy (a multiply-add per held key and S
  * element) while L2 waits; side by side, the turn's arithmetic runs under
- * the reads' loads. The turn's head goes through S two rows at a time,
- * adding its held keys in key order as mk_decode_flush_w16 does, and the
- * others read as mk_decode_read_w16 does: S, z and the rows are those of
+ * the reads' loads. The turn's head goes through S two rows at a time
+ * (mk_decode_turn_rows_w16, as mk_decode_flush_w16 four), and the others
+ * read as mk_decode_read_w16 does: S, z and the rows are those of
  * four single steps, bit for bit. The rows leave divided by their
  * denominators, as linear.c's finish_rows divides them (1 / max(den, eps),
  * zeros where den == 0), in registers: finish_rows after the group took
@@ -1155,24 +1163,10 @@ static inline __attribute__((always_inline)) void mk_decode_group_cols_w16(
 #pragma GCC unroll 4
     for (int h = 0; h < nv; h++) row_a[h] = row_b[h] = row_c[h] = row[h] = _mm512_setzero_ps();
     for (ptrdiff_t f = 0; f < r; f += 2) {
-        __m512 acc[2][4];
-#pragma GCC unroll 2
-        for (int i = 0; i < 2; i++)
-#pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) acc[i][h] = _mm512_loadu_ps(S + (f + i) * e + h * 16);
-        for (ptrdiff_t t = 0; t < held; t++)
-#pragma GCC unroll 2
-            for (int i = 0; i < 2; i++) {
-                __m512 key = _mm512_set1_ps(keys[t * r + f + i]);
-#pragma GCC unroll 4
-                for (int h = 0; h < nv; h++)
-                    acc[i][h] = _mm512_fmadd_ps(key, _mm512_loadu_ps(values + t * e + h * 16),
-                                                acc[i][h]);
-            }
 #pragma GCC unroll 2
         for (int i = 0; i < 2; i++) {
-            __m512 phi_f = _mm512_set1_ps(phi[f + i]), phi_af = _mm512_set1_ps(phi_a[f + i]);
-            __m512 phi_bf = _mm512_set1_ps(phi_b[f + i]), phi_cf = _mm512_set1_ps(phi_c[f + i]);
+            __m512 phi_af = _mm512_set1_ps(phi_a[f + i]), phi_bf = _mm512_set1_ps(phi_b[f + i]);
+            __m512 phi_cf = _mm512_set1_ps(phi_c[f + i]);
             ptrdiff_t at = (f + i) * e;
 #pragma GCC unroll 4
             for (int h = 0; h < nv; h++) {
@@ -1180,12 +1174,8 @@ static inline __attribute__((always_inline)) void mk_decode_group_cols_w16(
                 row_b[h] = _mm512_fmadd_ps(phi_bf, _mm512_loadu_ps(S_b + at + h * 16), row_b[h]);
                 row_c[h] = _mm512_fmadd_ps(phi_cf, _mm512_loadu_ps(S_c + at + h * 16), row_c[h]);
             }
-#pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) {
-                _mm512_storeu_ps(S + at + h * 16, acc[i][h]);
-                row[h] = _mm512_fmadd_ps(phi_f, acc[i][h], row[h]);
-            }
         }
+        mk_decode_turn_rows_w16(2, nv, f, phi, keys, r, values, e, held, S, row);
     }
     mk_decode_store_w16(nv, row, turn->den, eps, turn->out + c0);
     mk_decode_held_terms_w16(nv, row_a, weights[0], readers[0]->values + c0, e, readers[0]->held);
