@@ -458,7 +458,7 @@ def test_decode_kernel_elu_features_bit_for_bit():
 # head too (microkernel.h, mk_rnn_step_w16): S = S0 + psi v^T written and
 # read in the same pass. Its S and z are the general path's bit for bit in
 # an optimised build (one fused multiply-add per entry on both), its
-# outputs agree to float32 rounding (the row's sums run in two halves).
+# outputs agree to float32 rounding (the row's sums run in another order).
 def _one_token(front, options, q, k, v, n0, kernel, **call):
     """The call on token n0 from a state of the first n0 tokens (None: no
     initial state): the output and the returned state's S and z."""
