@@ -1000,9 +1000,10 @@ static void SFX(segment_rows)(const linear_plan *p, SFX(rows_fn) rows_fn, ptrdif
 
 /* Thread `me` of `team` takes one fixed run of items (their work is
  * even): from one decoding step to the next, a head's state then stays in
- * the cache of the same core. The calling thread has just written the
- * offsets table, so the others' first reads of it would miss one after
- * another: their part is requested up front. */
+ * the cache of the same core. The calling thread may have just written
+ * the offsets table (the general binding makes one per call; the lean step
+ * keeps its own, py_linear.c's kept_table), so the others' first reads of
+ * it could miss one after another: their part is requested up front. */
 static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *starts,
                             REAL *scratch, size_t per_thread, ptrdiff_t me, ptrdiff_t team)
 {
