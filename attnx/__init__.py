@@ -10,6 +10,37 @@ import os as _os
 import numpy as _numpy  # noqa: F401  (numpy's own BLAS loads under the user's settings)
 
 
+def _explain_unbuilt(error):
+    """Python's own message when this folder holds no built extension
+    ("cannot import name '_C' from partially initialized module 'attnx'
+    (most likely due to a circular import)") points at the wrong cause. The
+    usual one: a source checkout's unbuilt attnx/ folder imported from the
+    current directory, ahead of the copy `pip install .` built elsewhere.
+    Raise an ImportError saying so; return when an extension file is here
+    (it failed for another reason, which the caller re-raises)."""
+    import importlib.machinery
+    import sys
+
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if any(_os.path.exists(_os.path.join(here, "_C" + suffix))
+           for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return
+    checkout = _os.path.dirname(here)
+    others = [entry for entry in sys.path
+              if _os.path.abspath(entry or _os.curdir) != checkout]
+    installed = importlib.machinery.PathFinder.find_spec("attnx", others)
+    message = (f"attnx's C extension is not built in {here}: this is the unbuilt attnx/ "
+               f"folder of a source checkout, imported because {checkout} comes first on "
+               f"sys.path (it is the current directory or the script's folder).")
+    if installed is not None and installed.origin:
+        message += (f" It hides the installed attnx at "
+                    f"{_os.path.dirname(installed.origin)}: run Python from outside the "
+                    f"checkout, or install the checkout in place with `pip install -e .`.")
+    else:
+        message += " Build it in place with `pip install -e .` (from the checkout)."
+    raise ImportError(message) from error
+
+
 def _load_extension():
     """Import the extension with its OpenBLAS told to start no threads:
     attnx runs BLAS single-threaded inside its own OpenMP pool, and an idle
@@ -18,6 +49,9 @@ def _load_extension():
     _os.environ["OPENBLAS_NUM_THREADS"] = "1"
     try:
         from . import _C
+    except ImportError as error:
+        _explain_unbuilt(error)
+        raise
     finally:
         if saved is None:
             del _os.environ["OPENBLAS_NUM_THREADS"]

@@ -51,7 +51,9 @@ try:
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError('attnx.dask needs dask: pip install "attnx[dask]"') from error
+    raise ImportError('attnx.dask needs dask: pip install '
+                      '"dask[distributed]" (from an attnx checkout: pip install -e ".[dask]"; '
+                      'once attnx is released: pip install "attnx[dask]")') from error
 
 from . import _C
 from ._linear import (

@@ -1,6 +1,7 @@
 """Plots of attention: weight matrices, masks and kernel regression.
 
-Needs matplotlib (``pip install "attnx[plot]"``), imported on first use, and
+Needs matplotlib (``pip install matplotlib``; from a checkout
+``pip install -e ".[plot]"``), imported on first use, and
 works headless (the Agg backend). Every function draws into an existing
 Axes when given ``ax=`` (or makes a new figure) and returns the matplotlib
 object it drew on, whose image or line data are the numbers computed, so a
@@ -39,8 +40,9 @@ def _pyplot():
     try:
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ImportError('attnx.plot needs matplotlib: pip install "attnx[plot]" '
-                          '(or pip install matplotlib)') from error
+        raise ImportError('attnx.plot needs matplotlib: pip install matplotlib (from an '
+                          'attnx checkout: pip install -e ".[plot]"; once attnx is released: '
+                          'pip install "attnx[plot]")') from error
     return plt
 
 
