@@ -26,18 +26,21 @@ def _explain_unbuilt(error):
            for suffix in importlib.machinery.EXTENSION_SUFFIXES):
         return
     checkout = _os.path.dirname(here)
-    others = [entry for entry in sys.path
-              if _os.path.abspath(entry or _os.curdir) != checkout]
-    installed = importlib.machinery.PathFinder.find_spec("attnx", others)
-    message = (f"attnx's C extension is not built in {here}: this is the unbuilt attnx/ "
-               f"folder of a source checkout, imported because {checkout} comes first on "
-               f"sys.path (it is the current directory or the script's folder).")
+    on_path = [_os.path.abspath(entry or _os.curdir) for entry in sys.path]
+    message = f"attnx's C extension is not built in {here}"
+    installed = None
+    if checkout in on_path:
+        message += (f": this is the unbuilt attnx/ folder of a source checkout, imported "
+                    f"because {checkout} is on sys.path (the current directory or the "
+                    f"script's folder)")
+        others = [entry for entry, where in zip(sys.path, on_path) if where != checkout]
+        installed = importlib.machinery.PathFinder.find_spec("attnx", others)
     if installed is not None and installed.origin:
-        message += (f" It hides the installed attnx at "
+        message += (f". It hides the installed attnx at "
                     f"{_os.path.dirname(installed.origin)}: run Python from outside the "
                     f"checkout, or install the checkout in place with `pip install -e .`.")
     else:
-        message += " Build it in place with `pip install -e .` (from the checkout)."
+        message += f". Build it in place: `pip install -e .` in {checkout}."
     raise ImportError(message) from error
 
 
@@ -147,7 +150,38 @@ __all__ = [
 
 
 def show_config():
-    """Print the BLAS, SIMD level, thread count and numpy version in use."""
+    """Print the BLAS, SIMD level, thread count and numpy version in use.
+
+    Returns
+    -------
+    None
+        The configuration is printed to standard output.
+
+    Raises
+    ------
+    None
+        This function does not raise.
+
+    See Also
+    --------
+    get_num_threads : The thread count alone.
+    set_output_cache : The result-reuse limit printed.
+
+    Notes
+    -----
+    The lines name the BLAS attnx was built with (single-threaded inside
+    attnx's OpenMP pool), the SIMD level of the kernels, whether AMX and
+    the bfloat16 dot product are in use, the threads, the output cache's
+    limit, numpy's version and the compiler. Include them in a bug report.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.show_config()  # doctest: +ELLIPSIS
+    attnx 0.1.0
+      BLAS: ...
+      threads: ...
+    """
     import numpy
 
     info = _C.build_info()

@@ -43,7 +43,7 @@ autodoc_typehints = "none"
 # does not exist, or lacks Returns, See Also or Examples
 numpydoc_show_class_members = False
 numpydoc_xref_param_type = False
-numpydoc_validation_checks = {"PR01", "PR02", "PR03", "RT01", "SA01", "EX01", "GL08"}
+numpydoc_validation_checks = {"PR01", "PR02", "RT01", "SA01", "EX01", "GL08"}
 # names whose parameters are documented as a group ("q, k, v : array_like")
 # or forwarded (**options) are still checked by the tests
 # (tests/test_docstrings.py)
