@@ -30,11 +30,6 @@ projection : ndarray or tuple or None
 state : tuple or None
     ``(dS, dz)``, of an ``initial_state`` when one was given.
 
-Returns
--------
-Gradients
-    The named tuple.
-
 Raises
 ------
 TypeError
@@ -83,11 +78,6 @@ bias : ndarray or None
 projection : ndarray or tuple or None
     Of the variant's own weights (Linformer's ``(dE, dF)``, FLatten's
     ``dwc_weight``).
-
-Returns
--------
-MultiHeadGradients
-    The named tuple.
 
 Raises
 ------

@@ -156,9 +156,9 @@ def attention_weights(q, k, variant="softmax", **options):
     >>> w = attnx.attention_weights(q, k, causal=True)
     >>> print(np.round(w, 3))
     [[1.    0.    0.    0.   ]
-     [0.577 0.423 0.    0.   ]
-     [0.323 0.214 0.463 0.   ]
-     [0.148 0.165 0.258 0.429]]
+     [0.403 0.597 0.    0.   ]
+     [0.078 0.148 0.774 0.   ]
+     [0.654 0.235 0.058 0.054]]
     >>> np.allclose(w @ v, attnx.softmax_attention(q, k, v, causal=True))
     True
     >>> w = attnx.attention_weights(q, k, "linear", feature_map="relu")

@@ -494,10 +494,10 @@ def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
     >>> o = attnx.focused_linear_attention(q, k, v, p=3)
-    >>> def f(x):
+    >>> def f(x):                                # a zero vector gives 0
     ...     y = np.maximum(x, 0)
-    ...     return np.linalg.norm(y, axis=-1, keepdims=True) * y ** 3 / np.linalg.norm(
-    ...         y ** 3, axis=-1, keepdims=True)
+    ...     y3 = np.linalg.norm(y ** 3, axis=-1, keepdims=True)
+    ...     return np.linalg.norm(y, axis=-1, keepdims=True) * y ** 3 / np.where(y3 > 0, y3, 1)
     >>> s = f(q) @ f(k).T
     >>> np.allclose(o, s / np.maximum(s.sum(1, keepdims=True), 1e-6) @ v)
     True

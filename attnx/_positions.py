@@ -80,9 +80,9 @@ def sinusoidal_positions(n, d, base=10000):
     >>> import numpy as np, attnx
     >>> P = attnx.sinusoidal_positions(3, 4)
     >>> print(np.round(P, 3))
-    [[0.    1.    0.    1.   ]
-     [0.841 0.54  0.01  1.   ]
-     [0.909 -0.416 0.02  1.   ]]
+    [[ 0.     1.     0.     1.   ]
+     [ 0.841  0.54   0.01   1.   ]
+     [ 0.909 -0.416  0.02   1.   ]]
     """
     n = count(n, "n")
     d = count(d, "d")

@@ -314,7 +314,7 @@ def bigbird(nb, window, num_global, num_random, seed):
     >>> import attnx
     >>> layout = attnx.layouts.bigbird(6, 1, 1, 1, seed=0)
     >>> layout.shape, layout.sum(1).tolist()
-    ((6, 6), [6, 4, 5, 5, 5, 3])
+    ((6, 6), [6, 4, 5, 5, 5, 4])
     """
     num_random = _count(num_random, "num_random")
     layout = longformer(nb, window, _count(num_global, "num_global"))

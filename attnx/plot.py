@@ -381,7 +381,7 @@ def compare(q, k, variants=("softmax", "linear", "taylor", "cosformer"), *, cmap
     >>> q = np.random.default_rng(0).standard_normal((6, 4))
     >>> fig = attnx.plot.compare(q, q, ["softmax", ("linear", {"feature_map": "relu"})])
     >>> [ax.get_title() for ax in fig.axes[:2]]
-    ['softmax', 'linear (feature_map=relu)']
+    ['softmax', "linear (feature_map='relu')"]
     """
     if isinstance(variants, str):
         raise TypeError("variants must be a list of variant names, not one string")
