@@ -35,16 +35,6 @@ class LinearAttentionState:
         How many key positions were consumed (cosFormer numbers the next
         call's positions after it).
 
-    Attributes
-    ----------
-    S : ndarray
-        As above; reading it first adds in the keys single-token steps hold
-        back, so it is always exact when read.
-    z : ndarray
-        As above.
-    offset : int
-        As above.
-
     Methods
     -------
     step(q, k, v, out=None)
@@ -329,7 +319,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
 
     Notes
     -----
-    With non-negative features phi (queries) and psi (keys) of size r,
+    With non-negative features phi (queries) and psi (keys) of size r::
 
         o_i = phi(q_i) S / max(phi(q_i) . z, eps),
         S = sum_j psi(k_j) v_j^T,   z = sum_j psi(k_j),
@@ -405,7 +395,7 @@ def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=No
     Notes
     -----
     With 1-based positions (queries 1..n, keys 1..m, both shifted by a
-    streaming state's offset),
+    streaming state's offset)::
 
         s_ij = relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M),
 

@@ -687,7 +687,6 @@ class MultiheadAttention(torch.nn.Module):
     See Also
     --------
     attnx.multi_head_attention : The numpy function.
-    torch.nn.MultiheadAttention : Whose weights can be copied in.
 
     Notes
     -----

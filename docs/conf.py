@@ -25,7 +25,7 @@ extensions = [
 
 root_doc = "index"
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build", "api/generated/*.md"]
+exclude_patterns = ["_build"]
 
 # the Markdown pages link each other by file name ([softmax.md](softmax.md));
 # myst resolves those to the pages, and -n reports any that do not exist
@@ -33,6 +33,9 @@ myst_heading_anchors = 3
 myst_enable_extensions = ["dollarmath"]
 
 autosummary_generate = True
+# a class page shows the class's own docstring (its sections list what it
+# has), not every method it inherits (torch.nn.Module's, tuple's)
+templates_path = ["_templates"]
 autodoc_default_options = {"members": False}
 # the signatures come from the functions (the C ones carry theirs in the
 # docstring's first line)
