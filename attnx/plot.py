@@ -459,9 +459,9 @@ def mask(n, m, causal=False, window=None, layout=None, block_size=None, ax=None)
     20
     """
     visible = visibility(n, m, causal, window, layout, block_size)
+    ax = _new_axes(ax)  # first: without matplotlib, the ImportError saying how to install it
     from matplotlib.colors import ListedColormap
 
-    ax = _new_axes(ax)
     ax.imshow(visible, cmap=ListedColormap([INVISIBLE_COLOUR, VISIBLE_COLOUR]), vmin=0, vmax=1,
               interpolation="nearest", aspect="equal")
     if layout is not None:
