@@ -41,7 +41,15 @@ import warnings
 from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "attnx.torch needs PyTorch, which is not installed. Install a CPU build with\n"
+        "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n"
+        "(a plain `pip install torch` on Linux x86-64 brings several GB of CUDA libraries), or "
+        "from an attnx checkout: pip install -e \".[torch]\"") from error
 
 import attnx
 
@@ -49,6 +57,8 @@ from . import _checks, _linear
 
 __all__ = [
     "scaled_dot_product_attention",
+    "SDPAValueError",
+    "SDPATypeError",
     "softmax_attention",
     "gaussian_attention",
     "linear_attention",
@@ -77,8 +87,10 @@ def _check_tensor(name, t):
                          f"(move it with .cpu(), or use torch's own attention on {t.device.type})")
 
 
-def _check_inputs(names, q, k, v):
-    """q (..., n, d), k (..., m, d), v (..., m, e) of one floating dtype."""
+def _check_inputs(names, q, k, v, broadcast=True):
+    """q (..., n, d), k (..., m, d), v (..., m, e) of one floating dtype,
+    whose leading axes broadcast (unless `broadcast` is False: the caller
+    checks them itself)."""
     for name, t in zip(names, (q, k, v)):
         _check_tensor(name, t)
         if t.dim() < 2:
@@ -96,6 +108,23 @@ def _check_inputs(names, q, k, v):
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"{names[1]} and {names[2]} must have the same length m (axis -2), got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if broadcast:
+        _check_broadcast(names, (q, k, v))
+
+
+def _check_broadcast(names, tensors):
+    """The leading (batch, head) axes of `tensors` (..., x, y) broadcast by
+    numpy's rules; otherwise a ValueError naming them, before torch's own
+    broadcasting reports it in its terms."""
+    shapes = [tuple(t.shape[:-2]) for t in tensors]
+    try:
+        torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        listed = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(names, tensors))
+        raise ValueError(f"the leading (batch, head) axes do not broadcast: {listed}; each "
+                         "leading axis must be equal or 1 (for grouped-query attention give "
+                         "query (..., Hkv, g, n, d) and key/value (..., Hkv, 1, m, d), or "
+                         "enable_gqa=True in scaled_dot_product_attention)") from None
 
 
 def _compute_dtype(dtype):
@@ -286,8 +315,9 @@ def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     dtype = _compute_dtype(q.dtype)
     shape = _batch_shape(q, k, v, mask, bias)
     out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
-    if out.numel() == 0 or k.shape[-2] == 0:
-        # no query, or no key (zeros, lse -inf), or nothing to hold
+    if out.numel() == 0 or k.shape[-2] == 0 or dropout_p == 1.0:
+        # no query, or no key (zeros, lse -inf), or nothing to hold, or
+        # every weight dropped (torch's SDPA at dropout_p = 1: zeros)
         return out.zero_(), torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
     options = _softmax_options(variant, param, causal, window, dropout_p, seed)
     args = (_np(q, dtype), _np(k, dtype), _np(v, dtype))
@@ -319,7 +349,7 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     if backward is None:
         raise NotImplementedError(f"this attnx has no {variant}_attention_backward")
     dtype = _compute_dtype(q.dtype)
-    if dout.numel() == 0 or k.shape[-2] == 0:
+    if dout.numel() == 0 or k.shape[-2] == 0 or dropout_p == 1.0:
         # no output, or one that is constantly zero: every gradient is zero
         dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
         return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
@@ -390,10 +420,12 @@ def _split_mask(mask, n, name="mask"):
     return None, _key_padding_view(mask, n)
 
 
-def _seed_tensor(dropout_p, seed):
-    if not 0.0 <= dropout_p < 1.0:
+def _seed_tensor(dropout_p, seed, upper=None):
+    """The dropout seed as a tensor (None without dropout). dropout_p = 1
+    (`upper` = 1, torch's SDPA) drops every weight: no seed is needed."""
+    if not (0.0 <= dropout_p < 1.0 or dropout_p == upper):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if not dropout_p:
+    if not dropout_p or dropout_p == 1.0:
         return None
     if seed is None:
         # drawn from torch's generator, so torch.manual_seed makes it repeatable
@@ -441,36 +473,136 @@ def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None
                          return_lse)
 
 
+class SDPAValueError(RuntimeError, ValueError):
+    """A bad argument to :func:`scaled_dot_product_attention` where torch
+    raises RuntimeError: catchable as torch's RuntimeError and as the
+    ValueError attnx's other front ends raise, with attnx's message."""
+
+
+class SDPATypeError(RuntimeError, TypeError):
+    """A wrong dtype or type given to :func:`scaled_dot_product_attention`:
+    both torch's RuntimeError and attnx's TypeError."""
+
+
+def _as_sdpa_error(error):
+    return (SDPATypeError if isinstance(error, TypeError) else SDPAValueError)(str(error))
+
+
+try:
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:  # torch before 2.3 has no CausalBias
+    CausalBias = CausalVariant = None
+
+
+def _causal_bias(mask, is_causal, n, m):
+    """torch's CausalBias mask as attnx's causal flag, without reading the
+    mask's storage (a CausalBias holds no values): upper-left, or
+    lower-right when its lengths are the call's (n, m) and differ (equal
+    lengths align both corners). Other lengths: its materialised boolean
+    mask, as torch broadcasts it. Returns (causal, bool mask or None)."""
+    if is_causal:
+        raise SDPAValueError("CausalBias should not be used with causal=True: the CausalBias "
+                             "attn_mask already makes the attention causal")
+    if mask.seq_len_q == mask.seq_len_kv or mask.variant == CausalVariant.UPPER_LEFT:
+        return "upper_left", None
+    if mask.variant != CausalVariant.LOWER_RIGHT:
+        raise SDPAValueError(f"CausalBias.variant must be a CausalVariant, got {mask.variant!r}")
+    if (mask.seq_len_q, mask.seq_len_kv) == (n, m):
+        return "lower_right", None
+    return "none", mask._materialize(torch.device("cpu"))
+
+
+def _sdpa_mask_dtype(attn_mask, dtype):
+    if attn_mask.dtype not in (torch.bool, torch.float32, dtype):
+        raise SDPATypeError(f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = "
+                            f"attend), float32 or the query's dtype ({dtype}), as torch requires")
+
+
+def _sdpa_scale(scale, query):
+    """scale as torch takes it, any finite number: (query, scale) to
+    compute with a positive scale. A negative scale negates the query
+    instead (scale q.k = |scale| (-q).k) and zero zeroes it; both are
+    differentiable ops, so the query's gradient comes out right."""
+    if scale is None:
+        return query, None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise SDPATypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise SDPAValueError(f"scale must be finite, got {scale}")
+    if scale < 0:
+        return torch.neg(query), -scale
+    if scale == 0:
+        return query * 0, 1.0
+    return query, scale
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention computed by attnx.
 
     Same signature and semantics: query (..., Hq, L, E), key (..., H, S, E),
-    value (..., H, S, Ev); attn_mask bool (True = attend) or float (added to
-    the scores), broadcastable to (..., Hq, L, S); is_causal: query i sees
-    keys j <= i (upper-left); scale defaults to 1/sqrt(E); enable_gqa lets
-    Hq be a multiple of H, each key/value head shared by Hq/H query heads
-    (without a copy). A row that sees no key gives zeros, as torch's CPU
-    kernels do. Dropout uses attnx's counter-based generator seeded from
-    torch's, so the dropped weights differ from torch's but are repeatable
-    under torch.manual_seed."""
-    _check_inputs(("query", "key", "value"), query, key, value)
-    n = query.shape[-2]
+    value (..., H, S, Ev); attn_mask bool (True = attend), float (added to
+    the scores; float32 or the query's dtype) or a
+    ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left``,
+    ``causal_lower_right``: run as attnx's causal flag, never
+    materialised), broadcastable to (..., Hq, L, S); is_causal: query i
+    sees keys j <= i (upper-left), and may not be combined with attn_mask;
+    scale any finite number, default 1/sqrt(E); dropout_p in [0, 1];
+    enable_gqa lets Hq be a multiple of H, each key/value head shared by
+    Hq/H query heads (without a copy). A row that sees no key gives zeros,
+    as torch's CPU kernels do. Bad arguments raise RuntimeError where torch
+    does (as :class:`SDPAValueError` / :class:`SDPATypeError`, which are
+    also ValueError / TypeError). Dropout uses attnx's counter-based
+    generator seeded from torch's, so the dropped weights differ from
+    torch's but are repeatable under torch.manual_seed."""
+    try:
+        _check_inputs(("query", "key", "value"), query, key, value, broadcast=False)
+        if attn_mask is not None and not (CausalBias is not None
+                                          and isinstance(attn_mask, CausalBias)):
+            _check_tensor("attn_mask", attn_mask)
+    except (ValueError, TypeError) as error:
+        raise _as_sdpa_error(error) from None
+    n, m = query.shape[-2], key.shape[-2]
+    causal = "upper_left" if is_causal else "none"
+    if CausalBias is not None and isinstance(attn_mask, CausalBias):
+        causal, attn_mask = _causal_bias(attn_mask, is_causal, n, m)
+    elif attn_mask is not None:
+        if is_causal:
+            raise SDPAValueError("scaled_dot_product_attention: Explicit attn_mask should not be "
+                                 "set when is_causal=True (put the causal pattern in attn_mask, "
+                                 "or pass is_causal alone)")
+        _sdpa_mask_dtype(attn_mask, query.dtype)
+    if attn_mask is not None and attn_mask.dim() >= 1 and (
+            attn_mask.shape[-1] not in (1, m)
+            or attn_mask.dim() >= 2 and attn_mask.shape[-2] not in (1, n)):
+        raise SDPAValueError(f"attn_mask has shape {tuple(attn_mask.shape)}, expected to "
+                             f"broadcast to (..., L, S) = (..., {n}, {m})")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise SDPAValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    query, scale = _sdpa_scale(scale, query)
     mask, bias = _split_mask(attn_mask, n, "attn_mask")
     groups = 1
     if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         heads, kv_heads = query.shape[-3], key.shape[-3]
         if kv_heads == 0 or heads % kv_heads or value.dim() < 3 or value.shape[-3] != kv_heads:
-            raise ValueError(f"enable_gqa needs the query heads ({heads}) to be a multiple of the "
-                             f"key/value heads ({kv_heads}, value {tuple(value.shape)})")
+            raise SDPAValueError(f"enable_gqa needs the query heads ({heads}) to be a multiple "
+                                 f"of the key/value heads ({kv_heads}, value "
+                                 f"{tuple(value.shape)})")
         groups = heads // kv_heads
         query = query.unflatten(-3, (kv_heads, groups))
         key, value = key.unsqueeze(-3), value.unsqueeze(-3)
         mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
+    given = [(name, t) for name, t in (("query", query), ("key", key), ("value", value),
+                                       ("attn_mask", mask), ("attn_mask", bias))
+             if t is not None and t.dim() >= 2]
+    try:
+        _check_broadcast([name for name, _ in given], [t for _, t in given])
+    except ValueError as error:
+        raise _as_sdpa_error(error) from None
     out = _softmax_apply(
-        query, key, value, mask, bias, "softmax", None if scale is None else float(scale),
-        "upper_left" if is_causal else "none", None, float(dropout_p),
-        _seed_tensor(dropout_p, None))[0]
+        query, key, value, mask, bias, "softmax", scale, causal, None, float(dropout_p),
+        _seed_tensor(dropout_p, None, upper=1.0))[0]
     return out.flatten(-4, -3) if groups > 1 else out
 
 
