@@ -272,6 +272,29 @@ def _in_compute_dtype(*tensors):
             else t for t in tensors]
 
 
+def _wide_np(t):
+    """A float32 numpy array of half-precision tensor `t` (one pass: C for
+    bfloat16, reading any strides in place; numpy for float16), or the
+    numpy view of a float32 / float64 / bool tensor (None for None)."""
+    if t is None or t.dtype not in _HALF:
+        return _np(t)
+    if t.dtype == torch.float16:
+        return t.detach().resolve_neg().numpy().astype(np.float32)
+    wide = np.empty(tuple(t.shape), dtype=np.float32)
+    attnx._C._convert_bf16(_bf16_bits(t), wide)
+    return wide
+
+
+def _narrowed(array, dtype):
+    """float32 numpy `array` as a new tensor of half `dtype`, rounded to
+    nearest even in one pass (C for bfloat16, numpy for float16)."""
+    if dtype == torch.float16:
+        return torch.from_numpy(np.ascontiguousarray(array).astype(np.float16))
+    out = torch.empty(array.shape, dtype=torch.bfloat16)
+    attnx._C._convert_bf16(array, _bf16_bits(out))
+    return out
+
+
 def _in_dtype(t, dtype):
     """A result computed in float32 returned in the input's `dtype`, the
     one conversion on the way out (differentiable)."""
@@ -306,35 +329,43 @@ def _softmax_kernels(variant):
 @torch.library.custom_op("attnx::softmax_attention", mutates_args=(), device_types="cpu")
 def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                 variant: str, param: Optional[float], causal: str, window: Optional[List[int]],
-                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Softmax (variant "softmax", param = scale) or gaussian (param =
-    sigma) attention: returns out (..., n, e) and lse (..., n) in the dtype
-    computed in (float32 for half inputs: the callers round out to the
-    input dtype, and the backward reads the unrounded out)."""
+    sigma) attention: returns out (..., n, e) in q's dtype, lse (..., n)
+    in the dtype computed in, and for half-precision inputs the unrounded
+    float32 out the backward reads (empty otherwise). Half inputs are
+    widened here, each in one pass, and out rounded once."""
     forward, _ = _softmax_kernels(variant)
     dtype = _compute_dtype(q.dtype)
     shape = _batch_shape(q, k, v, mask, bias)
-    out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
-    if out.numel() == 0 or k.shape[-2] == 0 or dropout_p == 1.0:
+    wide = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    if wide.numel() == 0 or k.shape[-2] == 0 or dropout_p == 1.0:
         # no query, or no key (zeros, lse -inf), or nothing to hold, or
         # every weight dropped (torch's SDPA at dropout_p = 1: zeros)
-        return out.zero_(), torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
-    options = _softmax_options(variant, param, causal, window, dropout_p, seed)
-    args = (_np(q, dtype), _np(k, dtype), _np(v, dtype))
-    if variant == "gaussian":
-        args += (param,)
-    _, lse = forward(*args, mask=_np(mask), bias=_np(bias, dtype), out=out.numpy(),
-                     return_lse=True, **options)
-    return out, torch.from_numpy(lse)
+        wide.zero_()
+        lse = torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
+    else:
+        options = _softmax_options(variant, param, causal, window, dropout_p, seed)
+        args = (_wide_np(q), _wide_np(k), _wide_np(v))
+        if variant == "gaussian":
+            args += (param,)
+        _, lse = forward(*args, mask=_np(mask), bias=_wide_np(bias), out=wide.numpy(),
+                         return_lse=True, **options)
+        lse = torch.from_numpy(lse)
+    if q.dtype == dtype:
+        return wide, lse, q.new_empty((0,))
+    return _narrowed(wide.numpy(), q.dtype), lse, wide
 
 
 @_softmax_op.register_fake
 def _(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     shape = _batch_shape(q, k, v, mask, bias)
     dtype = _compute_dtype(q.dtype)
-    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]))
     lse = q.new_empty(shape + (q.shape[-2],), dtype=dtype)
-    return out, lse
+    wide = (q.new_empty((0,)) if q.dtype == dtype
+            else q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype))
+    return out, lse, wide
 
 
 @torch.library.custom_op("attnx::softmax_attention_backward", mutates_args=(), device_types="cpu")
@@ -344,7 +375,9 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
                          dropout_p: float, seed: Optional[Tensor],
                          bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (shapes and dtypes of q, k, v) and dbias (that of bias
-    when bias_grad, else an empty tensor) of sum(dout * out)."""
+    when bias_grad, else an empty tensor) of sum(dout * out); `out` is the
+    forward's unrounded result (float32 for half inputs). Half-precision
+    dout and inputs are widened here, the gradients rounded once."""
     _, backward = _softmax_kernels(variant)
     if backward is None:
         raise NotImplementedError(f"this attnx has no {variant}_attention_backward")
@@ -354,14 +387,20 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
         return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
     grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
-    args = tuple(_np(t, dtype) for t in (dout, q, k, v, out)) + (lse.numpy(),)
+    args = tuple(_wide_np(t) for t in (dout, q, k, v)) + (_np(out), lse.numpy())
     if variant == "gaussian":
         args += (param,)
-    g = backward(*args, mask=_np(mask), bias=_np(bias, dtype), bias_grad=bias_grad,
+    g = backward(*args, mask=_np(mask), bias=_wide_np(bias), bias_grad=bias_grad,
                  dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
                  **_softmax_options(variant, param, causal, window, dropout_p, seed))
-    dbias = _from_numpy(g.bias, bias.dtype) if bias_grad else q.new_empty((0,))
-    return (*(grad.to(t.dtype) for grad, t in zip(grads, (q, k, v))), dbias)
+    if bias_grad:
+        dbias = (_narrowed(g.bias, bias.dtype) if bias.dtype in _HALF
+                 else _from_numpy(g.bias, bias.dtype))
+    else:
+        dbias = q.new_empty((0,))
+    if q.dtype == dtype:
+        return (*grads, dbias)
+    return (*(_narrowed(grad.numpy(), q.dtype) for grad in grads), dbias)
 
 
 @_softmax_backward_op.register_fake
@@ -373,14 +412,14 @@ def _(dout, q, k, v, out, lse, mask, bias, variant, param, causal, window, dropo
 
 def _softmax_setup_context(ctx, inputs, output):
     q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
+    out, lse, wide = output
+    ctx.mark_non_differentiable(lse, wide)
     ctx.options = (variant, param, causal, window, dropout_p)
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
+    ctx.save_for_backward(q, k, v, wide if wide.numel() else out, lse, mask, bias, seed)
 
 
-def _softmax_backward(ctx, dout, dlse):
+def _softmax_backward(ctx, dout, dlse, dwide):
     q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
     variant, param, causal, window, dropout_p = ctx.options
     dq, dk, dv, dbias = torch.ops.attnx.softmax_attention_backward(
@@ -394,12 +433,13 @@ _softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_co
 
 def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     """The softmax operator on tensors of any supported dtype: (out in q's
-    dtype, lse in the computing dtype)."""
-    dtype = q.dtype
-    q, k, v, bias = _in_compute_dtype(q, k, v, bias)
-    out, lse = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
-                                                 window, dropout_p, seed)
-    return _in_dtype(out, dtype), lse
+    dtype, lse in the computing dtype). Half-precision q, k, v and bias
+    cross into the operator as they are: it converts them in one pass."""
+    if bias is not None and bias.dtype != q.dtype and bias.dtype != _compute_dtype(q.dtype):
+        bias = bias.to(_compute_dtype(q.dtype))
+    out, lse, _ = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
+                                                    window, dropout_p, seed)
+    return out, lse
 
 
 def _split_mask(mask, n, name="mask"):
