@@ -10,6 +10,40 @@ import os as _os
 import numpy as _numpy  # noqa: F401  (numpy's own BLAS loads under the user's settings)
 
 
+def _explain_unbuilt(error):
+    """Python's own message when this folder holds no built extension
+    ("cannot import name '_C' from partially initialized module 'attnx'
+    (most likely due to a circular import)") points at the wrong cause. The
+    usual one: a source checkout's unbuilt attnx/ folder imported from the
+    current directory, ahead of the copy `pip install .` built elsewhere.
+    Raise an ImportError saying so; return when an extension file is here
+    (it failed for another reason, which the caller re-raises)."""
+    import importlib.machinery
+    import sys
+
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if any(_os.path.exists(_os.path.join(here, "_C" + suffix))
+           for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return
+    checkout = _os.path.dirname(here)
+    on_path = [_os.path.abspath(entry or _os.curdir) for entry in sys.path]
+    message = f"attnx's C extension is not built in {here}"
+    installed = None
+    if checkout in on_path:
+        message += (f": this is the unbuilt attnx/ folder of a source checkout, imported "
+                    f"because {checkout} is on sys.path (the current directory or the "
+                    f"script's folder)")
+        others = [entry for entry, where in zip(sys.path, on_path) if where != checkout]
+        installed = importlib.machinery.PathFinder.find_spec("attnx", others)
+    if installed is not None and installed.origin:
+        message += (f". It hides the installed attnx at "
+                    f"{_os.path.dirname(installed.origin)}: run Python from outside the "
+                    f"checkout, or install the checkout in place with `pip install -e .`.")
+    else:
+        message += f". Build it in place: `pip install -e .` in {checkout}."
+    raise ImportError(message) from error
+
+
 def _load_extension():
     """Import the extension with its OpenBLAS told to start no threads:
     attnx runs BLAS single-threaded inside its own OpenMP pool, and an idle
@@ -18,6 +52,9 @@ def _load_extension():
     _os.environ["OPENBLAS_NUM_THREADS"] = "1"
     try:
         from . import _C
+    except ImportError as error:
+        _explain_unbuilt(error)
+        raise
     finally:
         if saved is None:
             del _os.environ["OPENBLAS_NUM_THREADS"]
@@ -113,7 +150,38 @@ __all__ = [
 
 
 def show_config():
-    """Print the BLAS, SIMD level, thread count and numpy version in use."""
+    """Print the BLAS, SIMD level, thread count and numpy version in use.
+
+    Returns
+    -------
+    None
+        The configuration is printed to standard output.
+
+    Raises
+    ------
+    None
+        This function does not raise.
+
+    See Also
+    --------
+    get_num_threads : The thread count alone.
+    set_output_cache : The result-reuse limit printed.
+
+    Notes
+    -----
+    The lines name the BLAS attnx was built with (single-threaded inside
+    attnx's OpenMP pool), the SIMD level of the kernels, whether AMX and
+    the bfloat16 dot product are in use, the threads, the output cache's
+    limit, numpy's version and the compiler. Include them in a bug report.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.show_config()  # doctest: +ELLIPSIS
+    attnx 0.1.0
+      BLAS: ...
+      threads: ...
+    """
     import numpy
 
     info = _C.build_info()

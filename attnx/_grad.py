@@ -12,24 +12,97 @@ from collections import namedtuple
 import numpy as np
 
 Gradients = namedtuple("Gradients", "q k v bias projection state", defaults=(None,) * 6)
-Gradients.__doc__ = """Gradients of sum(dout * out) with respect to a forward call's inputs.
+Gradients.__doc__ = """Gradients of ``sum(dout * out)`` with respect to a forward call's inputs.
 
-Each field has the shape and dtype of its input (summed over the axes along
-which that input was broadcast); a field that does not apply is None:
-``bias`` unless ``bias_grad=True``, ``projection`` unless
-``projection_grad=True`` (FAVOR+) or for Linformer's ``(dE, dF)``,
-``state`` unless an ``initial_state`` was given (then ``(dS, dz)``)."""
+A named tuple, returned by every ``*_backward`` function and by the
+pullback of `vjp`.
+
+Parameters
+----------
+q, k, v : ndarray or None
+    The gradients of the queries, keys and values (``lsh_attention`` has
+    no ``k``: None).
+bias : ndarray or None
+    Of the ``bias`` option; None unless ``bias_grad=True``.
+projection : ndarray or tuple or None
+    Of FAVOR+'s projection with ``projection_grad=True``, Linformer's
+    ``(dE, dF)``, the rotary inputs' gradients; otherwise None.
+state : tuple or None
+    ``(dS, dz)``, of an ``initial_state`` when one was given.
+
+Raises
+------
+TypeError
+    When built with unknown fields (as any named tuple).
+
+See Also
+--------
+vjp : Returns a pullback giving these.
+MultiHeadGradients : The gradients of the multi-head layer.
+
+Notes
+-----
+Each field has the shape and dtype of its input, summed over the axes
+along which that input was broadcast (docs/gradients.md).
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> q = np.arange(6.0).reshape(3, 2) / 6
+>>> out, pullback = attnx.vjp(attnx.softmax_attention, q, q, q)
+>>> g = pullback(np.ones_like(out))
+>>> g._fields
+('q', 'k', 'v', 'bias', 'projection', 'state')
+>>> g.v.shape, g.bias is None
+((3, 2), True)
+"""
 
 MultiHeadGradients = namedtuple("MultiHeadGradients", "x_q x_kv w_q w_k w_v w_o b_q b_k b_v b_o bias projection",
                                 defaults=(None,) * 12)
-MultiHeadGradients.__doc__ = """Gradients of sum(dout * multi_head_attention(...)).
+MultiHeadGradients.__doc__ = """Gradients of ``sum(dout * multi_head_attention(...))``.
 
-``x_q``, ``x_kv``: of the inputs (``x_kv`` None for self-attention, x_kv=None:
-then ``x_q`` holds both shares); ``w_q``, ``w_k``, ``w_v``, ``w_o`` and
-``b_q``, ``b_k``, ``b_v``, ``b_o``: of the weights and biases (a bias not
-given: None); ``bias``: of an attention bias option; ``projection``: of the
-variant's own weights (Linformer's ``(dE, dF)``, FLatten's ``dwc_weight``).
-Each in its input's shape and dtype."""
+A named tuple, returned by `multi_head_attention_backward` and by the
+pullback of ``vjp(multi_head_attention, ...)``.
+
+Parameters
+----------
+x_q, x_kv : ndarray or None
+    Of the inputs; ``x_kv`` is None for self-attention (``x_kv=None``:
+    ``x_q`` then holds both shares).
+w_q, w_k, w_v, w_o : ndarray
+    Of the projection weights.
+b_q, b_k, b_v, b_o : ndarray or None
+    Of the biases; None for a bias not given.
+bias : ndarray or None
+    Of an attention ``bias`` option.
+projection : ndarray or tuple or None
+    Of the variant's own weights (Linformer's ``(dE, dF)``, FLatten's
+    ``dwc_weight``).
+
+Raises
+------
+TypeError
+    When built with unknown fields (as any named tuple).
+
+See Also
+--------
+multi_head_attention_backward : Returns these.
+Gradients : The gradients of the attention functions.
+
+Notes
+-----
+Each field has its input's shape and dtype (docs/systems.md).
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> x = np.random.default_rng(0).standard_normal((5, 4))
+>>> w = np.eye(4)
+>>> y, pullback = attnx.vjp(attnx.multi_head_attention, x, None, w, w, w, w, 2)
+>>> g = pullback(np.ones_like(y))
+>>> g.x_q.shape, g.w_o.shape, g.b_q is None
+((5, 4), (4, 4), True)
+"""
 
 _VJP_RULES = {}
 
@@ -41,14 +114,53 @@ def register_vjp(forward, rule):
 
 
 def vjp(fn, *args, **options):
-    """Run ``fn(*args, **options)`` and return ``(out, pullback)``, where
-    ``pullback(dout)`` returns the :class:`Gradients` of ``sum(dout * out)``
-    with respect to the inputs, through the same options.
+    """Run a forward call and return its output with a pullback.
 
-    ``fn`` is a public attnx function that has a backward, e.g.
-    ``out, pullback = attnx.vjp(attnx.softmax_attention, q, k, v, causal=True)``.
-    For ``attnx.multi_head_attention`` the pullback returns
-    :class:`MultiHeadGradients` (the inputs', weights' and biases' gradients).
+    Parameters
+    ----------
+    fn : callable
+        A public attnx function that has a backward: the softmax, gaussian
+        and kernelised front ends, ``multi_head_attention``, ``rotary``,
+        ``block_sparse_attention``, ``pooled_attention``,
+        ``linformer_attention``, ``lsh_attention``.
+    *args, **options
+        Its arguments, as for ``fn(*args, **options)``.
+
+    Returns
+    -------
+    out : ndarray
+        ``fn(*args, **options)``.
+    pullback : callable
+        ``pullback(dout)`` returns the `Gradients` of ``sum(dout * out)``
+        with respect to the inputs, through the same options
+        (`MultiHeadGradients` for ``multi_head_attention``).
+
+    Raises
+    ------
+    TypeError
+        When ``fn`` has no backward in attnx (the message lists those that
+        have one), or ``return_lse`` is passed as an option.
+
+    See Also
+    --------
+    Gradients : What the pullback returns.
+    softmax_attention_backward : A backward called directly.
+
+    Notes
+    -----
+    The forward runs once; the pullback keeps what the backward needs (for
+    softmax attention, out and its lse) and may be called several times.
+    Dropout masks are regenerated from ``seed``.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    >>> out, pullback = attnx.vjp(attnx.linear_attention, q, k, v, causal=True)
+    >>> g = pullback(np.ones_like(out))
+    >>> [x.shape for x in (g.q, g.k, g.v)]
+    [(4, 3), (4, 3), (4, 3)]
     """
     rule = _VJP_RULES.get(fn)
     if rule is None:

@@ -98,19 +98,73 @@ def _check_variant(variant):
 
 
 def attention_weights(q, k, variant="softmax", **options):
-    """The normalised weights w_ij, shape (..., n, m), of `variant` under the
-    given options (those of its front end, e.g. causal=, mask=, scale=).
-    Variants: "softmax", "gaussian", "linear" (with feature_map=),
-    "cosformer", "focused", "taylor", "performer", "efficient", and the
-    systems over fewer keys: "block_sparse" (layout=, block_size=; zero
-    outside the layout), "pooled" (stride=, mode=; weights over the
-    ceil(m / stride) pooled keys, shape (..., n, ceil(m / stride))) and
-    "linformer" (E=; weights over the r projected keys E @ k, shape
-    (..., n, r); F=, which projects the values only, is accepted and
-    unused), and "lsh" (k = q, n_buckets=, n_hashes=, chunk=, causal=,
-    seed=: Reformer's weights, zero outside the keys its rounds bring
-    together). Then out = weights @ v, @ the pooled v, or @ (F @ v).
-    Rows that see no key are all zero. O(n m) memory."""
+    """The normalised attention weights of any variant, as an array.
+
+    For plots, teaching and tests: the weights the attention functions
+    never form (O(n m) memory by nature).
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys (for "lsh", the queries again: Reformer shares them).
+    variant : str, default "softmax"
+        "softmax", "gaussian", "linear" (with ``feature_map=``),
+        "cosformer", "focused", "taylor", "performer", "efficient", or a
+        system over fewer keys: "block_sparse" (``layout=``,
+        ``block_size=``), "pooled" (``stride=``, ``mode=``), "linformer"
+        (``E=``; ``F=`` is accepted and unused) and "lsh" (``n_buckets=``,
+        ``n_hashes=``, ``chunk=``, ``seed=``).
+    **options
+        The options of the variant's front end (``causal=``, ``mask=``,
+        ``window=``, ``scale=``, ``key_mask=``, ...).
+
+    Returns
+    -------
+    ndarray, shape (..., n, m)
+        The weights, each row summing to 1 over the keys it sees, or all
+        zero for a row that sees no key. "pooled" gives (..., n,
+        ceil(m / stride)) over the pooled keys, "linformer" (..., n, r)
+        over the projected keys ``E @ k``.
+
+    Raises
+    ------
+    ValueError
+        An unknown variant (the message lists them), or the front end's
+        errors for its options.
+    TypeError
+        An option the variant's front end does not take.
+
+    See Also
+    --------
+    similarity : The unnormalised similarities.
+    attnx.plot.weights : A heatmap of these weights.
+
+    Notes
+    -----
+    The output of the variant is ``weights @ v`` (``@`` the pooled values
+    for "pooled", ``@ (F @ v)`` for "linformer"): ``w_ij = s_ij / sum_j'
+    s_ij'`` over the visible keys, with the variant's similarity ``s_ij``
+    (docs/inspecting.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    >>> w = attnx.attention_weights(q, k, causal=True)
+    >>> print(np.round(w, 3))
+    [[1.    0.    0.    0.   ]
+     [0.403 0.597 0.    0.   ]
+     [0.078 0.148 0.774 0.   ]
+     [0.654 0.235 0.058 0.054]]
+    >>> np.allclose(w @ v, attnx.softmax_attention(q, k, v, causal=True))
+    True
+    >>> w = attnx.attention_weights(q, k, "linear", feature_map="relu")
+    >>> np.allclose(w.sum(1), 1)
+    True
+    """
     _check_variant(variant)
     if variant in _linear.FRONT_ENDS:
         return _linear_family(variant, q, k, options, normalise=True)
@@ -121,13 +175,54 @@ def attention_weights(q, k, variant="softmax", **options):
 
 
 def similarity(q, k, variant="softmax", **options):
-    """The unnormalised similarities s_ij >= 0, shape (..., n, m); masked
-    entries are 0. For softmax, s_ij = exp(scale q_i.k_j + bias_ij), which
-    overflows to inf where that exponent exceeds the dtype's range; for the
-    kernelised variants s_ij = phi(q_i) . psi(k_j) (FAVOR+ likewise may
-    overflow to inf for large inputs); for "block_sparse", "pooled",
-    "linformer" and "lsh", softmax's over their keys, shaped as
-    attention_weights."""
+    """The unnormalised similarities ``s_ij >= 0`` of any variant.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    variant : str, default "softmax"
+        As in `attention_weights`.
+    **options
+        The options of the variant's front end.
+
+    Returns
+    -------
+    ndarray
+        ``s_ij``, shaped as `attention_weights` returns; masked entries 0.
+
+    Raises
+    ------
+    ValueError
+        An unknown variant, or the front end's errors for its options.
+    TypeError
+        An option the variant's front end does not take.
+
+    See Also
+    --------
+    attention_weights : The same, normalised.
+
+    Notes
+    -----
+    For softmax ``s_ij = exp(scale q_i . k_j + bias_ij)``, which overflows
+    to inf where the exponent exceeds the dtype's range; for the kernelised
+    variants ``s_ij = phi(q_i) . psi(k_j)`` (FAVOR+ may likewise overflow for
+    large inputs); for "block_sparse", "pooled", "linformer" and "lsh",
+    softmax's over their keys.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> q = np.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> print(np.round(attnx.similarity(q, q, "taylor"), 3))     # 1 + cos(q_i, k_j)
+    [[2. 1.]
+     [1. 2.]]
+    >>> s = attnx.similarity(q, q, scale=1.0)                    # exp(q_i . k_j)
+    >>> np.allclose(s, np.exp(q @ q.T))
+    True
+    """
     _check_variant(variant)
     if variant in _linear.FRONT_ENDS:
         return _linear_family(variant, q, k, options, normalise=False)

@@ -19,31 +19,49 @@ from . import _C, _dwc
 
 
 class LinearAttentionState:
-    """The state kernelised attention carries between calls (streaming,
-    decoding), returned by ``return_state=True`` and taken back by
-    ``initial_state=``:
+    """The state kernelised attention carries between calls.
 
-    * ``S``: array (..., r, e), ``sum_j psi(k_j) v_j^T`` over the keys seen;
-    * ``z``: array (..., r), ``sum_j psi(k_j)``;
-    * ``offset``: int, how many key positions were consumed (cosFormer
-      numbers the next call's positions after it).
+    Returned by ``return_state=True`` and taken back by ``initial_state=``
+    (streaming a long sequence in pieces, decoding), or advanced in place by
+    `step`.
 
+    Parameters
+    ----------
+    S : ndarray, shape (..., r, e)
+        ``sum_j psi(k_j) v_j^T`` over the keys seen.
+    z : ndarray, shape (..., r)
+        ``sum_j psi(k_j)``.
+    offset : int
+        How many key positions were consumed (cosFormer numbers the next
+        call's positions after it).
+
+    Methods
+    -------
+    step(q, k, v, out=None)
+        Decode in place: the outputs of new tokens, their keys and values
+        absorbed into this state.
+
+    Raises
+    ------
+    ValueError
+        From `step`, for a state that cannot step (see there).
+
+    See Also
+    --------
+    linear_attention : Returns a state with ``return_state=True``.
+
+    Notes
+    -----
     The arrays have the dtype the calls compute in (float32 for float16
     inputs) and the broadcast batch shape of the calls. FAVOR+ key features
-    are stored divided by the constant ``exp(c)``, ``c = max_f |W_f|^2 / 2``,
-    so a state only continues calls with the same feature map and
+    are stored divided by the constant ``exp(c)``, ``c = max_f |W_f|^2 /
+    2``, so a state only continues calls with the same feature map and
     projection.
 
-    Passing a state as ``initial_state=`` never writes it. For decoding,
-    ``state.step(q, k, v, out=None)`` is the in-place alternative: it
-    returns what ``linear_attention(q, k, v, causal=True,
-    initial_state=state, return_state=True)`` (or the front end that made
-    the state) returns as output, with that call's options (feature map,
-    projection, eps, p, M), but absorbs the new keys and values into this
-    object's own ``S`` and ``z`` in place and advances ``offset``, so a
-    step allocates nothing but its output (none with ``out=``, nor when
-    the output of the state's last step is no longer held anywhere: the
-    new one takes its memory). Any number of new tokens per step.
+    Passing a state as ``initial_state=`` never writes it; `step` is the
+    in-place alternative, which allocates nothing but its output (none with
+    ``out=``, nor when the output of the state's last step is no longer
+    held anywhere: the new one takes its memory).
 
     A step of one token holds its key back from ``S`` (``z`` takes it at
     once) and adds the keys a head holds into ``S`` 4 at a time, the heads
@@ -51,15 +69,29 @@ class LinearAttentionState:
     ``S`` instead of reading and writing it, which halves a step's memory
     traffic. Reading ``state.S`` (or passing the state as
     ``initial_state=``, or a step of several tokens) first adds every held
-    key in, in order, giving the state the RNN form would have: ``S`` is
-    always exact when read. The state owns its arrays: an array taken from
-    it earlier changes with it (copy it to keep a snapshot), but between
-    reads of ``state.S`` it lags by the held keys. Assigning ``state.S``
-    replaces the sum of every key so far, held ones included. Only a state
-    returned by a causal call with ``return_state=True`` can step, while
-    ``S`` and ``z`` stay writeable, C-contiguous arrays of the computing
-    dtype with the batch shape of the step's q, k, v; otherwise ``step``
-    raises ValueError (TypeError for another dtype)."""
+    key in, in order. The state owns its arrays: an array taken from it
+    earlier changes with it (copy it to keep a snapshot), but between reads
+    of ``state.S`` it lags by the held keys. Assigning ``state.S`` replaces
+    the sum of every key so far, held ones included. Only a state returned
+    by a causal call with ``return_state=True`` can step, while ``S`` and
+    ``z`` stay writeable, C-contiguous arrays of the computing dtype with
+    the batch shape of the step's q, k, v.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 10, 4)) for _ in range(3))
+    >>> o1, state = attnx.linear_attention(q[:, :6], k[:, :6], v[:, :6], causal=True,
+    ...                                    return_state=True)
+    >>> state
+    LinearAttentionState(S: float64(2, 4, 4), z: float64(2, 4), offset=6)
+    >>> o2, state = attnx.linear_attention(q[:, 6:], k[:, 6:], v[:, 6:], causal=True,
+    ...                                    initial_state=state, return_state=True)
+    >>> whole = attnx.linear_attention(q, k, v, causal=True)
+    >>> np.allclose(np.concatenate([o1, o2], axis=1), whole)
+    True
+    """
 
     __slots__ = ("_S", "z", "offset", "_options", "_features", "_pending", "_tick", "_out")
 
@@ -83,7 +115,7 @@ class LinearAttentionState:
 
     @property
     def S(self):
-        """sum_j psi(k_j) v_j^T over every key so far (held keys added in)."""
+        """``sum_j psi(k_j) v_j^T`` over every key so far (held keys added in)."""
         if self._tick:
             _C.linear_flush(self)
         return self._S
@@ -211,32 +243,106 @@ def _performer_projection(q, projection, num_features, seed):
 def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
                      window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3,
                      initial_state=None, return_state=False, out=None):
-    """Kernelised attention: o_i = phi(q_i) S / max(phi(q_i) . z, eps) with
-    S = sum_j psi(k_j) v_j^T, z = sum_j psi(k_j) over the visible keys; a row
-    whose denominator is 0 gives zeros.
+    """Kernelised ("linear") attention over non-negative feature maps.
 
-    q (..., n, d), k (..., m, d), v (..., m, e) -> (..., n, e); leading axes
-    broadcast. feature_map: "elu" (elu(x) + 1, default), "relu", "softmax"
-    (over the features), "taylor" ([1, x/|x|]), "focused" (f_p(relu(x)),
-    power p=3), "favor" (Performer FAVOR+, needs projection= (r, d), see
-    random_features), "identity" (the inputs are non-negative features), or
-    a callable f(x) -> (..., r) non-negative numpy features.
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    feature_map : str or callable, default "elu"
+        phi = psi: "elu" (``elu(x) + 1``, the Linear Transformer's),
+        "relu", "softmax" (over the features), "taylor" (``[1, x/|x|]``),
+        "focused" (``f_p(relu(x))``, power ``p``), "favor" (Performer
+        FAVOR+, needs ``projection=``), "identity" (q and k are already
+        non-negative features), or a callable ``f(x) -> (..., r)`` of
+        non-negative numpy features (learned maps).
+    causal : bool or {"lower_right", "upper_left"}, default False
+        True or "lower_right": query i sees ``j <= i + m - n``;
+        "upper_left": ``j <= i``.
+    key_mask : array_like of bool, shape (..., m), optional
+        False removes a key from numerator and denominator.
+    mask : array_like of bool, optional
+        Broadcastable to (..., n, m), True = may attend; selects the
+        quadratic method.
+    window : int or (int or None, int or None), optional
+        As in `softmax_attention`; selects the quadratic method.
+    method : {"chunk", "recurrent", "cumsum", "quadratic"}, optional
+        For causal calls: "chunk" (default; a masked product inside chunks
+        of ``chunk_size``, a carried state across), "recurrent" (one token
+        at a time; the default for at most 8 queries), "cumsum" (all prefix
+        states materialised; refused above 2 GiB per head), "quadratic"
+        (explicit similarities in tiles). Non-causal calls default to two
+        GEMMs, ``psi(K)^T V`` then ``phi(Q) S``.
+    chunk_size : int, optional
+        The chunk of the "chunk" method; default 16 for 32 to 128
+        features, else 32.
+    eps : float, default 1e-6
+        Clamps the denominator from below.
+    projection : array_like, shape (r, d), optional
+        FAVOR+'s random projection W (see `random_features`).
+    p : float, default 3
+        The power of the "focused" feature map.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued (never written).
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result (shape (..., n, e), the result's dtype).
 
-    causal: False, True / "lower_right" (j <= i + m - n), "upper_left"
-    (j <= i). key_mask: bool (..., m), False removes a key. mask (bool,
-    broadcast to (..., n, m)) and window (w or (left, right)) select the
-    quadratic method. method: "chunk" (default when causal; chunks of
-    chunk_size, default 16 for 32 to 128 features, else 32, with a carried
-    state), "recurrent" (one token at a time; the default for causal calls
-    of at most 8 queries),
-    "cumsum" (materialised prefix states, refused above 2 GiB per head),
-    "quadratic" (explicit similarities in tiles). Non-causal calls default
-    to two GEMM passes, psi(K)^T V then phi(Q) S.
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
 
-    Streaming: return_state=True returns (out, LinearAttentionState);
-    pass it as initial_state= to the next call: pieces (any lengths, one
-    token at a time too) give what one call over the whole sequence gives.
-    out: array receiving the result."""
+    Raises
+    ------
+    ValueError
+        Mismatched shapes, an unknown feature map or method, a "favor" map
+        without a projection, negative "identity" features or callable
+        features, a "cumsum" prefix tensor too large, a mask or window with
+        a streaming state, a bad eps.
+    TypeError
+        Complex, object or string inputs, a mask that is not boolean.
+
+    See Also
+    --------
+    cosformer_attention : cosFormer's re-weighted relu features.
+    performer_attention : FAVOR+ random features.
+    linear_attention_backward : The gradients.
+    LinearAttentionState : The streaming state.
+
+    Notes
+    -----
+    With non-negative features phi (queries) and psi (keys) of size r::
+
+        o_i = phi(q_i) S / max(phi(q_i) . z, eps),
+        S = sum_j psi(k_j) v_j^T,   z = sum_j psi(k_j),
+
+    over the keys query i sees; a row whose denominator is exactly 0 gives
+    zeros. Calls over pieces of a sequence, each continuing the state of
+    the one before, give what one call over the whole sequence gives.
+    dtypes as `softmax_attention` (docs/linear.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 3)) for _ in range(3))
+    >>> o = attnx.linear_attention(q, k, v, causal=True)
+    >>> phi = lambda x: np.where(x > 0, x + 1, np.exp(x))      # elu(x) + 1
+    >>> s = np.tril(phi(q) @ phi(k).T)
+    >>> np.allclose(o, s / s.sum(1, keepdims=True) @ v)
+    True
+    >>> all(np.allclose(o, attnx.linear_attention(q, k, v, causal=True, method=m))
+    ...     for m in ("recurrent", "cumsum", "quadratic"))
+    True
+    """
     return _run("linear", feature_map, q, k, v, causal, key_mask, mask, window, method,
                 chunk_size, eps, projection, p, None, initial_state, return_state, out)
 
@@ -244,14 +350,71 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
 def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
                         method=None, chunk_size=None, eps=1e-6, initial_state=None,
                         return_state=False, out=None):
-    """cosFormer (Qin et al. 2022): s_ij = relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M)
-    with 1-based positions (queries 1..n, keys 1..m, shifted by the offset
-    of a streaming state), computed as linear attention on the 2d features
-    [relu(x) sin(theta_t), relu(x) cos(theta_t)], theta_t = pi/2 t / M.
+    """cosFormer attention (Qin et al. 2022): relu features, re-weighted by distance.
 
-    M defaults to max(n, m) and must be at least the largest position; a
-    fixed M is required when streaming. Causal needs n == m. Other options
-    as linear_attention."""
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `linear_attention`; causal needs n == m.
+    M : float, optional
+        The period's scale; default ``max(n, m)``. At least the largest
+        position; a fixed M is required when streaming.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued.
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    ValueError
+        M smaller than the largest position, causal with n != m,
+        streaming without a fixed M, and the errors of `linear_attention`.
+    TypeError
+        As in `linear_attention`.
+
+    See Also
+    --------
+    linear_attention : The kernel this runs.
+    cosformer_attention_backward : The gradients.
+
+    Notes
+    -----
+    With 1-based positions (queries 1..n, keys 1..m, both shifted by a
+    streaming state's offset)::
+
+        s_ij = relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M),
+
+    computed as linear attention on the 2d features
+    ``[relu(x) sin(theta_t), relu(x) cos(theta_t)]``, ``theta_t = pi/2 t /
+    M`` (docs/linear.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    >>> o = attnx.cosformer_attention(q, k, v, causal=True)
+    >>> t = np.arange(1, 5)
+    >>> s = np.maximum(q, 0) @ np.maximum(k, 0).T * np.cos(np.pi / 2 * (t[:, None] - t) / 4)
+    >>> s = np.tril(s)
+    >>> np.allclose(o, s / np.maximum(s.sum(1, keepdims=True), 1e-6) @ v)
+    True
+    """
     return _attend("cosformer", locals())
 
 
@@ -259,15 +422,76 @@ def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=
                              window=None, method=None, chunk_size=None, eps=1e-6,
                              initial_state=None, return_state=False, out=None, dwc_weight=None,
                              spatial=None):
-    """FLatten focused linear attention (Han et al. 2023): features
-    f_p(relu(x)), f_p(y) = |y| y**p / |y**p| (norms over each head vector,
-    power p > 0, a zero vector gives 0). Options as linear_attention.
+    """FLatten's focused linear attention (Han et al. 2023).
 
-    dwc_weight: FLatten's depthwise-convolution term, a depthwise
-    convolution of v (zero padding, same length) added to the output: along
-    the sequence with dwc_weight (e, ks), or over an image grid spatial=(H, W)
-    (n = H * W tokens, row-major) with dwc_weight (e, kh, kw); odd kernel
-    sizes, n == m (attnx/_dwc.py)."""
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    p : float, default 3
+        The focusing power, positive.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `linear_attention`.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued.
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result.
+    dwc_weight : array_like, optional
+        FLatten's depthwise-convolution term, a depthwise convolution of v
+        (zero padding, same length) added to the output: along the sequence
+        with ``dwc_weight`` (e, ks), or over an image grid ``spatial=(H,
+        W)`` with ``dwc_weight`` (e, kh, kw); odd kernel sizes, n == m.
+    spatial : (int, int), optional
+        The grid (H, W) of the n = H * W tokens (row-major).
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    ValueError
+        p not positive, ``spatial`` without ``dwc_weight``, ``dwc_weight``
+        with streaming, kernel sizes that are even or do not fit, and the
+        errors of `linear_attention`.
+    TypeError
+        As in `linear_attention`.
+
+    See Also
+    --------
+    linear_attention : The kernel this runs (``feature_map="focused"``).
+    focused_linear_attention_backward : The gradients.
+
+    Notes
+    -----
+    The features are ``f_p(relu(x))`` with ``f_p(y) = |y| y**p / |y**p|``
+    (norms over each head vector; a zero vector gives 0), sharpening the
+    attention towards the most similar keys (attnx/_dwc.py holds the
+    convolution).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    >>> o = attnx.focused_linear_attention(q, k, v, p=3)
+    >>> def f(x):                                # a zero vector gives 0
+    ...     y = np.maximum(x, 0)
+    ...     y3 = np.linalg.norm(y ** 3, axis=-1, keepdims=True)
+    ...     return np.linalg.norm(y, axis=-1, keepdims=True) * y ** 3 / np.where(y3 > 0, y3, 1)
+    >>> s = f(q) @ f(k).T
+    >>> np.allclose(o, s / np.maximum(s.sum(1, keepdims=True), 1e-6) @ v)
+    True
+    """
     options = dict(locals())
     dwc_weight, spatial = options.pop("dwc_weight"), options.pop("spatial")
     if dwc_weight is None:
@@ -288,42 +512,240 @@ def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=
 def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None,
                      method=None, chunk_size=None, eps=1e-6, initial_state=None,
                      return_state=False, out=None):
-    """Taylor (first-order) attention: s_ij = 1 + cos(q_i, k_j), as linear
-    attention on the features [1, x/|x|] (size d + 1; a zero vector gives
-    [1, 0...]). Options as linear_attention."""
+    """Taylor (first-order) attention: ``s_ij = 1 + cos(q_i, k_j)``.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `linear_attention`.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued.
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    ValueError
+        As in `linear_attention`.
+    TypeError
+        As in `linear_attention`.
+
+    See Also
+    --------
+    linear_attention : The kernel this runs (``feature_map="taylor"``).
+    taylor_attention_backward : The gradients.
+
+    Notes
+    -----
+    ``1 + cos`` is the first-order Taylor expansion of exp around 0 of the
+    cosine similarity, non-negative, computed as linear attention on the
+    features ``[1, x / |x|]`` (size d + 1; a zero vector gives
+    ``[1, 0...]``).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    >>> unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+    >>> s = 1 + unit(q) @ unit(k).T
+    >>> np.allclose(attnx.taylor_attention(q, k, v), s / s.sum(1, keepdims=True) @ v)
+    True
+    """
     return _attend("taylor", locals())
 
 
 def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
                         key_mask=None, mask=None, window=None, method=None, chunk_size=None,
                         eps=1e-6, initial_state=None, return_state=False, out=None):
-    """Performer FAVOR+ (Choromanski et al. 2021): an unbiased estimate of
-    softmax attention with scale 1/sqrt(d) from positive random features
-    r**-0.5 exp(W x~ - |x~|^2 / 2), x~ = d**-0.25 x.
+    """Performer's FAVOR+ (Choromanski et al. 2021): softmax attention estimated.
 
-    projection: W (r, d); when None, random_features(num_features, d,
-    seed=seed) is drawn on every call (num_features defaults to
-    round(d ln d)), so pass projection= (or seed=) for repeatable results
-    and for streaming. Other options as linear_attention."""
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    projection : array_like, shape (r, d), optional
+        The random projection W. When None, ``random_features(num_features,
+        d, seed=seed)`` is drawn on every call, so pass ``projection=`` (or
+        ``seed=``) for repeatable results and for streaming.
+    num_features : int, optional
+        r when drawing; default ``round(d ln d)``.
+    seed : int, optional
+        The seed of the drawn projection; not with ``projection=``.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `linear_attention`.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued.
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    ValueError
+        Both ``projection`` and ``seed``, a projection whose rows do not
+        match ``num_features`` or whose width is not d, and the errors of
+        `linear_attention`.
+    TypeError
+        As in `linear_attention`.
+
+    See Also
+    --------
+    random_features : Draws the projection.
+    softmax_attention : What FAVOR+ estimates.
+    performer_attention_backward : The gradients.
+
+    Notes
+    -----
+    The positive random features ``phi(x) = r**-0.5 exp(W x~ - |x~|^2 /
+    2)``, ``x~ = d**-0.25 x``, give an unbiased estimate of the softmax
+    kernel ``exp(q . k / sqrt(d))``. The kernel subtracts stabilisers in
+    the exponent (per query row its max; for keys the data-independent
+    bound ``max_r |W_r|^2 / 2``), which cancel in the ratio, the eps clamp
+    scaled to match (docs/linear.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 8)) / 2 for _ in range(3))
+    >>> W = attnx.random_features(4096, 8, seed=0)
+    >>> o = attnx.performer_attention(q, k, v, projection=W)
+    >>> exact = attnx.softmax_attention(q, k, v)
+    >>> bool(np.abs(o - exact).max() < 0.05)            # close with many features
+    True
+    """
     return _attend("performer", locals())
 
 
 def efficient_attention(q, k, v, *, key_mask=None, causal=False, out=None):
-    """Efficient attention (Shen et al. 2021): o = rho_q(Q) (rho_k(K)^T V)
-    with rho_q the softmax of each query over its features and rho_k the
-    softmax of each key feature over the (visible) keys. Weights sum to 1
-    exactly; no eps. Non-causal only (causal=True raises ValueError: the
-    key softmax runs over the whole sequence)."""
+    """Efficient attention (Shen et al. 2021): softmax over features, then over keys.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    key_mask : array_like of bool, shape (..., m), optional
+        False removes a key.
+    causal : bool, default False
+        Must be False: the key softmax runs over the whole sequence.
+    out : ndarray, optional
+        Receives the result.
+
+    Returns
+    -------
+    ndarray, shape (..., n, e)
+        The output.
+
+    Raises
+    ------
+    ValueError
+        ``causal=True``, mismatched shapes.
+    TypeError
+        As in `linear_attention`.
+
+    See Also
+    --------
+    linear_attention : The kernelised family.
+    efficient_attention_backward : The gradients.
+
+    Notes
+    -----
+    ``o = rho_q(Q) (rho_k(K)^T V)`` with ``rho_q`` the softmax of each
+    query over its features and ``rho_k`` the softmax of each key feature
+    over the (visible) keys. The weights sum to 1 exactly; no eps.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    >>> softmax = lambda x, axis: np.exp(x) / np.exp(x).sum(axis, keepdims=True)
+    >>> expected = softmax(q, 1) @ (softmax(k, 0).T @ v)
+    >>> np.allclose(attnx.efficient_attention(q, k, v), expected)
+    True
+    """
     return _attend("efficient", locals())
 
 
 def random_features(r, d, seed=None):
-    """An (r, d) FAVOR+ projection: orthogonal blocks of d rows from the
-    Haar measure (QR of a d x d Gaussian with the signs of R's diagonal
-    folded into Q; a plain QR is not uniform and biases the estimate), rows
-    scaled by the norms of independent Gaussian d-vectors (chi-distributed,
-    like the rows of a Gaussian matrix); r > d stacks independent blocks.
-    seed: anything numpy.random.default_rng takes. Returns float64."""
+    """Draw an (r, d) FAVOR+ projection of orthogonal random features.
+
+    Parameters
+    ----------
+    r : int
+        Rows (random features), at least 1; r > d stacks independent
+        blocks.
+    d : int
+        Columns, the head size, at least 1.
+    seed : int or numpy.random.Generator, optional
+        Anything ``numpy.random.default_rng`` takes.
+
+    Returns
+    -------
+    ndarray, shape (r, d), float64
+        The projection.
+
+    Raises
+    ------
+    ValueError
+        r or d below 1, or a size the platform cannot address.
+    MemoryError
+        When the projection would not fit in this machine's memory.
+
+    See Also
+    --------
+    performer_attention : Takes it as ``projection=``.
+
+    Notes
+    -----
+    Blocks of d orthogonal rows from the Haar measure (QR of a d x d
+    Gaussian matrix with the signs of R's diagonal folded into Q; a plain
+    QR is not uniformly distributed and biases the estimate), each row
+    scaled by the norm of an independent Gaussian d-vector (chi-distributed,
+    like the rows of a Gaussian matrix).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> W = attnx.random_features(6, 4, seed=0)
+    >>> W.shape
+    (6, 4)
+    >>> block = W[:4] / np.linalg.norm(W[:4], axis=1, keepdims=True)
+    >>> np.allclose(block @ block.T, np.eye(4))            # orthogonal within a block
+    True
+    """
     r, d = operator.index(r), operator.index(d)
     if r < 1 or d < 1:
         raise ValueError(f"random_features needs r >= 1 and d >= 1, got r={r}, d={d}")

@@ -164,30 +164,129 @@ def linear_attention_backward(dout, q, k, v, *, feature_map="elu", causal=False,
                               mask=None, window=None, method=None, chunk_size=None, eps=1e-6,
                               projection=None, p=3, initial_state=None, grad_state=None,
                               projection_grad=False, dq=None, dk=None, dv=None):
-    """Gradients of sum(dout * out) for ``out = linear_attention(q, k, v,
-    **options)`` with the same options; returns :class:`attnx.Gradients`
-    (q, k, v; projection with ``projection_grad=True`` for
-    ``feature_map="favor"``; state = (dS, dz) when ``initial_state`` is
-    given). Each gradient has its input's shape (summed over broadcast
-    axes) and dtype.
+    """Gradients of ``sum(dout * linear_attention(q, k, v, ...))``.
 
-    Streaming: ``grad_state=(dS, dz)`` (or a state-like object with S and
-    z) is the gradient arriving at the state the forward returned with
-    ``return_state=True``; with it, backpropagating piece by piece (the
-    last piece first, each passing its ``g.state`` as the previous piece's
-    ``grad_state``) equals one call over the whole sequence.
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    feature_map, causal, key_mask, mask, window, method, chunk_size, eps, projection, p
+        The forward's options; every method gives the same gradients.
+    initial_state : LinearAttentionState, optional
+        The forward's initial state; its gradient is returned as
+        ``g.state = (dS, dz)``.
+    grad_state : (array_like, array_like), optional
+        ``(dS, dz)`` (or a state-like object with S and z), the gradient
+        arriving at the state the forward returned with
+        ``return_state=True``.
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+    projection_grad : bool, default False
+        Also return ``g.projection``, the gradient of FAVOR+'s projection.
 
-    method: as the forward's; all give the same gradients. A callable
-    feature_map raises TypeError: train it through attnx.torch.
-    dq, dk, dv: arrays that receive the gradients."""
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (each of its input's shape, summed over
+        broadcast axes, and dtype), ``projection`` with
+        ``projection_grad=True``, ``state = (dS, dz)`` when
+        ``initial_state`` is given.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype, a callable feature map (train it
+        through attnx.torch).
+
+    See Also
+    --------
+    linear_attention : The forward.
+    vjp : The forward and this backward in one call.
+
+    Notes
+    -----
+    With ``grad_state``, backpropagating piece by piece (the last piece
+    first, each passing its ``g.state`` as the previous piece's
+    ``grad_state``) equals one call over the whole sequence. The causal
+    backward runs the chunked form in reverse (docs/gradients.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> out, pullback = attnx.vjp(attnx.linear_attention, q, k, v, causal=True)
+    >>> g = attnx.linear_attention_backward(np.ones_like(out), q, k, v, causal=True)
+    >>> [x.shape for x in g[:3]]
+    [(6, 4), (6, 4), (6, 4)]
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], pullback(np.ones_like(out))[:3]))
+    True
+    """
     return _backward("linear", dout, q, k, v, locals())
 
 
 def cosformer_attention_backward(dout, q, k, v, *, causal=False, key_mask=None, M=None,
                                  mask=None, window=None, method=None, chunk_size=None, eps=1e-6,
                                  initial_state=None, grad_state=None, dq=None, dk=None, dv=None):
-    """Gradients of sum(dout * cosformer_attention(q, k, v, ...)); options
-    as cosformer_attention, the rest as linear_attention_backward."""
+    """Gradients of ``sum(dout * cosformer_attention(q, k, v, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    causal, key_mask, M, mask, window, method, chunk_size, eps
+        The forward's options.
+    initial_state : LinearAttentionState, optional
+        The forward's initial state; its gradient is returned as
+        ``g.state = (dS, dz)``.
+    grad_state : (array_like, array_like), optional
+        ``(dS, dz)`` (or a state-like object with S and z), the gradient
+        arriving at the state the forward returned with
+        ``return_state=True``.
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v``, and ``state`` when ``initial_state`` is given.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype, a callable feature map (train it
+        through attnx.torch).
+
+    See Also
+    --------
+    cosformer_attention : The forward.
+    linear_attention_backward : The general form.
+
+    Notes
+    -----
+    The gradient of linear attention on the features ``[relu(x)
+    sin(theta_t), relu(x) cos(theta_t)]``, through the relu.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> out, pullback = attnx.vjp(attnx.cosformer_attention, q, k, v, causal=True)
+    >>> g = attnx.cosformer_attention_backward(np.ones_like(out), q, k, v, causal=True)
+    >>> [x.shape for x in g[:3]]
+    [(6, 4), (6, 4), (6, 4)]
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], pullback(np.ones_like(out))[:3]))
+    True
+    """
     return _backward("cosformer", dout, q, k, v, locals())
 
 
@@ -195,10 +294,64 @@ def focused_linear_attention_backward(dout, q, k, v, p=3, *, causal=False, key_m
                                       mask=None, window=None, method=None, chunk_size=None,
                                       eps=1e-6, initial_state=None, grad_state=None, dq=None,
                                       dk=None, dv=None, dwc_weight=None, spatial=None):
-    """Gradients of sum(dout * focused_linear_attention(q, k, v, p, ...));
-    the rest as linear_attention_backward. With dwc_weight, the
-    convolution's share is added to g.v and its weight's gradient is
-    g.projection (the field of a front end's learned weights)."""
+    """Gradients of ``sum(dout * focused_linear_attention(q, k, v, p, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    p, causal, key_mask, mask, window, method, chunk_size, eps
+        The forward's options.
+    initial_state : LinearAttentionState, optional
+        The forward's initial state; its gradient is returned as
+        ``g.state = (dS, dz)``.
+    grad_state : (array_like, array_like), optional
+        ``(dS, dz)`` (or a state-like object with S and z), the gradient
+        arriving at the state the forward returned with
+        ``return_state=True``.
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+    dwc_weight, spatial : array_like, optional
+        The forward's depthwise-convolution term.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (the convolution's share added to ``v``),
+        ``projection``: the gradient of ``dwc_weight`` when given.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype, a callable feature map (train it
+        through attnx.torch).
+
+    See Also
+    --------
+    focused_linear_attention : The forward.
+    linear_attention_backward : The general form.
+
+    Notes
+    -----
+    The focused features' derivative is taken per head vector (their
+    norms couple the features).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> out, pullback = attnx.vjp(attnx.focused_linear_attention, q, k, v, p=3)
+    >>> g = attnx.focused_linear_attention_backward(np.ones_like(out), q, k, v, p=3)
+    >>> [x.shape for x in g[:3]]
+    [(6, 4), (6, 4), (6, 4)]
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], pullback(np.ones_like(out))[:3]))
+    True
+    """
     options = dict(locals())
     dwc_weight, spatial = options.pop("dwc_weight"), options.pop("spatial")
     if dwc_weight is None:
@@ -219,8 +372,61 @@ def focused_linear_attention_backward(dout, q, k, v, p=3, *, causal=False, key_m
 def taylor_attention_backward(dout, q, k, v, *, causal=False, key_mask=None, mask=None,
                               window=None, method=None, chunk_size=None, eps=1e-6,
                               initial_state=None, grad_state=None, dq=None, dk=None, dv=None):
-    """Gradients of sum(dout * taylor_attention(q, k, v, ...)); the rest as
-    linear_attention_backward."""
+    """Gradients of ``sum(dout * taylor_attention(q, k, v, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        The forward's options.
+    initial_state : LinearAttentionState, optional
+        The forward's initial state; its gradient is returned as
+        ``g.state = (dS, dz)``.
+    grad_state : (array_like, array_like), optional
+        ``(dS, dz)`` (or a state-like object with S and z), the gradient
+        arriving at the state the forward returned with
+        ``return_state=True``.
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v``, and ``state`` when ``initial_state`` is given.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype, a callable feature map (train it
+        through attnx.torch).
+
+    See Also
+    --------
+    taylor_attention : The forward.
+    linear_attention_backward : The general form.
+
+    Notes
+    -----
+    The features ``[1, x / |x|]`` have the derivative ``(I - u u^T) / |x|``
+    with ``u = x / |x|`` (0 for a zero vector).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> out, pullback = attnx.vjp(attnx.taylor_attention, q, k, v)
+    >>> g = attnx.taylor_attention_backward(np.ones_like(out), q, k, v)
+    >>> [x.shape for x in g[:3]]
+    [(6, 4), (6, 4), (6, 4)]
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], pullback(np.ones_like(out))[:3]))
+    True
+    """
     return _backward("taylor", dout, q, k, v, locals())
 
 
@@ -228,10 +434,71 @@ def performer_attention_backward(dout, q, k, v, projection=None, num_features=No
                                  causal=False, key_mask=None, mask=None, window=None, method=None,
                                  chunk_size=None, eps=1e-6, initial_state=None, grad_state=None,
                                  projection_grad=False, dq=None, dk=None, dv=None):
-    """Gradients of sum(dout * performer_attention(q, k, v, projection, ...)).
-    The projection must be the forward's: pass projection= or the same
-    seed= (a forward without either drew a projection nobody kept).
-    projection_grad=True also returns g.projection, the gradient of W."""
+    """Gradients of ``sum(dout * performer_attention(q, k, v, projection, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    projection, num_features, seed
+        The forward's projection: pass ``projection=`` or the same
+        ``seed=`` (a forward without either drew a projection nobody
+        kept).
+    causal, key_mask, mask, window, method, chunk_size, eps
+        The forward's options.
+    initial_state : LinearAttentionState, optional
+        The forward's initial state; its gradient is returned as
+        ``g.state = (dS, dz)``.
+    grad_state : (array_like, array_like), optional
+        ``(dS, dz)`` (or a state-like object with S and z), the gradient
+        arriving at the state the forward returned with
+        ``return_state=True``.
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+    projection_grad : bool, default False
+        Also return ``g.projection``, the gradient of W.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v``, ``projection`` with ``projection_grad=True``,
+        ``state`` when ``initial_state`` is given.
+
+    Raises
+    ------
+    ValueError
+        No projection and no seed, shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype, a callable feature map (train it
+        through attnx.torch).
+
+    See Also
+    --------
+    performer_attention : The forward.
+    random_features : Draws a projection.
+
+    Notes
+    -----
+    The features ``r**-0.5 exp(W x~ - |x~|^2 / 2)`` have the derivative
+    ``phi * (W - x~)`` per feature (times ``d**-0.25``); W's gradient sums
+    ``phi * x~``, weighted by the features' incoming gradients, over
+    queries and keys.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> W = attnx.random_features(8, 4, seed=0)
+    >>> out, pullback = attnx.vjp(attnx.performer_attention, q, k, v, projection=W)
+    >>> g = attnx.performer_attention_backward(np.ones_like(out), q, k, v, projection=W)
+    >>> [x.shape for x in g[:3]]
+    [(6, 4), (6, 4), (6, 4)]
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], pullback(np.ones_like(out))[:3]))
+    True
+    """
     a = locals()
     if projection is None:
         if seed is None:
@@ -248,7 +515,53 @@ def performer_attention_backward(dout, q, k, v, projection=None, num_features=No
 
 def efficient_attention_backward(dout, q, k, v, *, key_mask=None, causal=False, dq=None, dk=None,
                                  dv=None):
-    """Gradients of sum(dout * efficient_attention(q, k, v, key_mask=...))."""
+    """Gradients of ``sum(dout * efficient_attention(q, k, v, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    key_mask, causal
+        The forward's options (causal must be False).
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v``, each of its input's shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype, a callable feature map (train it
+        through attnx.torch).
+
+    See Also
+    --------
+    efficient_attention : The forward.
+
+    Notes
+    -----
+    Through both softmaxes: over each query's features and over the keys
+    of each key feature.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> out, pullback = attnx.vjp(attnx.efficient_attention, q, k, v)
+    >>> g = attnx.efficient_attention_backward(np.ones_like(out), q, k, v)
+    >>> [x.shape for x in g[:3]]
+    [(6, 4), (6, 4), (6, 4)]
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], pullback(np.ones_like(out))[:3]))
+    True
+    """
     return _backward("efficient", dout, q, k, v, locals())
 
 

@@ -16,9 +16,46 @@ from ._grad import Gradients, deliver, register_vjp
 
 
 def lsh_rotations(d, n_buckets, n_hashes=1, seed=0):
-    """The random rotations of :func:`lsh_attention`'s hashing: a float64
-    array (n_hashes, d, n_buckets // 2) of standard normal numbers drawn by
-    ``numpy.random.default_rng(seed)``, the same for every head."""
+    """The random rotations of `lsh_attention`'s hashing.
+
+    Parameters
+    ----------
+    d : int
+        The feature size of q.
+    n_buckets : int
+        Buckets per round, even and at least 2.
+    n_hashes : int, default 1
+        Hashing rounds.
+    seed : int, default 0
+        The seed of ``numpy.random.default_rng``.
+
+    Returns
+    -------
+    ndarray, shape (n_hashes, d, n_buckets // 2), float64
+        Standard normal numbers, the same for every head.
+
+    Raises
+    ------
+    ValueError
+        An odd or too small n_buckets, n_hashes below 1, a negative seed.
+    TypeError
+        Arguments that are not integers.
+
+    See Also
+    --------
+    lsh_buckets : The buckets these rotations give.
+
+    Notes
+    -----
+    Round r's bucket of a token x is ``argmax([x R_r, -x R_r])`` (angular
+    LSH, Andoni et al. 2015), so similar directions share a bucket.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.lsh_rotations(8, n_buckets=4, n_hashes=2, seed=0).shape
+    (2, 8, 2)
+    """
     d = count(d, "d")
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
     return np.random.default_rng(seed).standard_normal((n_hashes, d, n_buckets // 2))
@@ -44,38 +81,133 @@ def _rotations_for(q, n_buckets, n_hashes, seed):
 
 
 def lsh_buckets(q, n_buckets, n_hashes=1, seed=0):
-    """The buckets :func:`lsh_attention` puts the tokens of ``q`` (..., n, d)
-    in: an int32 array (..., n_hashes, n). Round r's bucket of token j is
-    ``argmax([q_j @ R_r, -(q_j @ R_r)])`` with ``R_r`` =
-    ``attnx.lsh_rotations(d, n_buckets, n_hashes, seed)[r]``, computed in
-    q's compute dtype (float32 for float32 and float16, else float64)."""
+    """The buckets `lsh_attention` puts the tokens of q in.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        The shared queries and keys.
+    n_buckets, n_hashes, seed
+        As in `lsh_attention`.
+
+    Returns
+    -------
+    ndarray, shape (..., n_hashes, n), int32
+        Each round's bucket of each token.
+
+    Raises
+    ------
+    ValueError
+        As in `lsh_rotations`, or a q with fewer than 2 dimensions.
+    TypeError
+        Complex, object or string inputs.
+
+    See Also
+    --------
+    lsh_rotations : The rotations.
+    lsh_attention : The attention over these buckets.
+
+    Notes
+    -----
+    Round r's bucket of token j is ``argmax([q_j @ R_r, -(q_j @ R_r)])``
+    with ``R_r = attnx.lsh_rotations(d, n_buckets, n_hashes, seed)[r]``,
+    computed in q's compute dtype (float32 for float32 and float16, else
+    float64).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> q = np.random.default_rng(0).standard_normal((6, 4))
+    >>> b = attnx.lsh_buckets(q, n_buckets=4, n_hashes=2)
+    >>> b.shape, b.dtype
+    ((2, 6), dtype('int32'))
+    >>> R = attnx.lsh_rotations(4, 4, 2)
+    >>> xr = q @ R[0]
+    >>> np.array_equal(b[0], np.argmax(np.concatenate([xr, -xr], axis=1), axis=1))
+    True
+    """
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
     return _C.lsh_buckets(q, _rotations_for(q, n_buckets, n_hashes, seed))
 
 
 def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0, *, out=None,
                   return_lse=False):
-    """Reformer's LSH attention with shared query-keys (Kitaev et al., 2020).
+    """Reformer's LSH attention with shared query-keys (Kitaev et al. 2020).
 
-    ``q`` (..., n, d) are the queries and, normalised, the keys; ``v``
-    (..., n, e) the values; the leading axes broadcast. The logits are
-    ``q_i . q_j / |q_j| / sqrt(d)`` (a zero ``q_j`` gives the zero key).
-    Each of ``n_hashes`` rounds hashes the tokens into ``n_buckets`` (even)
-    buckets by a random rotation drawn from ``seed`` (see
-    :func:`lsh_buckets`), sorts them by (bucket, position) and cuts the
-    sorted order into chunks of ``chunk``; a token attends to the tokens of
-    its own chunk and of the chunk before (none before the first) that are
-    in its bucket, other than itself, and with ``causal`` only to earlier
-    positions. The rounds are merged by log-sum-exp with every key counted
-    once, so the result is exact softmax attention over the union of the
-    keys the rounds show. A token that sees no other key attends to itself
-    (its output is its own value). With one bucket and one chunk covering
-    the sequence this is full attention over the other tokens.
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        The queries and, normalised, the keys.
+    v : array_like, shape (..., n, e)
+        The values; the leading axes of q and v broadcast.
+    n_buckets : int
+        Buckets per round, even.
+    n_hashes : int, default 1
+        Hashing rounds.
+    chunk : int, default 64
+        The length of the chunks the sorted order is cut into.
+    causal : bool or str, default False
+        Attend to earlier positions only.
+    seed : int, default 0
+        The seed of the rotations (`lsh_rotations`).
+    out : ndarray, optional
+        Receives the result.
+    return_lse : bool, default False
+        Also return the log of each row's softmax denominator.
 
-    Returns ``out`` (..., n, e) (and ``lse`` (..., n), the log of the
-    softmax denominator, with ``return_lse=True``). ``out=``: an array to
-    receive the result. Cost O(n_hashes n (chunk + n_buckets / 2) d) per
-    head plus the sort, O(n_hashes n) memory besides the output."""
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output.
+    lse : ndarray, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        An odd n_buckets, a chunk below 1, mismatched shapes.
+    TypeError
+        Complex, object or string inputs.
+
+    See Also
+    --------
+    lsh_buckets : The buckets, for inspection.
+    lsh_attention_backward : The gradients.
+    softmax_attention : Full attention.
+
+    Notes
+    -----
+    The logits are ``q_i . q_j / |q_j| / sqrt(d)`` (a zero q_j gives the
+    zero key). Each round hashes the tokens into buckets by a random
+    rotation, sorts them by (bucket, position) and cuts the sorted order
+    into chunks; a token attends to the tokens of its own chunk and of the
+    chunk before that are in its bucket, other than itself (with
+    ``causal``, earlier ones only). The rounds are merged by log-sum-exp
+    with every key counted once, so the result is exact softmax attention
+    over the union of the keys the rounds show. A token that sees no other
+    key attends to itself. Cost O(n_hashes n (chunk + n_buckets / 2) d)
+    per head plus the sort (docs/lsh.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, v = rng.standard_normal((8, 4)), rng.standard_normal((8, 3))
+    >>> attnx.lsh_attention(q, v, n_buckets=2, n_hashes=2, chunk=4).shape
+    (8, 3)
+
+    With one bucket pair and one chunk covering the sequence, it is full
+    attention over the other tokens:
+
+    >>> o = attnx.lsh_attention(q, v, n_buckets=2, chunk=8)
+    >>> keys = q / np.linalg.norm(q, axis=1, keepdims=True)
+    >>> s = q @ keys.T / 2
+    >>> b = attnx.lsh_buckets(q, 2)[0]
+    >>> visible = (b[:, None] == b[None, :]) & ~np.eye(8, dtype=bool)
+    >>> w = np.where(visible, np.exp(s), 0)
+    >>> np.allclose(o[visible.any(1)], (w / w.sum(1, keepdims=True) @ v)[visible.any(1)])
+    True
+    """
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
     result, lse = _C.lsh_attention(q, v, _rotations_for(q, n_buckets, n_hashes, seed), chunk,
                                    causal, out)
@@ -86,13 +218,52 @@ def lsh_attention_backward(dout, q, v, out, lse, n_buckets, n_hashes=1, chunk=64
                            seed=0, *, dq=None, dv=None):
     """Gradients of ``sum(dout * lsh_attention(q, v, n_buckets, ...))``.
 
-    ``out`` and ``lse`` are the forward's results
-    (``lsh_attention(..., return_lse=True)``) and the options must be the
-    forward's (the hashing is redone from the same seed). Returns
-    :class:`attnx.Gradients` with ``q`` (through both its query and its
-    normalised-key role) and ``v``, each of its input's shape and dtype;
-    ``dq``, ``dv``: arrays to receive them. The buckets are constants: the
-    gradient is that of softmax attention under the visibility they give."""
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, v : array_like
+        The forward's inputs.
+    out, lse : array_like
+        The forward's results (``lsh_attention(..., return_lse=True)``).
+    n_buckets, n_hashes, chunk, causal, seed
+        The forward's options (the hashing is redone from the same seed).
+    dq, dv : ndarray, optional
+        Arrays to receive the gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q`` (through both its query and its normalised-key role) and
+        ``v``, each of its input's shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype.
+
+    See Also
+    --------
+    lsh_attention : The forward.
+    vjp : The forward and this backward in one call.
+
+    Notes
+    -----
+    The buckets are constants: the gradient is that of softmax attention
+    under the visibility they give.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, v = rng.standard_normal((8, 4)), rng.standard_normal((8, 3))
+    >>> out, lse = attnx.lsh_attention(q, v, 4, chunk=4, return_lse=True)
+    >>> g = attnx.lsh_attention_backward(np.ones_like(out), q, v, out, lse, 4, chunk=4)
+    >>> g.q.shape, g.v.shape, g.k is None
+    ((8, 4), (8, 3), True)
+    """
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
     grad_q, grad_v = _C.lsh_backward(dout, q, v, out, lse,
                                      _rotations_for(q, n_buckets, n_hashes, seed), chunk, causal)

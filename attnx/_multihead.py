@@ -200,28 +200,77 @@ def multi_head_attention(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, 
                          b_o=None, num_kv_heads=None, variant="softmax", positions=None, **options):
     """Multi-head attention: ``concat_h(attention(q_h, k_h, v_h)) @ w_o + b_o``.
 
-    x_q (..., n, in_q) and x_kv (..., m, in_kv) (None: x_q, self-attention).
-    Projections ``x @ w + b`` with w of shape (in, out) (numpy orientation;
-    PyTorch's nn.Linear holds the transpose): w_q (in_q, num_heads * d),
-    w_k (in_kv, num_kv_heads * d), w_v (in_kv, num_kv_heads * e), w_o
-    (num_heads * e, out). Heads are split from the last axis, head h at
-    columns h*d .. h*d + d - 1. ``num_kv_heads`` (default num_heads) must
-    divide num_heads: query head h uses key/value head h // (num_heads /
-    num_kv_heads) (grouped-query attention, by broadcasting, no copies).
+    Parameters
+    ----------
+    x_q : array_like, shape (..., n, in_q)
+        The inputs the queries are projected from.
+    x_kv : array_like, shape (..., m, in_kv), or None
+        The inputs of the keys and values; None for self-attention (x_q).
+    w_q, w_k, w_v, w_o : array_like
+        Projections ``x @ w + b`` with w of shape (in, out) (numpy's
+        orientation; PyTorch's nn.Linear holds the transpose): w_q (in_q,
+        num_heads * d), w_k (in_kv, num_kv_heads * d), w_v (in_kv,
+        num_kv_heads * e), w_o (num_heads * e, out). Head h takes columns
+        h*d .. h*d + d - 1.
+    num_heads : int
+        Query heads.
+    b_q, b_k, b_v, b_o : array_like, optional
+        The projections' biases.
+    num_kv_heads : int, optional
+        Key/value heads (default num_heads), dividing num_heads: query head
+        h uses key/value head ``h // (num_heads / num_kv_heads)``
+        (grouped-query attention, by broadcasting, no copies).
+    variant : str, default "softmax"
+        The attention front end called per head: "softmax", "gaussian",
+        "linear", "cosformer", "focused", "taylor", "performer",
+        "efficient", "block_sparse", "pooled", "linformer".
+    positions : {None, "sinusoidal", "rotary"}, optional
+        "sinusoidal" adds the Transformer's table to x_q and x_kv first;
+        "rotary" rotates q and k per head (positions 0..n-1 and 0..m-1,
+        rotate-half pairs).
+    **options
+        The variant's options (causal=, scale=, feature_map=, layout= and
+        block_size=, stride=, E=...). Array options that differ per head
+        (mask, bias, key_mask, layout, E, F) put the head axis before their
+        own last axes: mask (..., num_heads or 1, n, m), such as key
+        padding (batch, 1, 1, m).
 
-    variant: the attention front end ("softmax", "gaussian", "linear",
-    "cosformer", "focused", "taylor", "performer", "efficient",
-    "block_sparse", "pooled", "linformer"), called per head with
-    ``**options`` (causal=, scale=, feature_map=, layout= and block_size=,
-    stride=, E=...). Array options that differ per head (mask, bias,
-    key_mask, layout, E, F) put the head axis before their own last axes:
-    mask (..., num_heads or 1, n, m), e.g. key padding (batch, 1, 1, m).
+    Returns
+    -------
+    ndarray, shape (..., n, out)
+        The layer's output.
 
-    positions: None, "sinusoidal" (the Transformer's table added to x_q and
-    x_kv first) or "rotary" (q and k rotated per head, positions 0..n-1 and
-    0..m-1, rotate-half pairs).
-    Returns (..., n, out). Its backward is
-    :func:`multi_head_attention_backward` (or ``attnx.vjp``).
+    Raises
+    ------
+    ValueError
+        Weights whose shapes do not fit the inputs or the head counts,
+        num_kv_heads not dividing num_heads, an unknown variant or
+        positions, and the variant's errors.
+    TypeError
+        An option the variant does not take.
+
+    See Also
+    --------
+    multi_head_attention_backward : The gradients.
+    attnx.torch.MultiheadAttention : The PyTorch module.
+
+    Notes
+    -----
+    ``q = x_q w_q + b_q``, ``k = x_kv w_k + b_k``, ``v = x_kv w_v + b_v``
+    split into heads, ``o_h = attention(q_h, k_h, v_h)``, and ``y =
+    concat_h(o_h) w_o + b_o`` (Vaswani et al. 2017; docs/systems.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((5, 8))
+    >>> w_q, w_k, w_v, w_o = (rng.standard_normal((8, 8)) / 3 for _ in range(4))
+    >>> y = attnx.multi_head_attention(x, None, w_q, w_k, w_v, w_o, num_heads=2, causal=True)
+    >>> heads = lambda t: t.reshape(5, 2, 4).transpose(1, 0, 2)
+    >>> o = attnx.softmax_attention(heads(x @ w_q), heads(x @ w_k), heads(x @ w_v), causal=True)
+    >>> np.allclose(y, o.transpose(1, 0, 2).reshape(5, 8) @ w_o)
+    True
     """
     layer = _Layer(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, b_q, b_k, b_v, b_o, num_kv_heads,
                    variant, positions, options)
@@ -231,16 +280,59 @@ def multi_head_attention(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None, 
 def multi_head_attention_backward(dout, x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, *, b_q=None,
                                   b_k=None, b_v=None, b_o=None, num_kv_heads=None,
                                   variant="softmax", positions=None, **options):
-    """Gradients of ``sum(dout * multi_head_attention(x_q, x_kv, ...))``
-    with the forward's arguments and options, as a
-    :class:`MultiHeadGradients` named tuple (x_q, x_kv, w_q, w_k, w_v, w_o,
-    b_q, b_k, b_v, b_o, bias, projection). The forward is recomputed, then
-    the output projection, the variant's own backward per head (every
-    variant has one), the rotary rotation's transpose and the input
-    projections are pulled back. ``attnx.vjp(attnx.multi_head_attention,
-    ...)`` returns the same gradients from a pullback without recomputing.
-    Random parts must repeat: dropout needs its seed=, performer its
-    projection= or seed=."""
+    """Gradients of ``sum(dout * multi_head_attention(x_q, x_kv, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, out)
+        The gradient arriving at the layer's output.
+    x_q, x_kv, w_q, w_k, w_v, w_o, num_heads
+        The forward's arguments.
+    b_q, b_k, b_v, b_o, num_kv_heads, variant, positions
+        The forward's options.
+    **options
+        The variant's options, as in the forward. Random parts must
+        repeat: dropout needs its ``seed=``, performer its ``projection=``
+        or ``seed=``.
+
+    Returns
+    -------
+    MultiHeadGradients
+        The gradients of the inputs, weights and biases (``x_q``, ``x_kv``,
+        ``w_q``, ..., ``b_o``, ``bias``, ``projection``).
+
+    Raises
+    ------
+    ValueError
+        As in `multi_head_attention`, or a dout of the wrong shape.
+    TypeError
+        As in `multi_head_attention`.
+
+    See Also
+    --------
+    multi_head_attention : The forward.
+    vjp : The same gradients from a pullback, without recomputing.
+
+    Notes
+    -----
+    The forward is recomputed, then the output projection, the variant's
+    own backward per head, the rotary rotation's transpose and the input
+    projections are pulled back.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((5, 8))
+    >>> w = [rng.standard_normal((8, 8)) / 3 for _ in range(4)]
+    >>> y = attnx.multi_head_attention(x, None, *w, num_heads=2)
+    >>> g = attnx.multi_head_attention_backward(np.ones_like(y), x, None, *w, num_heads=2)
+    >>> g.x_q.shape, g.w_o.shape, g.x_kv is None
+    ((5, 8), (8, 8), True)
+    >>> out, pullback = attnx.vjp(attnx.multi_head_attention, x, None, *w, num_heads=2)
+    >>> np.allclose(pullback(np.ones_like(y)).w_q, g.w_q)
+    True
+    """
     layer = _Layer(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, b_q, b_k, b_v, b_o, num_kv_heads,
                    variant, positions, options)
     out, concatenated, pullback = layer.run(differentiate=True)

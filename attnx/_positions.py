@@ -42,9 +42,48 @@ def _check_base(base):
 
 
 def sinusoidal_positions(n, d, base=10000):
-    """The Transformer's sinusoidal position table, float64 of shape (n, d):
-    ``PE[p, 2i] = sin(p / base**(2i/d))``, ``PE[p, 2i+1] = cos(p / base**(2i/d))``
-    (an odd d ends with a sine column)."""
+    """The Transformer's sinusoidal position table.
+
+    Parameters
+    ----------
+    n : int
+        Positions (rows), at least 0.
+    d : int
+        Features (columns), at least 0.
+    base : float, default 10000
+        The base of the wavelengths, positive and finite.
+
+    Returns
+    -------
+    ndarray, shape (n, d), float64
+        The table, added to the inputs of a model.
+
+    Raises
+    ------
+    ValueError
+        A negative n or d, or a base that is not positive and finite.
+    TypeError
+        An n or d that is not an integer.
+
+    See Also
+    --------
+    rotary : Rotary position embeddings.
+
+    Notes
+    -----
+    ``PE[p, 2i] = sin(p / base**(2i/d))``, ``PE[p, 2i+1] = cos(p /
+    base**(2i/d))``; an odd d ends with a sine column (Vaswani et al.
+    2017).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> P = attnx.sinusoidal_positions(3, 4)
+    >>> print(np.round(P, 3))
+    [[ 0.     1.     0.     1.   ]
+     [ 0.841  0.54   0.01   1.   ]
+     [ 0.909 -0.416  0.02   1.   ]]
+    """
     n = count(n, "n")
     d = count(d, "d")
     base = _check_base(base)
@@ -100,19 +139,62 @@ def _rotate(x, cos, sin, interleaved, out_dtype):
 
 
 def rotary(x, positions=None, base=10000, interleaved=False):
-    """Rotary position embedding of x (..., n, d) over its last axis.
+    """Rotary position embedding (RoPE) of x over its last axis.
 
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d)
+        Queries or keys; d even.
+    positions : array_like, optional
+        Default 0..n-1 along the second-to-last axis; otherwise integers or
+        floats broadcastable to ``x.shape[:-1]`` (``[t]`` when decoding the
+        token at position t, or (batch, n) offsets per sequence).
+    base : float, default 10000
+        The base of the rotation frequencies, positive and finite.
+    interleaved : bool, default False
+        Rotate the pairs ``(x[2i], x[2i + 1])`` (RoFormer) instead of
+        ``(x[i], x[i + d/2])`` (rotate-half: GPT-NeoX, Llama).
+
+    Returns
+    -------
+    ndarray
+        A new array of x's shape and float dtype.
+
+    Raises
+    ------
+    ValueError
+        An odd d, positions that do not broadcast, a bad base.
+    TypeError
+        Complex, object or string inputs.
+
+    See Also
+    --------
+    rotary_backward : The gradient.
+    sinusoidal_positions : The additive table.
+    multi_head_attention : Takes ``positions="rotary"``.
+
+    Notes
+    -----
     Pair i (of d/2) of the vector at position p turns by the angle
-    ``p * base**(-2i/d)``: ``(a, b) -> (a cos - b sin, b cos + a sin)``. The
-    pairs are ``(x[i], x[i + d/2])`` (rotate-half, GPT-NeoX and Llama) or,
-    with ``interleaved=True``, ``(x[2i], x[2i + 1])`` (RoFormer).
+    ``p * base**(-2i/d)``: ``(a, b) -> (a cos - b sin, b cos + a sin)``, so
+    the score of a rotated query and key depends on their positions only
+    through ``p_q - p_k`` (Su et al. 2021). ``attnx.vjp(attnx.rotary, x,
+    ...)`` gives a pullback whose `Gradients` hold x's gradient in the
+    first field (``g.q``).
 
-    positions: default 0..n-1 along the second-to-last axis; otherwise
-    integers or floats broadcastable to x.shape[:-1] (e.g. ``[t]`` when
-    decoding the token at position t, or (batch, n) offsets per sequence).
-    Returns a new array of x's shape; d must be even. Its backward is
-    :func:`rotary_backward`; ``attnx.vjp(attnx.rotary, x, ...)`` gives a
-    pullback whose Gradients hold x's gradient in the first field (``g.q``).
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> x = np.ones((3, 2))                        # one pair, positions 0, 1, 2
+    >>> print(np.round(attnx.rotary(x), 3))
+    [[ 1.     1.   ]
+     [-0.301  1.382]
+     [-1.325  0.493]]
+    >>> q, k = np.random.default_rng(0).standard_normal((2, 1, 4))
+    >>> s1 = attnx.rotary(q, positions=[5]) @ attnx.rotary(k, positions=[2]).T
+    >>> s2 = attnx.rotary(q, positions=[13]) @ attnx.rotary(k, positions=[10]).T
+    >>> np.allclose(s1, s2)                        # only p_q - p_k matters
+    True
     """
     x, out_dtype = _float_input(x, "x")
     cos, sin = _angles(x.shape, positions, _check_base(base))
@@ -120,8 +202,44 @@ def rotary(x, positions=None, base=10000, interleaved=False):
 
 
 def rotary_backward(dout, positions=None, base=10000, interleaved=False):
-    """The gradient of sum(dout * rotary(x, ...)) with respect to x: the
-    transpose of the rotation, which turns each pair back by the same angle."""
+    """The gradient of ``sum(dout * rotary(x, ...))`` with respect to x.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, d)
+        The gradient arriving at the rotated array.
+    positions, base, interleaved
+        The forward's options.
+
+    Returns
+    -------
+    ndarray
+        The gradient of x, dout's shape.
+
+    Raises
+    ------
+    ValueError
+        As in `rotary`.
+    TypeError
+        As in `rotary`.
+
+    See Also
+    --------
+    rotary : The forward.
+
+    Notes
+    -----
+    The rotation is orthogonal, so its transpose turns each pair back by
+    the same angle: ``rotary_backward(dout) == rotary(dout)`` with the
+    angles negated.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> x = np.random.default_rng(0).standard_normal((4, 6))
+    >>> np.allclose(attnx.rotary_backward(attnx.rotary(x)), x)
+    True
+    """
     dout, out_dtype = _float_input(dout, "dout")
     cos, sin = _angles(dout.shape, positions, _check_base(base))
     return _rotate(dout, cos, -sin, bool(interleaved), out_dtype)

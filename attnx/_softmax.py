@@ -31,17 +31,75 @@ def softmax_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=Fa
                                dq=None, dk=None, dv=None):
     """Gradients of ``sum(dout * softmax_attention(q, k, v, ...))``.
 
-    ``out`` and ``lse`` are the forward's results
-    (``softmax_attention(..., return_lse=True)``), and the options must be
-    the forward's. Returns :class:`attnx.Gradients` with ``q``, ``k``,
-    ``v`` (and ``bias`` when ``bias_grad=True``), each of its input's shape
-    (summed over the axes the input was broadcast along) and dtype.
-    ``dq``, ``dk``, ``dv``: arrays of those shapes and dtypes to receive the
-    gradients. Computed FlashAttention-2 style: the probabilities are
-    recomputed tile by tile from ``lse``; no n x m matrix is held (except
+    Computed FlashAttention-2 style: the probabilities are recomputed tile
+    by tile from the forward's ``lse``, so no n x m matrix is held (except
     the gradient of a bias when asked for, which has the bias's size).
-    Rows that see no key get zero gradients. ``dropout_p``, ``seed``: the
-    forward's dropout, whose mask is regenerated from the seed."""
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs, (..., n, d), (..., m, d), (..., m, e).
+    out : array_like, shape (..., n, e)
+        The forward's output.
+    lse : array_like, shape (..., n)
+        The forward's log-sum-exp (``softmax_attention(...,
+        return_lse=True)``).
+    scale, causal, mask, bias, window, dropout_p, seed
+        The forward's options, which must be the ones it ran with (the
+        dropout mask is regenerated from ``seed``).
+    bias_grad : bool, default False
+        Also return the gradient of ``bias``.
+    dq, dk, dv : ndarray, optional
+        Arrays of the shapes and dtypes of q, k, v to receive the
+        gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (and ``bias`` with ``bias_grad=True``), each of
+        its input's shape (summed over the axes the input was broadcast
+        along, such as key/value heads shared by a group of query heads)
+        and dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or the errors of
+        `softmax_attention` for its options.
+    TypeError
+        Inputs of an unsupported dtype.
+
+    See Also
+    --------
+    softmax_attention : The forward.
+    vjp : The forward and this backward in one call.
+    attnx.torch.softmax_attention : The same gradients through autograd.
+
+    Notes
+    -----
+    With ``P`` the attention weights and ``D_i = dout_i . out_i``:
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - D)``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dbias = dS``. Rows that
+    see no key get zero gradients (docs/gradients.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((3, 2)) for _ in range(3))
+    >>> out, lse = attnx.softmax_attention(q, k, v, causal=True, return_lse=True)
+    >>> g = attnx.softmax_attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    >>> g.q.shape, g.k.shape, g.v.shape
+    ((3, 2), (3, 2), (3, 2))
+
+    The gradient of ``sum(out)`` against v is each key's total weight:
+
+    >>> w = attnx.attention_weights(q, k, causal=True)
+    >>> np.allclose(g.v, w.sum(0)[:, None] * np.ones((3, 2)))
+    True
+    """
     return _backward(dout, q, k, v, out, lse, scale, None, causal, mask, bias, window, dropout_p,
                      seed, bias_grad, dq, dk, dv)
 
@@ -49,9 +107,67 @@ def softmax_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=Fa
 def gaussian_attention_backward(dout, q, k, v, out, lse, sigma=1.0, *, causal=False, mask=None,
                                 bias=None, window=None, dropout_p=0.0, seed=None,
                                 bias_grad=False, dq=None, dk=None, dv=None):
-    """Gradients of ``sum(dout * gaussian_attention(q, k, v, sigma, ...))``;
-    as :func:`softmax_attention_backward`, with the forward's ``out`` and
-    ``lse`` (the lse of the scores ``-|q_i - k_j|^2 / (2 sigma^2) + bias``)."""
+    """Gradients of ``sum(dout * gaussian_attention(q, k, v, sigma, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs, (..., n, d), (..., m, d), (..., m, e).
+    out : array_like, shape (..., n, e)
+        The forward's output.
+    lse : array_like, shape (..., n)
+        The forward's log-sum-exp, that of the scores
+        ``-|q_i - k_j|^2 / (2 sigma^2) + bias_ij`` up to the query's own
+        term (``gaussian_attention(..., return_lse=True)``).
+    sigma : float, default 1.0
+        The forward's kernel width.
+    causal, mask, bias, window, dropout_p, seed
+        The forward's options.
+    bias_grad : bool, default False
+        Also return the gradient of ``bias``.
+    dq, dk, dv : ndarray, optional
+        Arrays of the shapes and dtypes of q, k, v to receive the
+        gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (and ``bias``), each in its input's shape and
+        dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, a bad sigma, or the errors
+        of `gaussian_attention` for its options.
+    TypeError
+        Inputs of an unsupported dtype.
+
+    See Also
+    --------
+    gaussian_attention : The forward.
+    softmax_attention_backward : The backward this one runs.
+
+    Notes
+    -----
+    Gaussian attention is softmax attention with ``scale = 1 / sigma^2``
+    and the per-key bias ``-|k_j|^2 / (2 sigma^2)``; the gradient of that
+    bias adds ``-k_j / sigma^2`` times the column sums of ``dS`` to ``dK``.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> x = np.linspace(0, 1, 4)[:, None]
+    >>> y = x ** 2
+    >>> out, lse = attnx.gaussian_attention(x, x, y, sigma=0.5, return_lse=True)
+    >>> g = attnx.gaussian_attention_backward(np.ones_like(out), x, x, y, out, lse, sigma=0.5)
+    >>> g.v.shape
+    (4, 1)
+    >>> round(float(g.v.sum()), 6)                 # each output's weights sum to 1
+    4.0
+    """
     return _backward(dout, q, k, v, out, lse, None, sigma, causal, mask, bias, window, dropout_p,
                      seed, bias_grad, dq, dk, dv)
 

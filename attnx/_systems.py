@@ -321,24 +321,72 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
                            bias=None, window=None, out=None, return_lse=False):
     """Softmax attention restricted to a layout of blocks.
 
-    Equal to ``softmax_attention(q, k, v, mask=M, ...)`` with
-    ``M = kron(layout, ones((block_size, block_size)))[:n, :m]``: query
-    block i (rows ``i*bs .. i*bs + bs - 1``) sees key block j when
-    ``layout[..., i, j]``. ``layout`` is boolean, broadcastable to
-    (..., ceil(n / block_size), ceil(m / block_size)); its leading axes
-    broadcast with q, k, v's (one layout per head, or one for all). Build
-    layouts with :mod:`attnx.layouts`.
-
     Only the named blocks are computed: the query blocks that see the same
     number of key blocks form one softmax call, each against its own key
-    blocks (copied whole), so the cost is proportional to the number of
-    active blocks and a layout takes a few calls, not one per block row.
-    The softmax options (``scale``, ``causal``, ``mask``, ``bias``,
-    ``window``) apply on top of the layout, with the meaning they have in
-    softmax_attention; blocks that causal or the window hide entirely are
-    skipped too. ``out=`` receives the result; ``return_lse=True`` also
-    returns the log-sum-exp per query row. Rows that see no key are zeros
-    (lse -inf).
+    blocks, so the cost is proportional to the number of active blocks and
+    a layout takes a few calls, not one per block row.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    layout : array_like of bool
+        Broadcastable to (..., ceil(n / block_size), ceil(m / block_size));
+        query block i sees key block j when ``layout[..., i, j]``. Its
+        leading axes broadcast with q, k, v's (one layout per head, or one
+        for all). See `attnx.layouts`.
+    block_size : int
+        The rows of a query block and of a key block.
+    scale, causal, mask, bias, window
+        As in `softmax_attention`, applied on top of the layout; blocks
+        that causal or the window hide entirely are skipped too.
+    out : ndarray, optional
+        Receives the result.
+    return_lse : bool, default False
+        Also return the log-sum-exp per query row.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, e)
+        The output; rows that see no key are zeros.
+    lse : ndarray, shape (..., n)
+        Only with ``return_lse=True`` (-inf for a row that sees no key).
+
+    Raises
+    ------
+    ValueError
+        A layout of the wrong shape, a block_size below 1, and the errors
+        of `softmax_attention`.
+    TypeError
+        A layout that is not boolean, and the errors of
+        `softmax_attention`.
+
+    See Also
+    --------
+    attnx.layouts.bigbird : One of the layouts.
+    softmax_attention : The same under an element mask.
+    block_sparse_attention_backward : The gradients.
+
+    Notes
+    -----
+    Equal to ``softmax_attention(q, k, v, mask=M, ...)`` with ``M =
+    kron(layout, ones((block_size, block_size)))[:n, :m]`` (Child et al.
+    2019; Zaheer et al. 2020 for BigBird's layouts).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((8, 4)) for _ in range(3))
+    >>> layout = attnx.layouts.local(4, 1)           # 4 blocks of 2, one on each side
+    >>> o = attnx.block_sparse_attention(q, k, v, layout, 2)
+    >>> M = np.kron(layout, np.ones((2, 2), dtype=bool))
+    >>> np.allclose(o, attnx.softmax_attention(q, k, v, mask=M))
+    True
     """
     q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
     n, m, e, lead, bs = q.shape[-2], k.shape[-2], v.shape[-1], plan.lead, plan.block_size
@@ -405,12 +453,64 @@ def _add_by_block(target, columns, grad):
 def block_sparse_attention_backward(dout, q, k, v, out, lse, layout, block_size, *, scale=None,
                                     causal=False, mask=None, bias=None, window=None,
                                     bias_grad=False, dq=None, dk=None, dv=None):
-    """Gradients of ``sum(dout * block_sparse_attention(q, k, v, layout,
-    block_size, ...))``, with the forward's ``out`` and ``lse``
-    (``return_lse=True``) and options. Runs the forward's plan: one
-    softmax backward per group of query blocks over their key blocks, the
-    key and value gradients added back to their blocks. Returns
-    :class:`attnx.Gradients` (q, k, v, and bias when ``bias_grad=True``)."""
+    """Gradients of ``sum(dout * block_sparse_attention(q, k, v, layout, block_size, ...))``.
+
+    Runs the forward's plan: one softmax backward per group of query
+    blocks over their key blocks, the key and value gradients added back
+    to their blocks.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    out, lse : array_like
+        The forward's results (``return_lse=True``).
+    layout, block_size, scale, causal, mask, bias, window
+        The forward's arguments.
+    bias_grad : bool, default False
+        Also return the gradient of ``bias``.
+    dq, dk, dv : ndarray, optional
+        Arrays to receive the gradients.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (and ``bias`` with ``bias_grad=True``), each of
+        its input's shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype.
+
+    See Also
+    --------
+    block_sparse_attention : The forward.
+    softmax_attention_backward : The backward of each group.
+
+    Notes
+    -----
+    Equal to ``softmax_attention_backward`` under the expanded mask, with
+    only the named blocks computed.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((8, 4)) for _ in range(3))
+    >>> layout = np.tri(4, dtype=bool)
+    >>> out, lse = attnx.block_sparse_attention(q, k, v, layout, 2, return_lse=True)
+    >>> g = attnx.block_sparse_attention_backward(np.ones_like(out), q, k, v, out, lse, layout, 2)
+    >>> M = np.kron(layout, np.ones((2, 2), dtype=bool))
+    >>> out2, lse2 = attnx.softmax_attention(q, k, v, mask=M, return_lse=True)
+    >>> g2 = attnx.softmax_attention_backward(np.ones_like(out), q, k, v, out2, lse2, mask=M)
+    >>> all(np.allclose(a, b) for a, b in zip(g[:3], g2[:3]))
+    True
+    """
     q, k, v, mask, bias, plan = _prepare(q, k, v, layout, block_size, causal, mask, bias, window)
     n, m, e, lead, bs = q.shape[-2], k.shape[-2], v.shape[-1], plan.lead, plan.block_size
     dout, out, lse = np.asarray(dout), np.asarray(out), np.asarray(lse)
@@ -520,13 +620,57 @@ def _check_pooling(stride, mode):
 def pooled_attention(q, k, v, stride, mode="mean", **softmax_options):
     """Softmax attention over pooled keys and values.
 
-    k (..., m, d) and v (..., m, e) are pooled over consecutive windows of
-    ``stride`` positions (the last window over what remains), giving
-    ceil(m / stride) keys: ``mode="mean"`` averages each window
-    (Funnel-style downsampling, PVT's spatial reduction without its
-    convolution), ``"max"`` takes each feature's largest value. Then
-    ``softmax_attention(q, k', v', **softmax_options)``; masks, biases,
-    ``causal`` and ``window`` refer to the pooled keys (m' = ceil(m / stride)).
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    stride : int
+        The pooling window: consecutive windows of ``stride`` positions
+        (the last over what remains) give ceil(m / stride) keys.
+    mode : {"mean", "max"}, default "mean"
+        "mean" averages each window (Funnel-style downsampling, PVT's
+        spatial reduction without its convolution), "max" takes each
+        feature's largest value.
+    **softmax_options
+        The options of `softmax_attention`; masks, biases, ``causal`` and
+        ``window`` refer to the pooled keys (m' = ceil(m / stride)).
+
+    Returns
+    -------
+    ndarray or (ndarray, ndarray)
+        The output (..., n, e), and its lse with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        A stride below 1, an unknown mode, and the errors of
+        `softmax_attention`.
+    TypeError
+        As in `softmax_attention`.
+
+    See Also
+    --------
+    softmax_attention : Over the pooled keys.
+    pooled_attention_backward : The gradients.
+
+    Notes
+    -----
+    ``softmax_attention(q, pool(k), pool(v), **softmax_options)``, the
+    cost O(n (m / stride) d).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> o = attnx.pooled_attention(q, k, v, 2)
+    >>> pool = lambda x: x.reshape(3, 2, -1).mean(1)
+    >>> np.allclose(o, attnx.softmax_attention(q, pool(k), pool(v)))
+    True
     """
     q, k, v = _check_qkv(q, k, v)
     stride = _check_pooling(stride, mode)
@@ -535,11 +679,56 @@ def pooled_attention(q, k, v, stride, mode="mean", **softmax_options):
 
 def pooled_attention_backward(dout, q, k, v, out, lse, stride, mode="mean", *, bias_grad=False,
                               **softmax_options):
-    """Gradients of ``sum(dout * pooled_attention(q, k, v, stride, mode,
-    ...))`` with the forward's ``out`` and ``lse`` (``return_lse=True``):
-    the softmax backward over the pooled keys, then the pooling's own
-    (mean: each window's gradient spread evenly over it; max: routed to the
-    window's largest entry, the first on ties)."""
+    """Gradients of ``sum(dout * pooled_attention(q, k, v, stride, mode, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    out, lse : array_like
+        The forward's results (``return_lse=True``).
+    stride, mode
+        The forward's pooling.
+    bias_grad : bool, default False
+        Also return the gradient of ``bias``.
+    **softmax_options
+        The forward's softmax options.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (and ``bias`` with ``bias_grad=True``), each of
+        its input's shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype.
+
+    See Also
+    --------
+    pooled_attention : The forward.
+
+    Notes
+    -----
+    The softmax backward over the pooled keys, then the pooling's own:
+    mean spreads each window's gradient evenly over it; max routes it to
+    the window's largest entry (the first on ties).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> out, lse = attnx.pooled_attention(q, k, v, 3, return_lse=True)
+    >>> g = attnx.pooled_attention_backward(np.ones_like(out), q, k, v, out, lse, 3)
+    >>> g.k.shape, np.allclose(g.v.sum(), 6 * 4)     # each output row's weights sum to 1
+    ((6, 4), True)
+    """
     q, k, v = _check_qkv(q, k, v)
     stride = _check_pooling(stride, mode)
     pooled_k, pooled_v = _pool(k, stride, mode), _pool(v, stride, mode)
@@ -565,11 +754,58 @@ def _check_projection(x, name, m):
 
 
 def linformer_attention(q, k, v, E, F=None, **softmax_options):
-    """Linformer: softmax attention over keys and values projected along
-    the sequence, ``k' = E @ k`` and ``v' = F @ v`` with E, F of shape
-    (r, m) (or (..., r, m), broadcast with the heads); F defaults to E.
-    The softmax options (``scale``, masks of shape (..., n, r), ...) apply
-    to the r projected keys."""
+    """Linformer: softmax attention over keys and values projected along the sequence.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., n, d)
+        Queries.
+    k : array_like, shape (..., m, d)
+        Keys.
+    v : array_like, shape (..., m, e)
+        Values; the leading axes of q, k, v broadcast.
+    E : array_like, shape (r, m) or (..., r, m)
+        Projects the keys, ``k' = E @ k``; leading axes broadcast with the
+        heads.
+    F : array_like, optional
+        Projects the values, ``v' = F @ v``; default E.
+    **softmax_options
+        The options of `softmax_attention`, applied to the r projected keys
+        (masks of shape (..., n, r)).
+
+    Returns
+    -------
+    ndarray or (ndarray, ndarray)
+        The output (..., n, e), and its lse with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Projections whose shapes do not fit k and v, and the errors of
+        `softmax_attention`.
+    TypeError
+        As in `softmax_attention`.
+
+    See Also
+    --------
+    softmax_attention : Over the projected keys.
+    linformer_attention_backward : The gradients, E's and F's included.
+
+    Notes
+    -----
+    ``softmax_attention(q, E @ k, F @ v, **softmax_options)``: O(n r d)
+    instead of O(n m d) (Wang et al. 2020).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((8, 4)) for _ in range(3))
+    >>> E = rng.standard_normal((3, 8)) / np.sqrt(8)
+    >>> o = attnx.linformer_attention(q, k, v, E)
+    >>> np.allclose(o, attnx.softmax_attention(q, E @ k, E @ v))
+    True
+    """
     q, k, v = _check_qkv(q, k, v)
     E = _check_projection(E, "E", k.shape[-2])
     F = E if F is None else _check_projection(F, "F", k.shape[-2])
@@ -578,11 +814,58 @@ def linformer_attention(q, k, v, E, F=None, **softmax_options):
 
 def linformer_attention_backward(dout, q, k, v, out, lse, E, F=None, *, bias_grad=False,
                                  **softmax_options):
-    """Gradients of ``sum(dout * linformer_attention(q, k, v, E, F, ...))``
-    with the forward's ``out`` and ``lse`` (``return_lse=True``).
-    ``g.projection = (dE, dF)``: ``dE = dk' k^T``, ``dF = dv' v^T``
-    (summed to E's and F's shapes); when F was None, F is E, so dF is None
-    and its share is added to dE."""
+    """Gradients of ``sum(dout * linformer_attention(q, k, v, E, F, ...))``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, e)
+        The gradient arriving at the forward's output.
+    q, k, v : array_like
+        The forward's inputs.
+    out, lse : array_like
+        The forward's results (``return_lse=True``).
+    E, F : array_like
+        The forward's projections.
+    bias_grad : bool, default False
+        Also return the gradient of ``bias``.
+    **softmax_options
+        The forward's softmax options.
+
+    Returns
+    -------
+    Gradients
+        ``q``, ``k``, ``v`` (and ``bias``), and ``projection = (dE, dF)``
+        summed to E's and F's shapes; when F was None (F is E), dF is None
+        and its share is added to dE.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the forward's, or its options' errors.
+    TypeError
+        Inputs of an unsupported dtype.
+
+    See Also
+    --------
+    linformer_attention : The forward.
+
+    Notes
+    -----
+    With ``dk'``, ``dv'`` the gradients of the projected keys and values:
+    ``dE = dk' k^T``, ``dF = dv' v^T``, ``dk = E^T dk'``, ``dv = F^T dv'``.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((8, 4)) for _ in range(3))
+    >>> E = rng.standard_normal((3, 8)) / np.sqrt(8)
+    >>> out, lse = attnx.linformer_attention(q, k, v, E, return_lse=True)
+    >>> g = attnx.linformer_attention_backward(np.ones_like(out), q, k, v, out, lse, E)
+    >>> dE, dF = g.projection
+    >>> dE.shape, dF is None
+    ((3, 8), True)
+    """
     q, k, v = _check_qkv(q, k, v)
     E_arr = _check_projection(E, "E", k.shape[-2])
     F_arr = E_arr if F is None else _check_projection(F, "F", k.shape[-2])

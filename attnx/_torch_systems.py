@@ -67,10 +67,46 @@ def _to_compute(t, dtype):
 # --------------------------------------------------------------- positions
 
 def sinusoidal_positions(n, d, base=10000, *, dtype=torch.float64):
-    """The Transformer's sinusoidal table (n, d) as a tensor, as
-    attnx.sinusoidal_positions: ``PE[p, 2i] = sin(p / base**(2i/d))``,
-    ``PE[p, 2i+1] = cos(p / base**(2i/d))``. Computed with torch's own
-    functions (a constant: no gradient, and torch.compile traces it)."""
+    """The Transformer's sinusoidal position table as a tensor.
+
+    Parameters
+    ----------
+    n, d : int
+        Positions and features.
+    base : float, default 10000
+        The base of the wavelengths.
+    dtype : torch.dtype, default torch.float64
+        The tensor's dtype.
+
+    Returns
+    -------
+    torch.Tensor, shape (n, d)
+        The table (a constant: no gradient).
+
+    Raises
+    ------
+    ValueError
+        Negative sizes.
+    TypeError
+        Sizes that are not integers.
+
+    See Also
+    --------
+    attnx.sinusoidal_positions : The numpy function.
+
+    Notes
+    -----
+    ``PE[p, 2i] = sin(p / base**(2i/d))``, ``PE[p, 2i+1] = cos(p /
+    base**(2i/d))``, computed with torch's own functions, so torch.compile
+    traces it.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.torch
+    >>> P = attnx.torch.sinusoidal_positions(4, 6)
+    >>> np.allclose(P.numpy(), attnx.sinusoidal_positions(4, 6))
+    True
+    """
     n, d = count(n, "n"), count(d, "d")
     base = float(base)
     if not base > 0 or base == float("inf"):
@@ -128,12 +164,52 @@ _rotary_backward_op.register_autograd(_rotary_backward_grad, setup_context=_rota
 
 
 def rotary(x, positions=None, base=10000, interleaved=False):
-    """attnx.rotary on a tensor x (..., n, d), differentiable in x:
-    rotate-half pairs ``(x[i], x[i + d/2])`` by default, RoFormer's
-    ``(x[2i], x[2i+1])`` with ``interleaved=True``; pair i at position p
-    turns by ``p * base**(-2i/d)``. positions: None (0..n-1 along axis -2)
-    or integers / floats broadcastable to x.shape[:-1] (a tensor, or
-    anything torch.as_tensor takes)."""
+    """`attnx.rotary` on a tensor, differentiable in x.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., n, d)
+        Queries or keys; d even.
+    positions : torch.Tensor or array_like, optional
+        None (0..n-1 along axis -2) or integers / floats broadcastable to
+        ``x.shape[:-1]``.
+    base : float, default 10000
+        The base of the rotation frequencies.
+    interleaved : bool, default False
+        RoFormer's pairs ``(x[2i], x[2i+1])`` instead of rotate-half.
+
+    Returns
+    -------
+    torch.Tensor
+        x rotated, its shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or an unsupported dtype.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.rotary : The numpy function.
+
+    Notes
+    -----
+    Pair i at position p turns by ``p * base**(-2i/d)``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> x = torch.ones(3, 2, dtype=torch.float64, requires_grad=True)
+    >>> y = attnx.torch.rotary(x)
+    >>> torch.allclose(y[1], torch.tensor([1.0, 1.0], dtype=torch.float64).cos()
+    ...                - torch.tensor([1.0, -1.0], dtype=torch.float64).sin())
+    True
+    >>> y.sum().backward(); x.grad.shape
+    torch.Size([3, 2])
+    """
     _check_tensor("x", x)
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating point tensor, got dtype {x.dtype}")
@@ -283,11 +359,58 @@ def _system_call(system, q, k, v, layout=None, E=None, F=None, size=1, mode="mea
 
 def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=False, mask=None,
                            bias=None, window=None, return_lse=False):
-    """attnx.block_sparse_attention on tensors, differentiable in q, k, v
-    and a float bias: softmax attention under the mask
-    ``kron(layout, ones(bs, bs))[:n, :m]``, only the named blocks computed.
-    layout: a bool tensor (or array) broadcastable to (..., ceil(n / bs),
-    ceil(m / bs)), e.g. from attnx.layouts."""
+    """`attnx.block_sparse_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    layout : torch.Tensor or array_like of bool
+        Broadcastable to (..., ceil(n / bs), ceil(m / bs)), such as from
+        `attnx.layouts`.
+    block_size : int
+        The block.
+    scale, causal, mask, bias, window, return_lse
+        As in `attnx.block_sparse_attention` (a float bias gets its
+        gradient).
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    lse : torch.Tensor, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.block_sparse_attention : The numpy function.
+
+    Notes
+    -----
+    Softmax attention under the mask ``kron(layout, ones(bs, bs))[:n,
+    :m]``, only the named blocks computed.
+
+    Examples
+    --------
+    >>> import torch, attnx, attnx.torch
+    >>> q = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    >>> out = attnx.torch.block_sparse_attention(q, q, q, attnx.layouts.local(4, 1), 2)
+    >>> out.sum().backward()
+    >>> out.shape, q.grad.shape
+    (torch.Size([8, 4]), torch.Size([8, 4]))
+    """
     layout = torch.as_tensor(layout)
     _check_tensor("layout", layout)
     if layout.dtype != torch.bool:
@@ -299,10 +422,57 @@ def block_sparse_attention(q, k, v, layout, block_size, *, scale=None, causal=Fa
 
 def pooled_attention(q, k, v, stride, mode="mean", *, scale=None, causal=False, mask=None,
                      bias=None, window=None, dropout_p=0.0, seed=None, return_lse=False):
-    """attnx.pooled_attention on tensors, differentiable in q, k, v and a
-    float bias: keys and values pooled over windows of `stride` positions
-    ("mean" or "max"), then softmax attention; masks, bias, causal and
-    window refer to the ceil(m / stride) pooled keys."""
+    """`attnx.pooled_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    stride : int
+        The pooling window.
+    mode : {"mean", "max"}, default "mean"
+        How a window is pooled.
+    scale, causal, mask, bias, window, dropout_p, seed, return_lse
+        As in `softmax_attention`, referring to the ceil(m / stride) pooled
+        keys.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    lse : torch.Tensor, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.pooled_attention : The numpy function.
+
+    Notes
+    -----
+    Keys and values pooled over windows of ``stride`` positions, then
+    softmax attention.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    >>> out = attnx.torch.pooled_attention(q, q, q, 2, "max")
+    >>> out.sum().backward()
+    >>> out.shape, q.grad.shape
+    (torch.Size([8, 4]), torch.Size([8, 4]))
+    """
     if mode not in ("mean", "max"):
         raise ValueError(f"mode must be 'mean' or 'max', got {mode!r}")
     return _system_call("pooled", q, k, v, size=count(stride, "stride", 1), mode=mode, scale=scale,
@@ -312,10 +482,57 @@ def pooled_attention(q, k, v, stride, mode="mean", *, scale=None, causal=False, 
 
 def linformer_attention(q, k, v, E, F=None, *, scale=None, causal=False, mask=None, bias=None,
                         window=None, dropout_p=0.0, seed=None, return_lse=False):
-    """attnx.linformer_attention on tensors: softmax attention over
-    ``E @ k`` and ``F @ v`` (E, F of shape (..., r, m); F defaults to E),
-    differentiable in q, k, v, E, F and a float bias (a learned E gets its
-    gradient, F's share included when F is None)."""
+    """`attnx.linformer_attention` on tensors, differentiable in q, k, v, E, F.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    E : torch.Tensor, shape (..., r, m)
+        Projects the keys (a learned E gets its gradient).
+    F : torch.Tensor, optional
+        Projects the values; default E (its share of the gradient then
+        goes to E).
+    scale, causal, mask, bias, window, dropout_p, seed, return_lse
+        As in `softmax_attention`, referring to the r projected keys.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    lse : torch.Tensor, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        No E, arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.linformer_attention : The numpy function.
+
+    Notes
+    -----
+    Softmax attention over ``E @ k`` and ``F @ v``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.randn(8, 4, dtype=torch.float64)
+    >>> E = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    >>> out = attnx.torch.linformer_attention(q, q, q, E)
+    >>> out.sum().backward()
+    >>> out.shape, E.grad.shape
+    (torch.Size([8, 4]), torch.Size([3, 8]))
+    """
     if E is None:
         raise TypeError("linformer_attention needs the projection E, a tensor (..., r, m)")
     for name, t in (("E", E), ("F", F)):
@@ -424,35 +641,75 @@ _LEARNED = ("E", "F", "projection", "dwc_weight")
 class MultiheadAttention(torch.nn.Module):
     """Multi-head attention on any attnx variant, batch first.
 
-    ``MultiheadAttention(embed_dim, num_heads, *, num_kv_heads=None,
-    variant="softmax", positions=None, bias=True, **options)``: the
-    ``nn.Linear`` submodules ``q_proj`` (embed_dim -> embed_dim),
+    Its ``nn.Linear`` submodules are ``q_proj`` (embed_dim -> embed_dim),
     ``k_proj`` and ``v_proj`` (embed_dim -> num_kv_heads * head_dim) and
     ``out_proj`` (embed_dim -> embed_dim), head_dim = embed_dim //
-    num_heads. num_kv_heads (default num_heads) must divide num_heads:
-    query head h uses key/value head h // (num_heads / num_kv_heads)
-    (grouped-query attention by broadcasting, no copies).
+    num_heads.
 
-    variant: "softmax", "gaussian", "linear", "cosformer", "focused",
-    "taylor", "performer", "efficient", "block_sparse", "pooled",
-    "linformer", computed by attnx.torch's operator of that name with
-    ``**options`` (scale=, sigma=, feature_map=, layout= and block_size=,
-    stride=, E=, window=, dropout_p= ...). Array options become tensors of
-    the module: E, F, projection and dwc_weight learned parameters (given
-    as their initial values), the others (layout, mask, key_mask) buffers.
-    Array options with a head axis put it before their own last axes, as
-    in attnx.multi_head_attention. dropout_p applies in training mode only.
+    Parameters
+    ----------
+    embed_dim : int
+        The model's width.
+    num_heads : int
+        Query heads, dividing embed_dim.
+    num_kv_heads : int, optional
+        Key/value heads (default num_heads), dividing num_heads: query head
+        h uses key/value head ``h // (num_heads / num_kv_heads)``
+        (grouped-query attention by broadcasting, no copies).
+    variant : str, default "softmax"
+        "softmax", "gaussian", "linear", "cosformer", "focused", "taylor",
+        "performer", "efficient", "block_sparse", "pooled", "linformer",
+        computed by attnx.torch's operator of that name.
+    positions : {None, "sinusoidal", "rotary"}, optional
+        "sinusoidal" adds the table to query, key and value first;
+        "rotary" rotates q and k per head.
+    bias : bool, default True
+        Biases in the projections.
+    device, dtype : optional
+        Of the parameters, as for ``nn.Linear`` (CPU only).
+    **options
+        The variant's options (scale=, sigma=, feature_map=, layout= and
+        block_size=, stride=, E=, window=, dropout_p= ...). E, F,
+        projection and dwc_weight become learned parameters (given as their
+        initial values), the other arrays (layout, mask, key_mask) buffers.
+        Array options with a head axis put it before their own last axes,
+        as in `attnx.multi_head_attention`. dropout_p applies in training
+        mode only.
 
-    positions: None, "sinusoidal" (the table added to query, key and value
-    first) or "rotary" (q and k rotated per head, positions 0..n-1 and
-    0..m-1).
+    Raises
+    ------
+    ValueError
+        num_heads not dividing embed_dim, num_kv_heads not dividing
+        num_heads, an unknown variant or positions.
+    TypeError
+        Sizes that are not integers.
 
+    See Also
+    --------
+    attnx.multi_head_attention : The numpy function.
+
+    Notes
+    -----
     ``forward(query, key=None, value=None, key_padding_mask=None,
     is_causal=False)``: query (..., n, embed_dim), key and value (..., m,
     embed_dim) (key defaults to query, value to key); key_padding_mask
     (..., m) bool, True = padding (as in nn.MultiheadAttention), reaching
-    the kernel as key padding; is_causal: query i sees keys j <= i.
-    Returns the output (..., n, embed_dim).
+    the kernel as key padding; is_causal: query i sees keys j <= i. It
+    returns the output (..., n, embed_dim). With weights copied from
+    ``torch.nn.MultiheadAttention`` the outputs and gradients are the same
+    (docs/systems.md).
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> mha = attnx.torch.MultiheadAttention(16, 4, num_kv_heads=2, positions="rotary")
+    >>> x = torch.randn(2, 10, 16)
+    >>> pad = torch.zeros(2, 10, dtype=torch.bool); pad[1, 7:] = True
+    >>> y = mha(x, key_padding_mask=pad, is_causal=True)
+    >>> y.shape
+    torch.Size([2, 10, 16])
+    >>> y.sum().backward(); mha.q_proj.weight.grad.shape
+    torch.Size([16, 16])
     """
 
     def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, variant="softmax",

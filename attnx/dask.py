@@ -51,7 +51,9 @@ try:
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError('attnx.dask needs dask: pip install "attnx[dask]"') from error
+    raise ImportError('attnx.dask needs dask: pip install '
+                      '"dask[distributed]" (from an attnx checkout: pip install -e ".[dask]"; '
+                      'once attnx is released: pip install "attnx[dask]")') from error
 
 from . import _C
 from ._linear import (
@@ -448,17 +450,64 @@ def _softmax_graph(function, front, q, k, v, mask, bias, options, causal, window
 
 def softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, window=None,
                       return_lse=False):
-    """attnx.softmax_attention on dask arrays, lazily; options as there.
+    """`attnx.softmax_attention` on dask arrays, lazily.
 
-    q (..., n, d), k (..., m, d), v (..., m, e) -> (..., n, e) dask array,
-    chunked like q along the leading and query axes (and lse (..., n) with
-    return_lse=True). Leading-axis chunks are independent calls; so are
-    query chunks; key chunks give partial outputs merged exactly by
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    scale, causal, mask, bias, window
+        As in `attnx.softmax_attention`; masks and biases may be dask or
+        numpy arrays and are sliced with the blocks.
+    return_lse : bool, default False
+        Also return the lse, a (..., n) dask array.
+
+    Returns
+    -------
+    out : dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+    lse : dask.array.Array, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.softmax_attention : The numpy function.
+    linear_attention : The kernelised family on dask arrays.
+
+    Notes
+    -----
+    Leading-axis chunks are independent calls, and so are query chunks;
+    key chunks give partial outputs with their lse, merged exactly by
     log-sum-exp. causal and window keep their global alignment (query i
-    sees j <= i + m - n, ...) in every block; masks and biases are sliced
-    with the blocks; key chunks that no query of a query chunk sees are
-    skipped. Inputs must share chunks along every axis they share (numpy
-    arrays are chunked to match)."""
+    sees ``j <= i + m - n``, ...) in every block; key chunks that no query
+    of a query chunk sees are skipped. Every task is one C call on numpy
+    blocks with the GIL released (docs/dask.md).
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.softmax_attention(q, q, q, causal=True)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.softmax_attention(x, x, x, causal=True))
+    True
+    """
     options = {"scale": scale}
     return _softmax_graph(_C.softmax_attention, "softmax_attention", q, k, v, mask, bias,
                           options, causal, window, return_lse)
@@ -466,9 +515,61 @@ def softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None
 
 def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None, window=None,
                        return_lse=False):
-    """attnx.gaussian_attention on dask arrays, lazily; options as there and
-    chunking as softmax_attention (its per-key bias -|k_j|^2 / (2 sigma^2)
-    travels with each key chunk, so key chunks merge exactly)."""
+    """`attnx.gaussian_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    sigma : float, default 1.0
+        The kernel's width.
+    causal, mask, bias, window
+        As in `attnx.gaussian_attention`.
+    return_lse : bool, default False
+        Also return the lse, a (..., n) dask array.
+
+    Returns
+    -------
+    out : dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+    lse : dask.array.Array, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.gaussian_attention : The numpy function.
+    softmax_attention : The chunking rules.
+
+    Notes
+    -----
+    Chunked as `softmax_attention`: the per-key bias ``-|k_j|^2 / (2
+    sigma^2)`` travels with each key chunk, so key chunks merge exactly.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.gaussian_attention(q, q, q, sigma=2.0)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.gaussian_attention(x, x, x, sigma=2.0))
+    True
+    """
     options = {"sigma": sigma}
     return _softmax_graph(_C.gaussian_attention, "gaussian_attention", q, k, v, mask, bias,
                           options, causal, window, return_lse)
@@ -697,8 +798,57 @@ _LINEAR_SPLITS = """
 
 def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
                      window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3):
-    """attnx.linear_attention on dask arrays, lazily; options as there
-    (a callable feature_map runs on every block)."""
+    """`attnx.linear_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    feature_map : str or callable, default "elu"
+        As in `attnx.linear_attention`; a callable runs on every block.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention`.
+    projection, p
+        As in `attnx.linear_attention`.
+
+    Returns
+    -------
+    dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.linear_attention : The numpy function, with the meaning of the options.
+
+    Notes
+    -----
+    The kernelised family sums per-chunk (S, z) summaries.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.linear_attention(q, q, q, causal=True)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.linear_attention(x, x, x, causal=True))
+    True
+    """
     return _linear_front("linear", q, k, v, key_mask, mask, feature_map=feature_map,
                          causal=causal, window=window, method=method, chunk_size=chunk_size,
                          eps=eps, projection=projection, p=p)
@@ -706,24 +856,166 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
 
 def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
                         method=None, chunk_size=None, eps=1e-6):
-    """attnx.cosformer_attention on dask arrays, lazily; options as there.
-    M defaults to max(n, m) of the whole call and every block uses it, with
-    the blocks' global positions. mask= or window= put both the query and
-    the key axis in one chunk (a call with them keeps no position offset)."""
+    """`attnx.cosformer_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.cosformer_attention`.
+    M : float, optional
+        Default ``max(n, m)`` of the whole call; every block uses it.
+
+    Returns
+    -------
+    dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.cosformer_attention : The numpy function, with the meaning of the options.
+
+    Notes
+    -----
+    Every block keeps its global positions. Leading-axis and query chunks
+    are independent; key chunks pass (S, z) summaries (causal: an
+    exclusive prefix of them gives each chunk its incoming state). mask= or
+    window= put both the query and the key axis in one chunk.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.cosformer_attention(q, q, q, causal=True)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.cosformer_attention(x, x, x, causal=True))
+    True
+    """
     return _linear_front("cosformer", q, k, v, key_mask, mask, causal=causal, M=M,
                          window=window, method=method, chunk_size=chunk_size, eps=eps)
 
 
 def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None,
                              window=None, method=None, chunk_size=None, eps=1e-6):
-    """attnx.focused_linear_attention on dask arrays, lazily; options as there."""
+    """`attnx.focused_linear_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    p : float, default 3
+        The focusing power.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention`.
+
+    Returns
+    -------
+    dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.focused_linear_attention : The numpy function, with the meaning of the options.
+
+    Notes
+    -----
+    The features of `attnx.focused_linear_attention`.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.focused_linear_attention(q, q, q, p=2)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.focused_linear_attention(x, x, x, p=2))
+    True
+    """
     return _linear_front("focused", q, k, v, key_mask, mask, p=p, causal=causal, window=window,
                          method=method, chunk_size=chunk_size, eps=eps)
 
 
 def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None,
                      method=None, chunk_size=None, eps=1e-6):
-    """attnx.taylor_attention on dask arrays, lazily; options as there."""
+    """`attnx.taylor_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention`.
+
+    Returns
+    -------
+    dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.taylor_attention : The numpy function, with the meaning of the options.
+
+    Notes
+    -----
+    The features of `attnx.taylor_attention`.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.taylor_attention(q, q, q)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.taylor_attention(x, x, x))
+    True
+    """
     return _linear_front("taylor", q, k, v, key_mask, mask, causal=causal, window=window,
                          method=method, chunk_size=chunk_size, eps=eps)
 
@@ -731,23 +1023,122 @@ def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=
 def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
                         key_mask=None, mask=None, window=None, method=None, chunk_size=None,
                         eps=1e-6):
-    """attnx.performer_attention on dask arrays, lazily; options as there.
-    Without projection=, one projection is drawn when the graph is built
-    (random_features(num_features, d, seed=seed)) and every block uses it."""
+    """`attnx.performer_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    projection : array_like, shape (r, d), optional
+        Without one, one projection is drawn when the graph is built
+        (``random_features(num_features, d, seed=seed)``) and every block
+        uses it.
+    num_features, seed
+        As in `attnx.performer_attention`.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention`.
+
+    Returns
+    -------
+    dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.performer_attention : The numpy function, with the meaning of the options.
+
+    Notes
+    -----
+    The features of `attnx.performer_attention`.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.performer_attention(q, q, q, seed=0)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.performer_attention(x, x, x, seed=0))
+    True
+    """
     return _linear_front("performer", q, k, v, key_mask, mask, projection=projection,
                          num_features=num_features, seed=seed, causal=causal, window=window,
                          method=method, chunk_size=chunk_size, eps=eps)
 
 
 def efficient_attention(q, k, v, *, key_mask=None, causal=False):
-    """attnx.efficient_attention on dask arrays, lazily; options as there.
-    Its key softmax runs over the whole sequence, so the key axis is put in
-    one chunk; leading-axis and query chunks are independent calls."""
+    """`attnx.efficient_attention` on dask arrays, lazily.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like, shape (..., n, d)
+        Queries.
+    k : dask.array.Array or array_like, shape (..., m, d)
+        Keys.
+    v : dask.array.Array or array_like, shape (..., m, e)
+        Values. Inputs must share chunks along every axis they share
+        (numpy arrays are chunked to match); d and e are made one chunk.
+    key_mask : array_like of bool, shape (..., m), optional
+        False removes a key.
+    causal : bool, default False
+        Must be False.
+
+    Returns
+    -------
+    dask.array.Array, shape (..., n, e)
+        Lazy, chunked like q along the leading and query axes.
+
+    Raises
+    ------
+    ValueError
+        Inputs whose chunks differ along a shared axis (the message says
+        which), and the errors of the numpy function, raised when the graph
+        is built where the shapes allow, else when it is computed.
+    TypeError
+        As in the numpy function.
+
+    See Also
+    --------
+    attnx.efficient_attention : The numpy function, with the meaning of the options.
+
+    Notes
+    -----
+    Its key softmax runs over the whole sequence, so the key axis is put
+    in one chunk; leading-axis and query chunks are independent calls.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnx, attnx.dask
+    >>> x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> q = da.from_array(x, chunks=(1, 4, 4))            # 2 heads, 2 chunks of 4 positions
+    >>> o = attnx.dask.efficient_attention(q, q, q)
+    >>> o.chunks
+    ((1, 1), (4, 4), (4,))
+    >>> np.allclose(o.compute(), attnx.efficient_attention(x, x, x))
+    True
+    """
     return _linear_front("efficient", q, k, v, key_mask, None, causal=causal)
 
 
+# the chunking rules they share, at the end of each one's Notes section
 for _function in (linear_attention, focused_linear_attention, taylor_attention,
                   performer_attention):
-    _function.__doc__ += "\n" + _LINEAR_SPLITS
+    _function.__doc__ = _function.__doc__.replace(
+        "\n\n    Examples\n", "\n" + _LINEAR_SPLITS + "\n\n    Examples\n", 1)
 cosformer_attention.__doc__ += "\n" + _LINEAR_SPLITS
 del _function

@@ -45,8 +45,46 @@ def _offsets(nb):
 
 
 def local(nb, window):
-    """Blocks j with ``i - left <= j <= i + right``; ``window`` is w or
-    ``(left, right)`` (None for an open side)."""
+    """The block form of a sliding window.
+
+    Parameters
+    ----------
+    nb : int
+        Blocks along the query and the key axis (ceil(n / block_size)).
+    window : int or (int or None, int or None)
+        w (``left = right = w``) or ``(left, right)``, None for an open
+        side.
+
+    Returns
+    -------
+    ndarray of bool, shape (nb, nb)
+        Entry (i, j) is True when query block i may attend to key block j.
+
+    Raises
+    ------
+    ValueError
+        A negative nb or side, a window tuple not of two entries.
+    TypeError
+        Sizes that are not integers.
+
+    See Also
+    --------
+    attnx.block_sparse_attention : Takes the layout.
+    attnx.plot.mask : Draws it.
+
+    Notes
+    -----
+    Query block i sees key blocks ``i - left <= j <= i + right``.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> print(attnx.layouts.local(4, (1, 0)).astype(int))
+    [[1 0 0 0]
+     [1 1 0 0]
+     [0 1 1 0]
+     [0 0 1 1]]
+    """
     nb = _count(nb, "nb")
     if isinstance(window, tuple):
         if len(window) != 2:
@@ -61,7 +99,49 @@ def local(nb, window):
 
 
 def strided(nb, stride):
-    """Blocks j with ``|i - j| < stride`` or ``(i - j) % stride == 0``."""
+    """The Sparse Transformer's strided pattern (Child et al. 2019).
+
+    Parameters
+    ----------
+    nb : int
+        Blocks along the query and the key axis (ceil(n / block_size)).
+    stride : int
+        At least 1.
+
+    Returns
+    -------
+    ndarray of bool, shape (nb, nb)
+        Entry (i, j) is True when query block i may attend to key block j.
+
+    Raises
+    ------
+    ValueError
+        A negative nb, a stride below 1.
+    TypeError
+        Sizes that are not integers.
+
+    See Also
+    --------
+    attnx.block_sparse_attention : Takes the layout.
+    attnx.plot.mask : Draws it.
+
+    Notes
+    -----
+    ``|i - j| < stride`` or ``(i - j) % stride == 0``: the union of the
+    pattern's two heads, the previous ``stride`` blocks and every
+    ``stride``-th block before them (both directions; ``causal=True`` in
+    the attention call keeps the earlier ones).
+
+    Examples
+    --------
+    >>> import attnx
+    >>> print(attnx.layouts.strided(5, 2).astype(int))
+    [[1 1 1 0 1]
+     [1 1 1 1 0]
+     [1 1 1 1 1]
+     [0 1 1 1 1]
+     [1 0 1 1 1]]
+    """
     nb = _count(nb, "nb")
     stride = _count(stride, "stride", 1)
     offset = _offsets(nb)
@@ -69,8 +149,50 @@ def strided(nb, stride):
 
 
 def fixed(nb, stride, summary):
-    """Blocks j with ``i // stride == j // stride`` or
-    ``j % stride >= stride - summary`` (1 <= summary <= stride)."""
+    """The Sparse Transformer's fixed pattern (Child et al. 2019).
+
+    Parameters
+    ----------
+    nb : int
+        Blocks along the query and the key axis (ceil(n / block_size)).
+    stride : int
+        The blocks of a group, at least 1.
+    summary : int
+        The last blocks of each group every block attends to,
+        ``1 <= summary <= stride``.
+
+    Returns
+    -------
+    ndarray of bool, shape (nb, nb)
+        Entry (i, j) is True when query block i may attend to key block j.
+
+    Raises
+    ------
+    ValueError
+        A negative nb, a stride or summary below 1, a summary above stride.
+    TypeError
+        Sizes that are not integers.
+
+    See Also
+    --------
+    attnx.block_sparse_attention : Takes the layout.
+    attnx.plot.mask : Draws it.
+
+    Notes
+    -----
+    ``i // stride == j // stride`` or ``j % stride >= stride - summary``:
+    blocks attend within their own group, and to the summary blocks of
+    every group.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> print(attnx.layouts.fixed(4, 2, 1).astype(int))
+    [[1 1 0 1]
+     [1 1 0 1]
+     [0 1 1 1]
+     [0 1 1 1]]
+    """
     nb = _count(nb, "nb")
     stride = _count(stride, "stride", 1)
     summary = _count(summary, "summary", 1)
@@ -98,8 +220,48 @@ def _global_indices(nb, global_blocks):
 
 
 def longformer(nb, window, global_blocks):
-    """``local(nb, window)`` plus whole rows and columns for the global
-    blocks (a count g: the first g blocks; or a sequence of indices)."""
+    """Longformer's pattern: a sliding window and global blocks (Beltagy et al. 2020).
+
+    Parameters
+    ----------
+    nb : int
+        Blocks along the query and the key axis (ceil(n / block_size)).
+    window : int or (int or None, int or None)
+        As in `local`.
+    global_blocks : int or sequence of int
+        A count g (the first g blocks) or the indices of the global blocks.
+
+    Returns
+    -------
+    ndarray of bool, shape (nb, nb)
+        Entry (i, j) is True when query block i may attend to key block j.
+
+    Raises
+    ------
+    ValueError
+        As in `local`, or global blocks outside [0, nb).
+    TypeError
+        global_blocks neither a count nor a sequence of indices.
+
+    See Also
+    --------
+    attnx.block_sparse_attention : Takes the layout.
+    attnx.plot.mask : Draws it.
+
+    Notes
+    -----
+    ``local(nb, window)``, and a global block attends to every block and is
+    attended to by every block.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> print(attnx.layouts.longformer(4, 0, 1).astype(int))
+    [[1 1 1 1]
+     [1 1 0 0]
+     [1 0 1 0]
+     [1 0 0 1]]
+    """
     layout = local(nb, window)
     indices = _global_indices(layout.shape[0], global_blocks)
     layout[indices, :] = True
@@ -108,9 +270,52 @@ def longformer(nb, window, global_blocks):
 
 
 def bigbird(nb, window, num_global, num_random, seed):
-    """``longformer(nb, window, num_global)`` plus ``num_random`` random key
-    blocks in each row that is not global, drawn without replacement from
-    the blocks the row does not have yet, by ``default_rng(seed)``."""
+    """BigBird's pattern: window, global and random blocks (Zaheer et al. 2020).
+
+    Parameters
+    ----------
+    nb : int
+        Blocks along the query and the key axis (ceil(n / block_size)).
+    window : int or (int or None, int or None)
+        As in `local`.
+    num_global : int
+        The first num_global blocks are global.
+    num_random : int
+        Random key blocks added to each row that is not global.
+    seed : int or None
+        Anything ``numpy.random.default_rng`` takes.
+
+    Returns
+    -------
+    ndarray of bool, shape (nb, nb)
+        Entry (i, j) is True when query block i may attend to key block j.
+
+    Raises
+    ------
+    ValueError
+        As in `longformer`, or a negative num_random.
+    TypeError
+        Sizes that are not integers.
+
+    See Also
+    --------
+    attnx.block_sparse_attention : Takes the layout.
+    attnx.plot.mask : Draws it.
+
+    Notes
+    -----
+    ``longformer(nb, window, num_global)`` plus, in each row that is not
+    global, ``num_random`` further key blocks drawn uniformly without
+    replacement from those the row does not have yet (all of them if fewer
+    remain), by ``numpy.random.default_rng(seed)``.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> layout = attnx.layouts.bigbird(6, 1, 1, 1, seed=0)
+    >>> layout.shape, layout.sum(1).tolist()
+    ((6, 6), [6, 4, 5, 5, 5, 4])
+    """
     num_random = _count(num_random, "num_random")
     layout = longformer(nb, window, _count(num_global, "num_global"))
     rng = np.random.default_rng(seed)

@@ -1,6 +1,7 @@
 """Plots of attention: weight matrices, masks and kernel regression.
 
-Needs matplotlib (``pip install "attnx[plot]"``), imported on first use, and
+Needs matplotlib (``pip install matplotlib``; from a checkout
+``pip install -e ".[plot]"``), imported on first use, and
 works headless (the Agg backend). Every function draws into an existing
 Axes when given ``ax=`` (or makes a new figure) and returns the matplotlib
 object it drew on, whose image or line data are the numbers computed, so a
@@ -39,8 +40,9 @@ def _pyplot():
     try:
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ImportError('attnx.plot needs matplotlib: pip install "attnx[plot]" '
-                          '(or pip install matplotlib)') from error
+        raise ImportError('attnx.plot needs matplotlib: pip install matplotlib (from an '
+                          'attnx checkout: pip install -e ".[plot]"; once attnx is released: '
+                          'pip install "attnx[plot]")') from error
     return plt
 
 
@@ -122,11 +124,52 @@ def _block_mask(n, m, layout, block_size):
 
 
 def visibility(n, m, causal=False, window=None, layout=None, block_size=None):
-    """The (n, m) boolean array of the keys each query may see (True) under
-    a causal mode, a window and a block layout, by the rules of attnx's
-    functions: with ``i' = i + (m - n)``, causal (lower right) ``j <= i'``,
-    upper left ``j <= i``, window ``i' - left <= j <= i' + right``, layout
-    ``kron(layout, ones((bs, bs)))[:n, :m]``."""
+    """The boolean pattern of the keys each query may see, as an array.
+
+    Parameters
+    ----------
+    n, m : int
+        Queries and keys.
+    causal : bool or {"lower_right", "upper_left"}, default False
+        As in `attnx.softmax_attention`.
+    window : int or (int or None, int or None), optional
+        As in `attnx.softmax_attention`.
+    layout : array_like of bool, optional
+        A block layout (`attnx.layouts`), with ``block_size``.
+    block_size : int, optional
+        The block of the layout.
+
+    Returns
+    -------
+    ndarray of bool, shape (n, m)
+        True where query i may see key j.
+
+    Raises
+    ------
+    ValueError
+        Negative sizes, an unknown causal mode, a bad window, a layout
+        without a block size or too small for n and m.
+    TypeError
+        Sizes that are not integers.
+
+    See Also
+    --------
+    mask : Draws this pattern.
+
+    Notes
+    -----
+    With ``i' = i + (m - n)``: causal (lower right) ``j <= i'``, upper left
+    ``j <= i``, window ``i' - left <= j <= i' + right``, layout
+    ``kron(layout, ones((bs, bs)))[:n, :m]``, all combined.
+
+    Examples
+    --------
+    >>> import attnx.plot
+    >>> print(attnx.plot.visibility(3, 5, causal=True).astype(int))
+    [[1 1 1 0 0]
+     [1 1 1 1 0]
+     [1 1 1 1 1]]
+    """
     n, m = _count(n, "n"), _count(m, "m")
     mode = _causal_mode(causal)
     left, right = _window_sides(window)
@@ -203,16 +246,64 @@ def _weights_vmax(weights):
 
 def weights(q, k, variant="softmax", ax=None, *, cmap="viridis", colorbar=True, title=None,
             **options):
-    """Heatmap of the weights w_ij of one head: ``attention_weights(q, k,
-    variant, **options)``, queries down, keys across, on a colour scale
-    from 0 to the largest weight.
+    """Draw a heatmap of the attention weights of one head.
 
-    q (n, d), k (m, d); options are those of the variant's front end
-    (causal=, window=, mask=, key_mask=, scale=, sigma=, feature_map=...).
-    Cells those mask options leave invisible are masked in the image
-    (``ax.images[0].get_array()`` is a masked array holding the weights)
-    and drawn grey. cmap: a matplotlib colormap; colorbar: draw one;
-    title: defaults to the variant's name. Returns the Axes."""
+    Parameters
+    ----------
+    q : array_like, shape (n, d)
+        Queries.
+    k : array_like, shape (m, d)
+        Keys.
+    variant : str, default "softmax"
+        As in `attnx.attention_weights`.
+    ax : matplotlib.axes.Axes, optional
+        Where to draw; default a new figure's.
+    cmap : str, default "viridis"
+        A matplotlib colormap.
+    colorbar : bool, default True
+        Draw a colorbar.
+    title : str, optional
+        Default the variant's name.
+    **options
+        The options of the variant's front end (causal=, window=, mask=,
+        key_mask=, scale=, sigma=, feature_map=...).
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+        The Axes drawn on; ``ax.images[0].get_array()`` is a masked array
+        holding the weights, masked where the options hide a cell.
+
+    Raises
+    ------
+    ValueError
+        q or k not two-dimensional, and the errors of
+        `attnx.attention_weights`.
+    ImportError
+        When matplotlib is not installed.
+
+    See Also
+    --------
+    compare : Several variants side by side.
+    attnx.attention_weights : The numbers drawn.
+
+    Notes
+    -----
+    Queries run down, keys across, on a colour scale from 0 to the largest
+    weight; cells the mask options leave invisible are grey (apart from
+    visible cells whose weight is merely 0).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.plot
+    >>> q = np.random.default_rng(0).standard_normal((6, 4))
+    >>> ax = attnx.plot.weights(q, q, causal=True)
+    >>> image = ax.images[0].get_array()
+    >>> image.shape, int(image.mask.sum())        # 15 cells above the diagonal hidden
+    ((6, 6), 15)
+    >>> np.allclose(image.filled(0), attnx.attention_weights(q, q, causal=True))
+    True
+    """
     w, visible = _head_weights(q, k, variant, options)
     ax = _new_axes(ax)
     image = _draw_weights(ax, w, visible, cmap, _weights_vmax(w),
@@ -241,16 +332,57 @@ def _variant_and_options(entry):
 
 def compare(q, k, variants=("softmax", "linear", "taylor", "cosformer"), *, cmap="viridis",
             shared_scale=True, panel_size=3.2, **options):
-    """The weights of the same queries and keys under several variants,
-    side by side: one ``weights`` panel per variant, in a new Figure.
+    """Draw the weights of the same queries and keys under several variants.
 
-    variants: names ("softmax", "gaussian", "linear", "cosformer",
-    "focused", "taylor", "performer", "efficient") or (name, {options})
-    pairs for options of one variant only, e.g. ("linear",
-    {"feature_map": "relu"}); the keyword options go to every variant.
-    shared_scale: one colour scale (0 to the largest weight of any panel)
-    and one colorbar, so that panels compare; otherwise one each.
-    Returns the Figure (its Axes, in order, are ``fig.axes[:len(variants)]``)."""
+    Parameters
+    ----------
+    q : array_like, shape (n, d)
+        Queries.
+    k : array_like, shape (m, d)
+        Keys.
+    variants : sequence, default ("softmax", "linear", "taylor", "cosformer")
+        Names ("softmax", "gaussian", "linear", "cosformer", "focused",
+        "taylor", "performer", "efficient") or ``(name, {options})`` pairs
+        for options of one variant only, such as ``("linear",
+        {"feature_map": "relu"})``.
+    cmap : str, default "viridis"
+        A matplotlib colormap.
+    shared_scale : bool, default True
+        One colour scale (0 to the largest weight of any panel) and one
+        colorbar, so that panels compare; otherwise one each.
+    panel_size : float, default 3.2
+        The width of a panel in inches.
+    **options
+        Options given to every variant (causal=, window=, ...).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        A new Figure; its Axes, in order, are ``fig.axes[:len(variants)]``.
+
+    Raises
+    ------
+    TypeError
+        ``variants`` given as one string.
+    ValueError
+        An unknown variant, and the errors of `weights`.
+
+    See Also
+    --------
+    weights : One panel.
+
+    Notes
+    -----
+    One `weights` panel per variant, in a row.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.plot
+    >>> q = np.random.default_rng(0).standard_normal((6, 4))
+    >>> fig = attnx.plot.compare(q, q, ["softmax", ("linear", {"feature_map": "relu"})])
+    >>> [ax.get_title() for ax in fig.axes[:2]]
+    ['softmax', "linear (feature_map='relu')"]
+    """
     if isinstance(variants, str):
         raise TypeError("variants must be a list of variant names, not one string")
     entries = [_variant_and_options(entry) for entry in variants]
@@ -284,19 +416,52 @@ def compare(q, k, variants=("softmax", "linear", "taylor", "cosformer"), *, cmap
 # ------------------------------------------------------------ masks
 
 def mask(n, m, causal=False, window=None, layout=None, block_size=None, ax=None):
-    """The visibility pattern of n queries over m keys: the cells a query
-    may see (blue) and those it may not (grey), under a causal mode, a
-    window (w or (left, right), None for an open side) and a block layout
-    (a boolean block array; a block of block_size x block_size tokens is
-    visible where it is True: ``kron(layout, ones((bs, bs)))[:n, :m]``,
-    the mask block-sparse attention computes under), all combined.
+    """Draw the visibility pattern of n queries over m keys.
 
-    ``ax.images[0].get_array()`` is the boolean (n, m) pattern. Returns
-    the Axes."""
+    Parameters
+    ----------
+    n, m : int
+        Queries and keys.
+    causal, window, layout, block_size
+        As in `visibility`.
+    ax : matplotlib.axes.Axes, optional
+        Where to draw; default a new figure's.
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+        The Axes drawn on; ``ax.images[0].get_array()`` is the boolean
+        (n, m) pattern.
+
+    Raises
+    ------
+    ValueError
+        As in `visibility`.
+    ImportError
+        When matplotlib is not installed.
+
+    See Also
+    --------
+    visibility : The pattern as an array.
+
+    Notes
+    -----
+    The cells a query may see are blue, the others grey; a block of
+    ``block_size`` x ``block_size`` tokens is visible where the layout is
+    True: ``kron(layout, ones((bs, bs)))[:n, :m]``, the mask block-sparse
+    attention computes under, combined with the causal mode and window.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.plot
+    >>> ax = attnx.plot.mask(8, 8, causal=True, layout=np.eye(2, dtype=bool), block_size=4)
+    >>> int(ax.images[0].get_array().sum())        # two causal 4 x 4 blocks
+    20
+    """
     visible = visibility(n, m, causal, window, layout, block_size)
+    ax = _new_axes(ax)  # first: without matplotlib, the ImportError saying how to install it
     from matplotlib.colors import ListedColormap
 
-    ax = _new_axes(ax)
     ax.imshow(visible, cmap=ListedColormap([INVISIBLE_COLOUR, VISIBLE_COLOUR]), vmin=0, vmax=1,
               interpolation="nearest", aspect="equal")
     if layout is not None:
@@ -326,17 +491,57 @@ def _points(values, name):
 
 
 def kernel_regression(x, y, x_query, sigma=1.0, ax=None, *, weights_at=None):
-    """The Nadaraya-Watson estimate of y at x_query from points (x, y),
+    """Draw the Nadaraya-Watson estimate of y at x_query from points (x, y).
+
+    Parameters
+    ----------
+    x, y : array_like, shape (n,)
+        The data points.
+    x_query : array_like, shape (q,)
+        Where the estimate is drawn.
+    sigma : float, default 1.0
+        The kernel's width.
+    ax : matplotlib.axes.Axes, optional
+        Where to draw; default a new figure's.
+    weights_at : float, optional
+        A position t whose weights over the data points are drawn too, as
+        stems on a second y axis (``ax.weights_axes``, its
+        ``collections[0]`` segments ``(x_i, 0)-(x_i, w_i)``).
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+        The Axes: the data points are ``ax.collections[0]``, the fit
+        ``ax.lines[0]`` (its x data sorted).
+
+    Raises
+    ------
+    ValueError
+        Points of different lengths or not one-dimensional, a bad sigma or
+        weights_at.
+    ImportError
+        When matplotlib is not installed.
+
+    See Also
+    --------
+    attnx.gaussian_attention : Computes the fit.
+
+    Notes
+    -----
     ``f(t) = sum_i K(t - x_i) y_i / sum_i K(t - x_i)`` with the Gaussian
     kernel ``K(u) = exp(-u^2 / (2 sigma^2))``: Gaussian attention with the
-    queries x_query, the keys x and the values y (each reshaped to (n, 1)),
-    computed by ``attnx.gaussian_attention`` in float64.
+    queries x_query, the keys x and the values y (each as (n, 1)), in
+    float64.
 
-    Draws the data points (``ax.collections[0]``) and the fit
-    (``ax.lines[0]``, its x data sorted) and returns the Axes. weights_at:
-    a position t whose weights over the data points are drawn too, as
-    stems on a second y axis (``ax.weights_axes``, its
-    ``collections[0]`` segments ``(x_i, 0)-(x_i, w_i)``)."""
+    Examples
+    --------
+    >>> import numpy as np, attnx.plot
+    >>> x = np.linspace(0, 6, 30)
+    >>> ax = attnx.plot.kernel_regression(x, np.sin(x), np.linspace(0, 6, 50), sigma=0.3)
+    >>> fit = ax.lines[0].get_ydata()
+    >>> fit.shape, bool(np.abs(fit - np.sin(np.linspace(0, 6, 50))).max() < 0.2)
+    ((50,), True)
+    """
     x, y, x_query = _points(x, "x"), _points(y, "y"), _points(x_query, "x_query")
     if weights_at is not None:
         if isinstance(weights_at, (bool, np.bool_)) or not isinstance(weights_at, numbers.Real) \

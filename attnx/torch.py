@@ -497,31 +497,208 @@ def _softmax_call(variant, q, k, v, param, causal, mask, bias, window, dropout_p
 
 def softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, window=None,
                       dropout_p=0.0, seed=None, return_lse=False):
-    """attnx.softmax_attention on tensors, differentiable in q, k, v and a
-    float bias. Options as the numpy function; dropout_p with seed=None
-    draws the seed from torch's generator. return_lse: also the
-    logsumexp (..., n), float32 for half inputs, without gradient."""
+    """`attnx.softmax_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    scale, causal, mask, bias, window
+        As in `attnx.softmax_attention`; mask and bias are tensors (a float
+        bias gets its gradient).
+    dropout_p : float, default 0.0
+        The dropout probability of the weights.
+    seed : int, optional
+        The dropout seed; None draws it from torch's generator.
+    return_lse : bool, default False
+        Also return the logsumexp (..., n), float32 for half inputs,
+        without gradient.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    lse : torch.Tensor, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.softmax_attention : The numpy function, with the meaning of each option.
+    scaled_dot_product_attention : torch's signature.
+
+    Notes
+    -----
+    A ``torch.library.custom_op`` (``torch.ops.attnx.softmax_attention``)
+    with a fake kernel and an autograd formula whose backward is
+    `attnx.softmax_attention_backward`, so it runs under
+    ``torch.compile(fullgraph=True)``. float32 and float64 tensors are read
+    in place; bfloat16 and float16 are computed in float32 (docs/pytorch.md).
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.softmax_attention(q, k, v, causal=True)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.softmax_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), causal=True)
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     return _softmax_call("softmax", q, k, v, scale, causal, mask, bias, window, dropout_p, seed,
                          return_lse)
 
 
 def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None, window=None,
                        dropout_p=0.0, seed=None, return_lse=False):
-    """attnx.gaussian_attention on tensors, differentiable in q, k, v and a
-    float bias (sigma is a number). Options as softmax_attention."""
+    """`attnx.gaussian_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    sigma : float, default 1.0
+        The kernel's width (a number, not differentiated).
+    causal, mask, bias, window, dropout_p, seed, return_lse
+        As in `softmax_attention`.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    lse : torch.Tensor, shape (..., n)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.gaussian_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    Weights proportional to ``exp(-|q_i - k_j|^2 / (2 sigma^2) + bias_ij)``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.gaussian_attention(q, k, v, sigma=2.0)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.gaussian_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), sigma=2.0)
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     return _softmax_call("gaussian", q, k, v, sigma, causal, mask, bias, window, dropout_p, seed,
                          return_lse)
 
 
 class SDPAValueError(RuntimeError, ValueError):
-    """A bad argument to :func:`scaled_dot_product_attention` where torch
-    raises RuntimeError: catchable as torch's RuntimeError and as the
-    ValueError attnx's other front ends raise, with attnx's message."""
+    """A bad argument to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
+
+    Catchable as torch's RuntimeError (code written for torch's function
+    keeps working) and as the ValueError attnx's other front ends raise.
+
+    Parameters
+    ----------
+    message : str
+        attnx's description of what is wrong, naming the argument.
+
+    Raises
+    ------
+    SDPAValueError
+        From :func:`scaled_dot_product_attention`: shapes that do not
+        broadcast, an ``attn_mask`` with ``is_causal=True``, a non-finite
+        scale, ``dropout_p`` outside [0, 1].
+
+    See Also
+    --------
+    SDPATypeError : the same for wrong dtypes.
+
+    Notes
+    -----
+    A subclass of both RuntimeError and ValueError.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.zeros(2, 3, 4)
+    >>> try:
+    ...     attnx.torch.scaled_dot_product_attention(q, q, q, scale=float("nan"))
+    ... except RuntimeError as error:
+    ...     print(type(error).__name__, isinstance(error, ValueError), error)
+    SDPAValueError True scale must be finite, got nan
+    """
 
 
 class SDPATypeError(RuntimeError, TypeError):
-    """A wrong dtype or type given to :func:`scaled_dot_product_attention`:
-    both torch's RuntimeError and attnx's TypeError."""
+    """A wrong dtype given to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
+
+    Catchable as torch's RuntimeError and as attnx's TypeError.
+
+    Parameters
+    ----------
+    message : str
+        attnx's description of what is wrong, naming the argument.
+
+    Raises
+    ------
+    SDPATypeError
+        From :func:`scaled_dot_product_attention`: query, key and value of
+        different or unsupported dtypes; a mask that is not bool, float32
+        or the query's dtype.
+
+    See Also
+    --------
+    SDPAValueError : the same for bad values and shapes.
+
+    Notes
+    -----
+    A subclass of both RuntimeError and TypeError.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.zeros(2, 3, 4)
+    >>> try:
+    ...     attnx.torch.scaled_dot_product_attention(q, q.double(), q)
+    ... except RuntimeError as error:
+    ...     print(type(error).__name__, isinstance(error, TypeError))
+    SDPATypeError True
+    """
 
 
 def _as_sdpa_error(error):
@@ -581,21 +758,77 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention computed by attnx.
 
-    Same signature and semantics: query (..., Hq, L, E), key (..., H, S, E),
-    value (..., H, S, Ev); attn_mask bool (True = attend), float (added to
-    the scores; float32 or the query's dtype) or a
-    ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left``,
-    ``causal_lower_right``: run as attnx's causal flag, never
-    materialised), broadcastable to (..., Hq, L, S); is_causal: query i
-    sees keys j <= i (upper-left), and may not be combined with attn_mask;
-    scale any finite number, default 1/sqrt(E); dropout_p in [0, 1];
-    enable_gqa lets Hq be a multiple of H, each key/value head shared by
-    Hq/H query heads (without a copy). A row that sees no key gives zeros,
-    as torch's CPU kernels do. Bad arguments raise RuntimeError where torch
-    does (as :class:`SDPAValueError` / :class:`SDPATypeError`, which are
-    also ValueError / TypeError). Dropout uses attnx's counter-based
-    generator seeded from torch's, so the dropped weights differ from
-    torch's but are repeatable under torch.manual_seed."""
+    Same signature and semantics, so it replaces torch's by assignment.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (..., Hq, L, E)
+        Queries.
+    key : torch.Tensor, shape (..., H, S, E)
+        Keys.
+    value : torch.Tensor, shape (..., H, S, Ev)
+        Values.
+    attn_mask : torch.Tensor, optional
+        Bool (True = attend), float (added to the scores; float32 or the
+        query's dtype), or a ``torch.nn.attention.bias.CausalBias``
+        (``causal_upper_left``, ``causal_lower_right``: run as attnx's
+        causal flag, never materialised), broadcastable to
+        (..., Hq, L, S). A mask constant along the query axis is read as
+        key padding, O(S).
+    dropout_p : float, default 0.0
+        The dropout probability of the weights, in [0, 1] (1 drops every
+        weight: zeros).
+    is_causal : bool, default False
+        Query i sees keys ``j <= i`` (upper-left). May not be combined with
+        ``attn_mask``.
+    scale : float, optional
+        Any finite number (zero and negative included). Default
+        ``1 / sqrt(E)``.
+    enable_gqa : bool, default False
+        Lets Hq be a multiple of H, each key/value head shared by Hq / H
+        query heads (without a copy).
+
+    Returns
+    -------
+    torch.Tensor, shape (..., Hq, L, Ev)
+        In query's dtype.
+
+    Raises
+    ------
+    SDPATypeError
+        q, k, v of different or unsupported dtypes, a mask of another dtype
+        (a RuntimeError, as torch raises, and a TypeError).
+    SDPAValueError
+        Shapes that do not broadcast, an ``attn_mask`` with
+        ``is_causal=True``, a non-finite scale, ``dropout_p`` outside
+        [0, 1] (a RuntimeError, as torch raises, and a ValueError).
+    ValueError
+        Tensors on another device than the CPU; a CausalBias with
+        ``is_causal=True`` (as torch).
+
+    See Also
+    --------
+    softmax_attention : attnx's own options (windows, lower-right causal).
+
+    Notes
+    -----
+    A row that sees no key gives zeros, as torch's CPU kernels do. Dropout
+    uses attnx's counter-based generator seeded from torch's, so the
+    dropped weights differ from torch's but are repeatable under
+    ``torch.manual_seed``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    >>> pad = torch.tensor([[True, True, True, False, False]])        # key padding
+    >>> out = attnx.torch.scaled_dot_product_attention(q, k, v, attn_mask=pad)
+    >>> expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=pad)
+    >>> torch.allclose(out, expected, atol=1e-6)
+    True
+    """
     try:
         _check_inputs(("query", "key", "value"), query, key, value, broadcast=False)
         if attn_mask is not None and not (CausalBias is not None
@@ -765,14 +998,48 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_conte
 # ------------------------------------- linear family op with a streaming state
 
 class LinearAttentionState(NamedTuple):
-    """The state a torch linear front end returns with ``return_state=True``
-    and takes back as ``initial_state=`` (as attnx.LinearAttentionState):
-    S (..., r, e) = sum_j psi(k_j) v_j^T and z (..., r) = sum_j psi(k_j)
-    over the keys so far, tensors in the computing dtype (float32 for
-    half inputs) that carry gradients, and offset, the key positions
-    consumed. Pieces of a sequence chained through it give what one call
-    gives, outputs and gradients (to every piece's q, k, v, to the
-    projection, and to the first initial_state's S and z)."""
+    """The state a torch linear front end returns with ``return_state=True``.
+
+    Taken back as ``initial_state=``, as `attnx.LinearAttentionState` is.
+
+    Parameters
+    ----------
+    S : torch.Tensor, shape (..., r, e)
+        ``sum_j psi(k_j) v_j^T`` over the keys so far.
+    z : torch.Tensor, shape (..., r)
+        ``sum_j psi(k_j)``.
+    offset : int
+        The key positions consumed.
+
+    Raises
+    ------
+    TypeError
+        When built with unknown fields (as any named tuple).
+
+    See Also
+    --------
+    linear_attention : Returns and takes it.
+
+    Notes
+    -----
+    S and z are tensors in the computing dtype (float32 for half inputs)
+    that carry gradients: pieces of a sequence chained through the state
+    give what one call gives, outputs and gradients (to every piece's q, k,
+    v, to the projection, and to the first initial_state's S and z).
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.randn(6, 4, dtype=torch.float64)
+    >>> o1, st = attnx.torch.linear_attention(q[:4], q[:4], q[:4], causal=True, return_state=True)
+    >>> o2, st = attnx.torch.linear_attention(q[4:], q[4:], q[4:], causal=True,
+    ...                                       initial_state=st, return_state=True)
+    >>> st.offset, tuple(st.S.shape)
+    (6, (4, 4))
+    >>> whole = attnx.torch.linear_attention(q, q, q, causal=True)
+    >>> torch.allclose(torch.cat([o1, o2]), whole)
+    True
+    """
     S: Tensor
     z: Tensor
     offset: int
@@ -982,10 +1249,78 @@ _STREAMING_DOC = """
 def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None, mask=None,
                      window=None, method=None, chunk_size=None, eps=1e-6, projection=None, p=3,
                      initial_state=None, return_state=False):
-    """attnx.linear_attention on tensors, differentiable in q, k, v (and a
-    FAVOR projection). feature_map may be a callable written in torch,
-    f(x) -> (..., r) non-negative: torch applies it (autograd through it,
-    so learned maps train) and attnx computes attention on the features."""
+    """`attnx.linear_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    feature_map : str or callable, default "elu"
+        As in `attnx.linear_attention`, or a callable written in torch,
+        ``f(x) -> (..., r)`` non-negative: torch applies it (autograd
+        through it, so learned maps train) and attnx computes attention on
+        the features.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention` (masks as tensors).
+    projection : torch.Tensor, shape (r, d), optional
+        FAVOR+'s projection, differentiable.
+    p : float, default 3
+        The power of the "focused" feature map.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued (differentiably).
+    return_state : bool, default False
+        Also return the state after this call.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.linear_attention : The numpy function, with the meaning of each option.
+    LinearAttentionState : The streaming state.
+
+    Notes
+    -----
+    ``o_i = phi(q_i) S / max(phi(q_i) . z, eps)``, ``S = sum_j psi(k_j)
+    v_j^T``, ``z = sum_j psi(k_j)`` over the visible keys; the backward is
+    `attnx.linear_attention_backward`.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.linear_attention(q, k, v, causal=True)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.linear_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), causal=True)
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    >>> phi = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Softplus())
+    >>> attnx.torch.linear_attention(q, k, v, feature_map=phi).sum().backward()
+    >>> phi[0].weight.grad.shape                   # a learned feature map trains
+    torch.Size([4, 4])
+    """
     return _linear_call("linear", q, k, v, feature_map, causal, key_mask, mask, window, method,
                         chunk_size, eps, projection, p, initial_state=initial_state,
                         return_state=return_state)
@@ -994,8 +1329,64 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
 def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,
                         method=None, chunk_size=None, eps=1e-6, initial_state=None,
                         return_state=False):
-    """attnx.cosformer_attention on tensors, differentiable in q, k, v
-    (streaming needs a fixed M=)."""
+    """`attnx.cosformer_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention` (masks as tensors).
+    M : float, optional
+        As in `attnx.cosformer_attention`; streaming needs a fixed M.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued (differentiably).
+    return_state : bool, default False
+        Also return the state after this call.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.cosformer_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    ``s_ij = relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M)``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.cosformer_attention(q, k, v, causal=True)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.cosformer_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), causal=True)
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     return _linear_call("cosformer", q, k, v, "elu", causal, key_mask, mask, window, method,
                         chunk_size, eps, M=M, initial_state=initial_state,
                         return_state=return_state)
@@ -1004,8 +1395,69 @@ def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=No
 def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=None, window=None,
                              method=None, chunk_size=None, eps=1e-6, initial_state=None,
                              return_state=False, dwc_weight=None, spatial=None):
-    """attnx.focused_linear_attention on tensors, differentiable in q, k, v
-    and dwc_weight (FLatten's depthwise convolution of v added to the output)."""
+    """`attnx.focused_linear_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    p : float, default 3
+        The focusing power.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention` (masks as tensors).
+    dwc_weight : torch.Tensor, optional
+        FLatten's depthwise convolution of v added to the output,
+        differentiable; (e, ks), or (e, kh, kw) with ``spatial``.
+    spatial : (int, int), optional
+        The grid (H, W) of the tokens.
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued (differentiably).
+    return_state : bool, default False
+        Also return the state after this call.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.focused_linear_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    Features ``f_p(relu(x))``, ``f_p(y) = |y| y**p / |y**p|``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.focused_linear_attention(q, k, v, p=3)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.focused_linear_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), p=3)
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     if dwc_weight is not None and (return_state or initial_state is not None):
         raise ValueError("dwc_weight cannot be combined with streaming (initial_state, "
                          "return_state): the convolution looks at neighbours on both sides")
@@ -1020,7 +1472,62 @@ def focused_linear_attention(q, k, v, p=3, *, causal=False, key_mask=None, mask=
 
 def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=None, method=None,
                      chunk_size=None, eps=1e-6, initial_state=None, return_state=False):
-    """attnx.taylor_attention on tensors, differentiable in q, k, v."""
+    """`attnx.taylor_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention` (masks as tensors).
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued (differentiably).
+    return_state : bool, default False
+        Also return the state after this call.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.taylor_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    ``s_ij = 1 + cos(q_i, k_j)``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.taylor_attention(q, k, v)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.taylor_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy())
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     return _linear_call("taylor", q, k, v, "elu", causal, key_mask, mask, window, method,
                         chunk_size, eps, initial_state=initial_state, return_state=return_state)
 
@@ -1028,10 +1535,69 @@ def taylor_attention(q, k, v, *, causal=False, key_mask=None, mask=None, window=
 def performer_attention(q, k, v, projection=None, num_features=None, seed=None, *, causal=False,
                         key_mask=None, mask=None, window=None, method=None, chunk_size=None,
                         eps=1e-6, initial_state=None, return_state=False):
-    """attnx.performer_attention on tensors. projection: a tensor (r, d),
-    differentiable (a learned projection gets its gradient); when None, one
-    is drawn with attnx.random_features(num_features, d, seed=seed) as a
-    constant (pass the same projection or seed to every streamed piece)."""
+    """`attnx.performer_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    projection : torch.Tensor, shape (r, d), optional
+        Differentiable (a learned projection gets its gradient); when None,
+        one is drawn with ``attnx.random_features(num_features, d,
+        seed=seed)`` as a constant (pass the same projection or seed to
+        every streamed piece).
+    num_features, seed
+        As in `attnx.performer_attention`.
+    causal, key_mask, mask, window, method, chunk_size, eps
+        As in `attnx.linear_attention` (masks as tensors).
+    initial_state : LinearAttentionState, optional
+        The state of an earlier call, continued (differentiably).
+    return_state : bool, default False
+        Also return the state after this call.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, e)
+        In q's dtype.
+    state : LinearAttentionState
+        Only with ``return_state=True``.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.performer_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    FAVOR+ features ``r**-0.5 exp(W x~ - |x~|^2 / 2)``, ``x~ = d**-0.25 x``.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.performer_attention(q, k, v, seed=0)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.performer_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), seed=0)
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     if projection is None:
         _check_inputs(("q", "k", "v"), q, k, v)  # before q's width is read
         d = q.shape[-1]
@@ -1054,7 +1620,59 @@ for _front_end in (linear_attention, cosformer_attention, focused_linear_attenti
 
 
 def efficient_attention(q, k, v, *, key_mask=None, causal=False):
-    """attnx.efficient_attention on tensors, differentiable in q, k, v."""
+    """`attnx.efficient_attention` on tensors, differentiable.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries, on the CPU: float32, float64, bfloat16 or float16.
+    k : torch.Tensor, shape (..., m, d)
+        Keys, of q's dtype.
+    v : torch.Tensor, shape (..., m, e)
+        Values, of q's dtype; the leading axes broadcast.
+    key_mask : torch.Tensor of bool, shape (..., m), optional
+        False removes a key.
+    causal : bool, default False
+        Must be False.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n, e)
+        In q's dtype.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.efficient_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    ``o = rho_q(Q) (rho_k(K)^T V)``, softmaxes over each query's features
+    and over the keys of each key feature.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> out = attnx.torch.efficient_attention(q, k, v)
+    >>> out.shape
+    torch.Size([2, 6, 4])
+    >>> out.sum().backward()                       # gradients computed by attnx
+    >>> q.grad.shape
+    torch.Size([2, 6, 4])
+    >>> expected = attnx.efficient_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy())
+    >>> torch.allclose(out, torch.from_numpy(expected))
+    True
+    """
     return _linear_call("efficient", q, k, v, "elu", causal, key_mask)
 
 
@@ -1099,11 +1717,53 @@ def _system_weights(variant, q, k, options):
 
 
 def attention_weights(q, k, variant="softmax", **options):
-    """The normalised weights of `variant` (as attnx.attention_weights,
-    shapes included: (..., n, m), or over the pooled or projected keys for
-    "pooled" and "linformer"), differentiable in q and k (and Linformer's
-    E): the variant's operator applied to values whose image is the
-    identity. O(n m) memory."""
+    """The normalised weights of any variant, differentiable in q and k.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        Queries.
+    k : torch.Tensor, shape (..., m, d)
+        Keys.
+    variant : str, default "softmax"
+        As in `attnx.attention_weights`.
+    **options
+        The options of the variant's front end.
+
+    Returns
+    -------
+    torch.Tensor
+        (..., n, m), or over the pooled or projected keys for "pooled" and
+        "linformer", as `attnx.attention_weights` gives.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.attention_weights : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    The variant's operator applied to values whose image is the identity
+    (Linformer's E differentiable too). O(n m) memory.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    >>> w = attnx.torch.attention_weights(q, q, "taylor", causal=True)
+    >>> w.shape, torch.allclose(w.sum(-1), torch.ones(5, dtype=torch.float64))
+    (torch.Size([5, 5]), True)
+    >>> w[:, 0].sum().backward()
+    >>> q.grad.shape
+    torch.Size([5, 3])
+    """
     if variant not in _FRONT_ENDS and variant not in _SYSTEM_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of "
                          f"{', '.join(map(repr, (*_FRONT_ENDS, *_SYSTEM_VARIANTS)))}")
@@ -1214,13 +1874,48 @@ def _transformers_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 
 
 def register_transformers(name="attnx"):
-    """Register attnx with Hugging Face transformers' AttentionInterface and
-    AttentionMaskInterface under `name`, so that
-    ``AutoModel.from_pretrained(..., attn_implementation="attnx")`` (or
-    ``from_config``) runs every attention layer on attnx: padding reaches
-    the kernel as key padding and causality as the causal flag (no n x m
-    mask is built for the plain causal and bidirectional patterns), in
-    inference, generation with a KV cache, and training."""
+    """Register attnx with Hugging Face transformers under `name`.
+
+    Parameters
+    ----------
+    name : str, default "attnx"
+        The ``attn_implementation`` name.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ImportError
+        When transformers is not installed.
+
+    See Also
+    --------
+    scaled_dot_product_attention : The operator transformers' "sdpa" calls.
+
+    Notes
+    -----
+    Registers with transformers' AttentionInterface and
+    AttentionMaskInterface, so that ``AutoModel.from_pretrained(...,
+    attn_implementation="attnx")`` (or ``from_config``) runs every
+    attention layer on attnx: padding reaches the kernel as key padding and
+    causality as the causal flag (no n x m mask is built for the plain
+    causal and bidirectional patterns), in inference, generation with a KV
+    cache, and training.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> from transformers import AutoModel, BertConfig
+    >>> attnx.torch.register_transformers()
+    >>> config = BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    ...                     intermediate_size=32, vocab_size=50)
+    >>> model = AutoModel.from_config(config, attn_implementation="attnx")
+    >>> ids = torch.randint(0, 50, (2, 7))
+    >>> model(input_ids=ids).last_hidden_state.shape
+    torch.Size([2, 7, 16])
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -1289,9 +1984,48 @@ _lsh_op.register_autograd(_lsh_backward, setup_context=_lsh_setup_context)
 
 
 def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
-    """attnx.lsh_attention on tensors, differentiable in q and v (the
-    buckets are constants): Reformer's shared-QK LSH attention, the
-    numpy front end's options; returns out (..., n, e) in q's dtype."""
+    """`attnx.lsh_attention` on tensors, differentiable in q and v.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., n, d)
+        The shared queries and keys.
+    v : torch.Tensor, shape (..., n, e)
+        Values.
+    n_buckets, n_hashes, chunk, causal, seed
+        As in `attnx.lsh_attention`.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n, e)
+        In q's dtype.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or q, k, v of different dtypes.
+    ValueError
+        Tensors on another device than the CPU, and the errors of the
+        numpy function for shapes and options.
+
+    See Also
+    --------
+    attnx.lsh_attention : The numpy function, with the meaning of each option.
+
+    Notes
+    -----
+    Reformer's shared-QK LSH attention; the buckets are constants.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    >>> v = torch.randn(8, 3, dtype=torch.float64)
+    >>> out = attnx.torch.lsh_attention(q, v, n_buckets=4, chunk=4)
+    >>> out.sum().backward()
+    >>> out.shape, q.grad.shape
+    (torch.Size([8, 3]), torch.Size([8, 4]))
+    """
     from . import _lsh
 
     _check_tensor("q", q)

@@ -121,13 +121,20 @@ def train(attention="softmax", steps=300, batch=16, context=64, lr=3e-3, seed=0,
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--attention", nargs="+", default=["softmax", "linear", "cosformer"],
-                        choices=["softmax", "linear", "cosformer"])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+                        choices=["softmax", "linear", "cosformer"],
+                        help="the attention of the model, one training run each: softmax "
+                             "(scaled dot product), linear (elu + 1 features) or cosformer")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="optimiser steps (AdamW) per training run")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="sequences of the training text per step")
+    parser.add_argument("--context", type=int, default=64,
+                        help="characters per sequence: the causal attention's window")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's initial weights and of the batches drawn")
     args = parser.parse_args()
     alphabet, _, _ = load_text()
     print(f"{len(alphabet)} characters; uniform guessing: {math.log(len(alphabet)):.3f} nats per character")

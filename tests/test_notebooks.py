@@ -76,3 +76,31 @@ def test_notebook_is_stored_without_outputs(path):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, \
                 f"{os.path.basename(path)}: strip the outputs before committing"
+
+
+def test_jupyter_execute_of_the_test_extra_runs_a_notebook(tmp_path):
+    """The README's command for running a notebook from the command line
+    (`jupyter execute`, nbclient's) is installed by the test extra and runs
+    a notebook on this environment's kernel, failing on a cell error."""
+    import subprocess
+
+    jupyter = os.path.join(os.path.dirname(sys.executable), "jupyter")
+    cells = ["import numpy as np, attnx",
+             "q = np.eye(3); print(attnx.softmax_attention(q, q, q).shape)"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                       "language": "python"}
+    good = tmp_path / "good.ipynb"
+    nbformat.write(notebook, str(good))
+    result = subprocess.run([jupyter, "execute", "--inplace", str(good)], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    outputs = nbformat.read(str(good), as_version=4).cells[1].outputs
+    assert outputs[0]["text"] == "(3, 3)\n"
+
+    notebook.cells.append(nbformat.v4.new_code_cell("assert False, 'a failing cell'"))
+    bad = tmp_path / "bad.ipynb"
+    nbformat.write(notebook, str(bad))
+    result = subprocess.run([jupyter, "execute", str(bad)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode != 0 and "a failing cell" in result.stderr
