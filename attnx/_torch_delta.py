@@ -164,3 +164,54 @@ def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_f
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
                 "fused_recurrent_kda")
+
+
+# ------------------------------------------------------------ Hugging Face
+
+# transformers' modeling modules and the module-level functions their
+# linear-attention layers call (the torch fallbacks of fla's kernels), with
+# the attnx operator that takes each one's place
+_HF_FUNCTIONS = {
+    "torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
+    "torch_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
+    "chunk_kimi_delta_attention": chunk_kda,
+    "recurrent_kimi_delta_attention": fused_recurrent_kda,
+}
+_HF_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+_replaced = {}  # (module, name) -> the function attnx replaced
+
+
+def register_delta_rule():
+    """Make the linear-attention layers of transformers' Qwen3-Next,
+    Qwen3.5 (dense and MoE), OLMo hybrid and Kimi Linear models run on
+    attnx: the module-level functions their layers call
+    (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
+    ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``) are
+    replaced by attnx.torch's operators, in prefill, decoding with the
+    cache and training alike. Models built before or after the call are
+    affected; ``unregister_delta_rule()`` puts the originals back. Returns
+    the names of the modeling modules changed (those the installed
+    transformers has)."""
+    import importlib
+
+    changed = []
+    for family in _HF_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        for name, replacement in _HF_FUNCTIONS.items():
+            if hasattr(module, name) and (module.__name__, name) not in _replaced:
+                _replaced[(module.__name__, name)] = getattr(module, name)
+                setattr(module, name, replacement)
+        changed.append(module.__name__)
+    return changed
+
+
+def unregister_delta_rule():
+    """Undo register_delta_rule(): transformers' own functions again."""
+    import sys
+
+    for (module_name, name), original in list(_replaced.items()):
+        setattr(sys.modules[module_name], name, original)
+        del _replaced[(module_name, name)]
