@@ -22,7 +22,8 @@ import numpy as np
 from . import _C
 from ._grad import grad_dtype, register_vjp, sum_to_shape
 
-DeltaRuleGradients = namedtuple("DeltaRuleGradients", "q k v beta g state", defaults=(None,) * 6)
+DeltaRuleGradients = namedtuple("DeltaRuleGradients", "q k v beta g state",
+                                defaults=(None, None, None, None, None, None))
 DeltaRuleGradients.__doc__ = """Gradients of sum(dout * out) (plus sum(grad_state * final
 state) when a grad_state is given) with respect to a delta rule call's inputs.
 

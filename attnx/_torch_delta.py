@@ -11,11 +11,11 @@ them whole; bfloat16 and float16 compute in float32.
 from typing import List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from . import _C, _delta
 from .torch import _check_tensor, _in_compute_dtype, _in_dtype, _np
 
-Tensor = torch.Tensor
 
 
 def _heads(t):
@@ -34,9 +34,10 @@ def _delta_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor]
     """out [B, n, H_v, d_v] and the final state [B, H_v, d_k, d_v]"""
     B, n, Hv, dv = v.shape
     out = torch.empty((B, n, Hv, dv), dtype=q.dtype)
-    arrays = [_np(_heads(t), q.dtype) if t is not None else None for t in (q, k, v, beta, g)]
+    q_, k_, v_, beta_, g_ = (_np(_heads(t), q.dtype) if t is not None else None
+                             for t in (q, k, v, beta, g))
     S0 = None if initial_state is None else _np(initial_state, q.dtype)
-    call = _delta._Call(*arrays, S0, scale)
+    call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
     _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
                          call.split(S0, 3), call.split(_np(_heads(out)), 3), True, False,
                          call.scale, l2norm, recurrent, chunk)
@@ -178,7 +179,7 @@ _HF_FUNCTIONS = {
     "recurrent_kimi_delta_attention": fused_recurrent_kda,
 }
 _HF_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
-_replaced = {}  # (module, name) -> the function attnx replaced
+_replaced: dict = {}  # (module, name) -> the function attnx replaced
 
 
 def register_delta_rule():
