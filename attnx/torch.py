@@ -2042,3 +2042,8 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
 
 
 __all__.append("lsh_attention")
+
+from ._torch_delta import (chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,  # noqa: E402
+                           fused_recurrent_kda, register_delta_rule, unregister_delta_rule)
+__all__ += ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda",
+            "register_delta_rule", "unregister_delta_rule"]
