@@ -79,6 +79,8 @@ from ._systems import (
     pooled_attention_backward,
 )
 from ._lsh import lsh_attention, lsh_attention_backward, lsh_buckets, lsh_rotations
+from ._delta import (DeltaRuleGradients, DeltaRuleState, delta_rule_attention,
+                     delta_rule_attention_backward)
 from ._multihead import MultiHeadGradients, multi_head_attention, multi_head_attention_backward
 from ._positions import rotary, rotary_backward, sinusoidal_positions
 from ._linear import (
@@ -139,6 +141,10 @@ __all__ = [
     "lsh_attention_backward",
     "lsh_buckets",
     "lsh_rotations",
+    "delta_rule_attention",
+    "delta_rule_attention_backward",
+    "DeltaRuleState",
+    "DeltaRuleGradients",
     "layouts",
     "Gradients",
     "vjp",

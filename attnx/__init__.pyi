@@ -42,6 +42,20 @@ class MultiHeadGradients(NamedTuple):
     bias: _Array | None = None
     projection: Any = None
 
+class DeltaRuleState:
+    S: _Array
+    def __init__(self, S: _Array, scale: float | None = None, qk_l2norm: bool = False) -> None: ...
+    def step(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike,
+             g: ArrayLike | None = None, *, out: _Array | None = None) -> _Array: ...
+
+class DeltaRuleGradients(NamedTuple):
+    q: _Array | None = None
+    k: _Array | None = None
+    v: _Array | None = None
+    beta: _Array | None = None
+    g: _Array | None = None
+    state: _Array | None = None
+
 class Gradients(NamedTuple):
     q: _Array | None = None
     k: _Array | None = None
@@ -391,6 +405,10 @@ __all__ = [
     "lsh_attention_backward",
     "lsh_buckets",
     "lsh_rotations",
+    "delta_rule_attention",
+    "delta_rule_attention_backward",
+    "DeltaRuleState",
+    "DeltaRuleGradients",
     "layouts",
     "Gradients",
     "vjp",
@@ -399,3 +417,29 @@ __all__ = [
     "set_output_cache",
     "show_config",
 ]
+
+# delta rule --------------------------------------------------------------------
+
+@overload
+def delta_rule_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike,
+                         g: ArrayLike | None = None, *, scale: float | None = None,
+                         qk_l2norm: bool = False,
+                         method: Literal["chunk", "recurrent"] = "chunk", chunk: int = 64,
+                         initial_state: DeltaRuleState | ArrayLike | None = None,
+                         return_state: Literal[False] = False,
+                         out: _Array | None = None) -> _Array: ...
+@overload
+def delta_rule_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike,
+                         g: ArrayLike | None = None, *, scale: float | None = None,
+                         qk_l2norm: bool = False,
+                         method: Literal["chunk", "recurrent"] = "chunk", chunk: int = 64,
+                         initial_state: DeltaRuleState | ArrayLike | None = None,
+                         return_state: Literal[True],
+                         out: _Array | None = None) -> tuple[_Array, DeltaRuleState]: ...
+def delta_rule_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                  beta: ArrayLike, g: ArrayLike | None = None, *,
+                                  scale: float | None = None, qk_l2norm: bool = False,
+                                  method: Literal["chunk", "recurrent"] = "chunk",
+                                  chunk: int = 64,
+                                  initial_state: DeltaRuleState | ArrayLike | None = None,
+                                  grad_state: ArrayLike | None = None) -> DeltaRuleGradients: ...

@@ -167,6 +167,19 @@ def numpy_lsh_visible(buckets, chunk):
     return visible
 
 
+def numpy_delta_rule(q, k, v, beta, g):
+    """the gated delta rule token by token: S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q"""
+    q = q / np.sqrt(q.shape[-1])
+    S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]))
+    out = np.empty(q.shape[:-1] + (v.shape[-1],))
+    for t in range(q.shape[-2]):
+        S *= np.exp(g[..., t])[..., None, None]
+        u = beta[..., t, None] * (v[..., t, :] - np.einsum("...kv,...k->...v", S, k[..., t, :]))
+        S += k[..., t, :, None] * u[..., None, :]
+        out[..., t, :] = np.einsum("...kv,...k->...v", S, q[..., t, :])
+    return out
+
+
 def numpy_lsh(q, v, n_buckets, n_hashes, chunk):
     """Softmax of q against q / |q| under the union of the rounds' visibility."""
     buckets = attnx.lsh_buckets(q, n_buckets, n_hashes)  # the hashing, exposed
@@ -186,6 +199,8 @@ def systems_cases(q, k, v):
     projection = np.random.default_rng(1).standard_normal((64, m)) / np.sqrt(m)
     x = q[0].transpose(1, 0, 2).reshape(n, -1)  # (n, 256): a sequence of 256 features
     w_q, w_k, w_v, w_o = (np.random.default_rng(i).standard_normal((256, 256)) / 16 for i in range(4))
+    beta = np.full(q.shape[:-1], 0.5)
+    gate = np.full(q.shape[:-1], -0.05)
     return [
         ("rotary positions (RoPE)", lambda: attnx.rotary(q), lambda: numpy_rotary(q)),
         (f"block-sparse bigbird {layout.mean():.0%}",
@@ -197,6 +212,9 @@ def systems_cases(q, k, v):
          lambda: numpy_softmax_attention(q, projection @ k, projection @ v, scale, True)),
         ("LSH 8 buckets x 2, chunk 32", lambda: attnx.lsh_attention(q, v, 8, 2, 32),
          lambda: numpy_lsh(q, v, 8, 2, 32)),
+        ("gated delta rule, chunk 64",
+         lambda: attnx.delta_rule_attention(q, k / 8, v, beta, gate),
+         lambda: numpy_delta_rule(q, k / 8, v, beta, gate)),
         ("multi-head layer, 4 heads", lambda: attnx.multi_head_attention(x, x, w_q, w_k, w_v, w_o, 4),
          lambda: numpy_multi_head(x, w_q, w_k, w_v, w_o, 4)),
     ]

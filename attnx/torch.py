@@ -41,7 +41,15 @@ import warnings
 from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "attnx.torch needs PyTorch, which is not installed. Install a CPU build with\n"
+        "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n"
+        "(a plain `pip install torch` on Linux x86-64 brings several GB of CUDA libraries), or "
+        "from an attnx checkout: pip install -e \".[torch]\"") from error
 
 import attnx
 
@@ -49,6 +57,8 @@ from . import _checks, _linear
 
 __all__ = [
     "scaled_dot_product_attention",
+    "SDPAValueError",
+    "SDPATypeError",
     "softmax_attention",
     "gaussian_attention",
     "linear_attention",
@@ -77,8 +87,10 @@ def _check_tensor(name, t):
                          f"(move it with .cpu(), or use torch's own attention on {t.device.type})")
 
 
-def _check_inputs(names, q, k, v):
-    """q (..., n, d), k (..., m, d), v (..., m, e) of one floating dtype."""
+def _check_inputs(names, q, k, v, broadcast=True):
+    """q (..., n, d), k (..., m, d), v (..., m, e) of one floating dtype,
+    whose leading axes broadcast (unless `broadcast` is False: the caller
+    checks them itself)."""
     for name, t in zip(names, (q, k, v)):
         _check_tensor(name, t)
         if t.dim() < 2:
@@ -96,6 +108,23 @@ def _check_inputs(names, q, k, v):
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"{names[1]} and {names[2]} must have the same length m (axis -2), got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if broadcast:
+        _check_broadcast(names, (q, k, v))
+
+
+def _check_broadcast(names, tensors):
+    """The leading (batch, head) axes of `tensors` (..., x, y) broadcast by
+    numpy's rules; otherwise a ValueError naming them, before torch's own
+    broadcasting reports it in its terms."""
+    shapes = [tuple(t.shape[:-2]) for t in tensors]
+    try:
+        torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        listed = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(names, tensors))
+        raise ValueError(f"the leading (batch, head) axes do not broadcast: {listed}; each "
+                         "leading axis must be equal or 1 (for grouped-query attention give "
+                         "query (..., Hkv, g, n, d) and key/value (..., Hkv, 1, m, d), or "
+                         "enable_gqa=True in scaled_dot_product_attention)") from None
 
 
 def _compute_dtype(dtype):
@@ -243,6 +272,29 @@ def _in_compute_dtype(*tensors):
             else t for t in tensors]
 
 
+def _wide_np(t):
+    """A float32 numpy array of half-precision tensor `t` (one pass: C for
+    bfloat16, reading any strides in place; numpy for float16), or the
+    numpy view of a float32 / float64 / bool tensor (None for None)."""
+    if t is None or t.dtype not in _HALF:
+        return _np(t)
+    if t.dtype == torch.float16:
+        return t.detach().resolve_neg().numpy().astype(np.float32)
+    wide = np.empty(tuple(t.shape), dtype=np.float32)
+    attnx._C._convert_bf16(_bf16_bits(t), wide)
+    return wide
+
+
+def _narrowed(array, dtype):
+    """float32 numpy `array` as a new tensor of half `dtype`, rounded to
+    nearest even in one pass (C for bfloat16, numpy for float16)."""
+    if dtype == torch.float16:
+        return torch.from_numpy(np.ascontiguousarray(array).astype(np.float16))
+    out = torch.empty(array.shape, dtype=torch.bfloat16)
+    attnx._C._convert_bf16(array, _bf16_bits(out))
+    return out
+
+
 def _in_dtype(t, dtype):
     """A result computed in float32 returned in the input's `dtype`, the
     one conversion on the way out (differentiable)."""
@@ -277,34 +329,43 @@ def _softmax_kernels(variant):
 @torch.library.custom_op("attnx::softmax_attention", mutates_args=(), device_types="cpu")
 def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                 variant: str, param: Optional[float], causal: str, window: Optional[List[int]],
-                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Softmax (variant "softmax", param = scale) or gaussian (param =
-    sigma) attention: returns out (..., n, e) and lse (..., n) in the dtype
-    computed in (float32 for half inputs: the callers round out to the
-    input dtype, and the backward reads the unrounded out)."""
+    sigma) attention: returns out (..., n, e) in q's dtype, lse (..., n)
+    in the dtype computed in, and for half-precision inputs the unrounded
+    float32 out the backward reads (empty otherwise). Half inputs are
+    widened here, each in one pass, and out rounded once."""
     forward, _ = _softmax_kernels(variant)
     dtype = _compute_dtype(q.dtype)
     shape = _batch_shape(q, k, v, mask, bias)
-    out = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
-    if out.numel() == 0 or k.shape[-2] == 0:
-        # no query, or no key (zeros, lse -inf), or nothing to hold
-        return out.zero_(), torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
-    options = _softmax_options(variant, param, causal, window, dropout_p, seed)
-    args = (_np(q, dtype), _np(k, dtype), _np(v, dtype))
-    if variant == "gaussian":
-        args += (param,)
-    _, lse = forward(*args, mask=_np(mask), bias=_np(bias, dtype), out=out.numpy(),
-                     return_lse=True, **options)
-    return out, torch.from_numpy(lse)
+    wide = torch.empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    if wide.numel() == 0 or k.shape[-2] == 0 or dropout_p == 1.0:
+        # no query, or no key (zeros, lse -inf), or nothing to hold, or
+        # every weight dropped (torch's SDPA at dropout_p = 1: zeros)
+        wide.zero_()
+        lse = torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
+    else:
+        options = _softmax_options(variant, param, causal, window, dropout_p, seed)
+        args = (_wide_np(q), _wide_np(k), _wide_np(v))
+        if variant == "gaussian":
+            args += (param,)
+        _, lse = forward(*args, mask=_np(mask), bias=_wide_np(bias), out=wide.numpy(),
+                         return_lse=True, **options)
+        lse = torch.from_numpy(lse)
+    if q.dtype == dtype:
+        return wide, lse, q.new_empty((0,))
+    return _narrowed(wide.numpy(), q.dtype), lse, wide
 
 
 @_softmax_op.register_fake
 def _(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     shape = _batch_shape(q, k, v, mask, bias)
     dtype = _compute_dtype(q.dtype)
-    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype)
+    out = q.new_empty(shape + (q.shape[-2], v.shape[-1]))
     lse = q.new_empty(shape + (q.shape[-2],), dtype=dtype)
-    return out, lse
+    wide = (q.new_empty((0,)) if q.dtype == dtype
+            else q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype))
+    return out, lse, wide
 
 
 @torch.library.custom_op("attnx::softmax_attention_backward", mutates_args=(), device_types="cpu")
@@ -314,24 +375,32 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
                          dropout_p: float, seed: Optional[Tensor],
                          bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (shapes and dtypes of q, k, v) and dbias (that of bias
-    when bias_grad, else an empty tensor) of sum(dout * out)."""
+    when bias_grad, else an empty tensor) of sum(dout * out); `out` is the
+    forward's unrounded result (float32 for half inputs). Half-precision
+    dout and inputs are widened here, the gradients rounded once."""
     _, backward = _softmax_kernels(variant)
     if backward is None:
         raise NotImplementedError(f"this attnx has no {variant}_attention_backward")
     dtype = _compute_dtype(q.dtype)
-    if dout.numel() == 0 or k.shape[-2] == 0:
+    if dout.numel() == 0 or k.shape[-2] == 0 or dropout_p == 1.0:
         # no output, or one that is constantly zero: every gradient is zero
         dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
         return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
     grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
-    args = tuple(_np(t, dtype) for t in (dout, q, k, v, out)) + (lse.numpy(),)
+    args = tuple(_wide_np(t) for t in (dout, q, k, v)) + (_np(out), lse.numpy())
     if variant == "gaussian":
         args += (param,)
-    g = backward(*args, mask=_np(mask), bias=_np(bias, dtype), bias_grad=bias_grad,
+    g = backward(*args, mask=_np(mask), bias=_wide_np(bias), bias_grad=bias_grad,
                  dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
                  **_softmax_options(variant, param, causal, window, dropout_p, seed))
-    dbias = _from_numpy(g.bias, bias.dtype) if bias_grad else q.new_empty((0,))
-    return (*(grad.to(t.dtype) for grad, t in zip(grads, (q, k, v))), dbias)
+    if bias_grad:
+        dbias = (_narrowed(g.bias, bias.dtype) if bias.dtype in _HALF
+                 else _from_numpy(g.bias, bias.dtype))
+    else:
+        dbias = q.new_empty((0,))
+    if q.dtype == dtype:
+        return (*grads, dbias)
+    return (*(_narrowed(grad.numpy(), q.dtype) for grad in grads), dbias)
 
 
 @_softmax_backward_op.register_fake
@@ -343,14 +412,14 @@ def _(dout, q, k, v, out, lse, mask, bias, variant, param, causal, window, dropo
 
 def _softmax_setup_context(ctx, inputs, output):
     q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
+    out, lse, wide = output
+    ctx.mark_non_differentiable(lse, wide)
     ctx.options = (variant, param, causal, window, dropout_p)
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
+    ctx.save_for_backward(q, k, v, wide if wide.numel() else out, lse, mask, bias, seed)
 
 
-def _softmax_backward(ctx, dout, dlse):
+def _softmax_backward(ctx, dout, dlse, dwide):
     q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
     variant, param, causal, window, dropout_p = ctx.options
     dq, dk, dv, dbias = torch.ops.attnx.softmax_attention_backward(
@@ -364,12 +433,13 @@ _softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_co
 
 def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     """The softmax operator on tensors of any supported dtype: (out in q's
-    dtype, lse in the computing dtype)."""
-    dtype = q.dtype
-    q, k, v, bias = _in_compute_dtype(q, k, v, bias)
-    out, lse = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
-                                                 window, dropout_p, seed)
-    return _in_dtype(out, dtype), lse
+    dtype, lse in the computing dtype). Half-precision q, k, v and bias
+    cross into the operator as they are: it converts them in one pass."""
+    if bias is not None and bias.dtype != q.dtype and bias.dtype != _compute_dtype(q.dtype):
+        bias = bias.to(_compute_dtype(q.dtype))
+    out, lse, _ = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
+                                                    window, dropout_p, seed)
+    return out, lse
 
 
 def _split_mask(mask, n, name="mask"):
@@ -390,10 +460,12 @@ def _split_mask(mask, n, name="mask"):
     return None, _key_padding_view(mask, n)
 
 
-def _seed_tensor(dropout_p, seed):
-    if not 0.0 <= dropout_p < 1.0:
+def _seed_tensor(dropout_p, seed, upper=None):
+    """The dropout seed as a tensor (None without dropout). dropout_p = 1
+    (`upper` = 1, torch's SDPA) drops every weight: no seed is needed."""
+    if not (0.0 <= dropout_p < 1.0 or dropout_p == upper):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if not dropout_p:
+    if not dropout_p or dropout_p == 1.0:
         return None
     if seed is None:
         # drawn from torch's generator, so torch.manual_seed makes it repeatable
@@ -554,6 +626,134 @@ def gaussian_attention(q, k, v, sigma=1.0, *, causal=False, mask=None, bias=None
                          return_lse)
 
 
+class SDPAValueError(RuntimeError, ValueError):
+    """A bad argument to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
+
+    Catchable as torch's RuntimeError (code written for torch's function
+    keeps working) and as the ValueError attnx's other front ends raise.
+
+    Parameters
+    ----------
+    message : str
+        attnx's description of what is wrong, naming the argument.
+
+    Raises
+    ------
+    SDPAValueError
+        From :func:`scaled_dot_product_attention`: shapes that do not
+        broadcast, an ``attn_mask`` with ``is_causal=True``, a non-finite
+        scale, ``dropout_p`` outside [0, 1].
+
+    See Also
+    --------
+    SDPATypeError : the same for wrong dtypes.
+
+    Notes
+    -----
+    A subclass of both RuntimeError and ValueError.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.zeros(2, 3, 4)
+    >>> try:
+    ...     attnx.torch.scaled_dot_product_attention(q, q, q, scale=float("nan"))
+    ... except RuntimeError as error:
+    ...     print(type(error).__name__, isinstance(error, ValueError), error)
+    SDPAValueError True scale must be finite, got nan
+    """
+
+
+class SDPATypeError(RuntimeError, TypeError):
+    """A wrong dtype given to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
+
+    Catchable as torch's RuntimeError and as attnx's TypeError.
+
+    Parameters
+    ----------
+    message : str
+        attnx's description of what is wrong, naming the argument.
+
+    Raises
+    ------
+    SDPATypeError
+        From :func:`scaled_dot_product_attention`: query, key and value of
+        different or unsupported dtypes; a mask that is not bool, float32
+        or the query's dtype.
+
+    See Also
+    --------
+    SDPAValueError : the same for bad values and shapes.
+
+    Notes
+    -----
+    A subclass of both RuntimeError and TypeError.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q = torch.zeros(2, 3, 4)
+    >>> try:
+    ...     attnx.torch.scaled_dot_product_attention(q, q.double(), q)
+    ... except RuntimeError as error:
+    ...     print(type(error).__name__, isinstance(error, TypeError))
+    SDPATypeError True
+    """
+
+
+def _as_sdpa_error(error):
+    return (SDPATypeError if isinstance(error, TypeError) else SDPAValueError)(str(error))
+
+
+try:
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:  # torch before 2.3 has no CausalBias
+    CausalBias = CausalVariant = None
+
+
+def _causal_bias(mask, is_causal, n, m):
+    """torch's CausalBias mask as attnx's causal flag, without reading the
+    mask's storage (a CausalBias holds no values): upper-left, or
+    lower-right when its lengths are the call's (n, m) and differ (equal
+    lengths align both corners). Other lengths: its materialised boolean
+    mask, as torch broadcasts it. Returns (causal, bool mask or None)."""
+    if is_causal:
+        raise SDPAValueError("CausalBias should not be used with causal=True: the CausalBias "
+                             "attn_mask already makes the attention causal")
+    if mask.seq_len_q == mask.seq_len_kv or mask.variant == CausalVariant.UPPER_LEFT:
+        return "upper_left", None
+    if mask.variant != CausalVariant.LOWER_RIGHT:
+        raise SDPAValueError(f"CausalBias.variant must be a CausalVariant, got {mask.variant!r}")
+    if (mask.seq_len_q, mask.seq_len_kv) == (n, m):
+        return "lower_right", None
+    return "none", mask._materialize(torch.device("cpu"))
+
+
+def _sdpa_mask_dtype(attn_mask, dtype):
+    if attn_mask.dtype not in (torch.bool, torch.float32, dtype):
+        raise SDPATypeError(f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = "
+                            f"attend), float32 or the query's dtype ({dtype}), as torch requires")
+
+
+def _sdpa_scale(scale, query):
+    """scale as torch takes it, any finite number: (query, scale) to
+    compute with a positive scale. A negative scale negates the query
+    instead (scale q.k = |scale| (-q).k) and zero zeroes it; both are
+    differentiable ops, so the query's gradient comes out right."""
+    if scale is None:
+        return query, None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise SDPATypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise SDPAValueError(f"scale must be finite, got {scale}")
+    if scale < 0:
+        return torch.neg(query), -scale
+    if scale == 0:
+        return query * 0, 1.0
+    return query, scale
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention computed by attnx.
@@ -569,15 +769,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     value : torch.Tensor, shape (..., H, S, Ev)
         Values.
     attn_mask : torch.Tensor, optional
-        Bool (True = attend) or float (added to the scores), broadcastable
-        to (..., Hq, L, S). A mask constant along the query axis is read as
+        Bool (True = attend), float (added to the scores; float32 or the
+        query's dtype), or a ``torch.nn.attention.bias.CausalBias``
+        (``causal_upper_left``, ``causal_lower_right``: run as attnx's
+        causal flag, never materialised), broadcastable to
+        (..., Hq, L, S). A mask constant along the query axis is read as
         key padding, O(S).
     dropout_p : float, default 0.0
-        The dropout probability of the weights.
+        The dropout probability of the weights, in [0, 1] (1 drops every
+        weight: zeros).
     is_causal : bool, default False
-        Query i sees keys ``j <= i`` (upper-left).
+        Query i sees keys ``j <= i`` (upper-left). May not be combined with
+        ``attn_mask``.
     scale : float, optional
-        Default ``1 / sqrt(E)``.
+        Any finite number (zero and negative included). Default
+        ``1 / sqrt(E)``.
     enable_gqa : bool, default False
         Lets Hq be a multiple of H, each key/value head shared by Hq / H
         query heads (without a copy).
@@ -589,11 +795,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Raises
     ------
-    TypeError
-        Arguments that are not tensors, or q, k, v of different dtypes.
+    SDPATypeError
+        q, k, v of different or unsupported dtypes, a mask of another dtype
+        (a RuntimeError, as torch raises, and a TypeError).
+    SDPAValueError
+        Shapes that do not broadcast, an ``attn_mask`` with
+        ``is_causal=True``, a non-finite scale, ``dropout_p`` outside
+        [0, 1] (a RuntimeError, as torch raises, and a ValueError).
     ValueError
-        Tensors on another device than the CPU, and the errors of the
-        numpy function for shapes and options.
+        Tensors on another device than the CPU; a CausalBias with
+        ``is_causal=True`` (as torch).
 
     See Also
     --------
@@ -618,23 +829,53 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> torch.allclose(out, expected, atol=1e-6)
     True
     """
-    _check_inputs(("query", "key", "value"), query, key, value)
-    n = query.shape[-2]
+    try:
+        _check_inputs(("query", "key", "value"), query, key, value, broadcast=False)
+        if attn_mask is not None and not (CausalBias is not None
+                                          and isinstance(attn_mask, CausalBias)):
+            _check_tensor("attn_mask", attn_mask)
+    except (ValueError, TypeError) as error:
+        raise _as_sdpa_error(error) from None
+    n, m = query.shape[-2], key.shape[-2]
+    causal = "upper_left" if is_causal else "none"
+    if CausalBias is not None and isinstance(attn_mask, CausalBias):
+        causal, attn_mask = _causal_bias(attn_mask, is_causal, n, m)
+    elif attn_mask is not None:
+        if is_causal:
+            raise SDPAValueError("scaled_dot_product_attention: Explicit attn_mask should not be "
+                                 "set when is_causal=True (put the causal pattern in attn_mask, "
+                                 "or pass is_causal alone)")
+        _sdpa_mask_dtype(attn_mask, query.dtype)
+    if attn_mask is not None and attn_mask.dim() >= 1 and (
+            attn_mask.shape[-1] not in (1, m)
+            or attn_mask.dim() >= 2 and attn_mask.shape[-2] not in (1, n)):
+        raise SDPAValueError(f"attn_mask has shape {tuple(attn_mask.shape)}, expected to "
+                             f"broadcast to (..., L, S) = (..., {n}, {m})")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise SDPAValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    query, scale = _sdpa_scale(scale, query)
     mask, bias = _split_mask(attn_mask, n, "attn_mask")
     groups = 1
     if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         heads, kv_heads = query.shape[-3], key.shape[-3]
         if kv_heads == 0 or heads % kv_heads or value.dim() < 3 or value.shape[-3] != kv_heads:
-            raise ValueError(f"enable_gqa needs the query heads ({heads}) to be a multiple of the "
-                             f"key/value heads ({kv_heads}, value {tuple(value.shape)})")
+            raise SDPAValueError(f"enable_gqa needs the query heads ({heads}) to be a multiple "
+                                 f"of the key/value heads ({kv_heads}, value "
+                                 f"{tuple(value.shape)})")
         groups = heads // kv_heads
         query = query.unflatten(-3, (kv_heads, groups))
         key, value = key.unsqueeze(-3), value.unsqueeze(-3)
         mask, bias = (_split_heads(t, heads, kv_heads, groups) for t in (mask, bias))
+    given = [(name, t) for name, t in (("query", query), ("key", key), ("value", value),
+                                       ("attn_mask", mask), ("attn_mask", bias))
+             if t is not None and t.dim() >= 2]
+    try:
+        _check_broadcast([name for name, _ in given], [t for _, t in given])
+    except ValueError as error:
+        raise _as_sdpa_error(error) from None
     out = _softmax_apply(
-        query, key, value, mask, bias, "softmax", None if scale is None else float(scale),
-        "upper_left" if is_causal else "none", None, float(dropout_p),
-        _seed_tensor(dropout_p, None))[0]
+        query, key, value, mask, bias, "softmax", scale, causal, None, float(dropout_p),
+        _seed_tensor(dropout_p, None, upper=1.0))[0]
     return out.flatten(-4, -3) if groups > 1 else out
 
 
@@ -1801,3 +2042,8 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
 
 
 __all__.append("lsh_attention")
+
+from ._torch_delta import (chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,  # noqa: E402
+                           fused_recurrent_kda, register_delta_rule, unregister_delta_rule)
+__all__ += ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda",
+            "register_delta_rule", "unregister_delta_rule"]

@@ -361,6 +361,54 @@ int attnx_lsh_bwd_f64(const attnx_lsh_args *args);
 int attnx_lsh_buckets_f32(const attnx_lsh_args *args, int32_t *buckets);
 int attnx_lsh_buckets_f64(const attnx_lsh_args *args, int32_t *buckets);
 
+/* ------------------------------------------------------------------------
+ * The delta rule (delta.c): DeltaNet, Gated DeltaNet, Kimi Delta Attention.
+ * Per head, state S (dk, dv), per token t with q_t, k_t optionally L2
+ * normalised and q_t times scale:
+ *   S <- diag(exp(g_t)) S      (g_t a scalar, a vector over dk, or 0)
+ *   S <- S + k_t (beta_t (v_t - S^T k_t))^T
+ *   o_t = S^T q_t
+ * One offset table serves forward and backward: the backward's operands
+ * take the slots the forward does not use. */
+enum {
+    ATTNX_DR_Q, ATTNX_DR_K, ATTNX_DR_V, ATTNX_DR_BETA, ATTNX_DR_G, ATTNX_DR_S0, ATTNX_DR_OUT,
+    ATTNX_DR_S1, ATTNX_DR_DOUT, ATTNX_DR_DS1, ATTNX_DR_DQ, ATTNX_DR_DK, ATTNX_DR_DV,
+    ATTNX_DR_DBETA, ATTNX_DR_DG, ATTNX_DR_DS0, ATTNX_DR_NOPS
+};
+enum { ATTNX_GATE_NONE, ATTNX_GATE_SCALAR, ATTNX_GATE_CHANNEL };
+
+typedef struct {
+    ptrdiff_t n, dk, dv, heads;
+    const ptrdiff_t *offsets;          /* (heads, ATTNX_DR_NOPS) byte offsets */
+    const void *q, *k, *v;             /* (n, dk), (n, dk), (n, dv) per head */
+    const void *beta;                  /* (n,) per head, beta_step bytes apart */
+    const void *g;                     /* (n,) scalar gate (g_step bytes apart), (n, dk)
+                                          per channel (g_row elements), or NULL */
+    const void *S0;                    /* (dk, dv) or NULL (zeros) */
+    void *out;                         /* (n, dv); NULL in the backward */
+    void *S1;                          /* (dk, dv) C order or NULL; may be S0 itself (a
+                                          decoding step in place, same offsets) */
+    /* backward only */
+    const void *dout;                  /* (n, dv) */
+    const void *dS1;                   /* (dk, dv) or NULL: the gradient at the final state */
+    void *dq, *dk_, *dv_, *dbeta, *dg, *dS0;  /* C order, the batch shape; dg, dS0 may be NULL */
+    ptrdiff_t q_row, k_row, v_row, out_row, g_row, S0_row, dout_row, dS1_row;  /* elements */
+    ptrdiff_t beta_step, g_step;       /* bytes, 0 when broadcast */
+    int gate;                          /* ATTNX_GATE_* */
+    int l2norm;                        /* q, k divided by sqrt(|x|^2 + 1e-6) first */
+    double scale;
+    int recurrent;                     /* forward: the token loop instead of chunks */
+    ptrdiff_t chunk;
+    int num_threads;
+    attnx_interrupt *interrupt;        /* or NULL */
+} attnx_delta_args;
+
+int attnx_delta_fwd_f32(const attnx_delta_args *args);
+int attnx_delta_fwd_f64(const attnx_delta_args *args);
+/* gradients of sum(dout * out) + sum(dS1 * S1): chunked, whatever args->recurrent */
+int attnx_delta_bwd_f32(const attnx_delta_args *args);
+int attnx_delta_bwd_f64(const attnx_delta_args *args);
+
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
 /* The softmax backends, each able to do all the ones before it: plain C +

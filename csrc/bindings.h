@@ -11,6 +11,8 @@ PyObject *attnx_py_state_class(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
+PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args);
+PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
@@ -29,6 +31,8 @@ extern const char attnx_state_class_doc[];
 extern const char attnx_linear_flush_doc[];
 extern const char attnx_linear_attention_backward_doc[];
 extern const char attnx_lsh_attention_doc[];
+extern const char attnx_delta_rule_doc[];
+extern const char attnx_delta_rule_backward_doc[];
 extern const char attnx_lsh_backward_doc[];
 extern const char attnx_lsh_buckets_doc[];
 

@@ -47,16 +47,12 @@ def _masks(B, H, n, m, dtype):
     }
 
 
-def torch_sdpa_mask_and_causal(q, k, v, mask, is_causal, scale=None):
-    """torch's SDPA with both a mask and is_causal (which torch computes
-    as their intersection without grad, and refuses with grad)."""
-    if mask is None or not is_causal:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
-    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
-    if mask.dtype == torch.bool:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask & causal, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.masked_fill(~causal, float("-inf")),
-                                          scale=scale)
+def _refuses_mask_with_causal(call):
+    """torch's SDPA contract: an explicit attn_mask with is_causal=True is a
+    RuntimeError (attnx raises it on every path; torch's own CPU kernels
+    only on some)."""
+    with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set"):
+        call()
 
 
 MASK_KINDS = list(_masks(1, 1, 1, 1, torch.float64))
@@ -74,9 +70,14 @@ def test_sdpa_matches_torch(dtype, kind, is_causal, n, m):
         mask = mask.clone().requires_grad_() if mask.stride(-2) else mask.detach().requires_grad_()
     dout = randn(B, H, n, e, dtype=dtype, grad=False, seed=3)
     inputs = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
+    if mask is not None and is_causal:
+        _refuses_mask_with_causal(
+            lambda: at.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True))
+        return
     ours, our_grads = grads_of(
         lambda: at.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal), inputs, dout)
-    ref, ref_grads = grads_of(lambda: torch_sdpa_mask_and_causal(q, k, v, mask, is_causal), inputs, dout)
+    ref, ref_grads = grads_of(lambda: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal), inputs, dout)
     assert ours.dtype == dtype and ours.shape == ref.shape
     assert_close(ours, ref, dtype)
     for a, b in zip(our_grads, ref_grads):
@@ -153,15 +154,15 @@ def test_half_precision_end_to_end(dtype):
     B, H, n, m, d = 2, 2, 33, 40, 16
     q, k, v = (randn(B, H, s, d, dtype=torch.float32, grad=False, seed=seed).to(dtype).requires_grad_()
                for s, seed in ((n, 1), (m, 2), (m, 3)))
-    mask = torch.rand(B, 1, 1, m) > 0.2
+    mask = (torch.rand(B, 1, 1, m) > 0.2) & torch.ones(n, m, dtype=torch.bool).tril()
     dout = randn(B, H, n, d, dtype=torch.float32, grad=False, seed=9).to(dtype)
     ours, grads = grads_of(
-        lambda: at.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True), [q, k, v], dout)
+        lambda: at.scaled_dot_product_attention(q, k, v, attn_mask=mask), [q, k, v], dout)
     assert ours.dtype == dtype and all(g.dtype == dtype for g in grads)
     # the same computation in float32 on the same (rounded) values, rounded once at the end
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref, ref_grads = grads_of(
-        lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask, is_causal=True),
+        lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask),
         [q32, k32, v32], dout.float())
     eps = torch.finfo(dtype).eps
     for a, b in [(ours, ref)] + list(zip(grads, ref_grads)):
@@ -181,10 +182,12 @@ def test_bad_inputs_raise_clear_errors():
         at.softmax_attention(q.long(), q.long(), q.long())
     with pytest.raises(ValueError, match="same last size"):
         at.scaled_dot_product_attention(q, randn(2, 4, 7, grad=False), q)
-    with pytest.raises(TypeError, match="attn_mask must be bool"):
+    with pytest.raises(TypeError, match="attn_mask has dtype torch.int32; it must be bool"):
         at.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="dropout_p"):
-        at.scaled_dot_product_attention(q, q, q, dropout_p=1.0)
+        at.scaled_dot_product_attention(q, q, q, dropout_p=1.01)
+    with pytest.raises(ValueError, match="dropout_p"):
+        at.softmax_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(ValueError, match="causal"):
         at.softmax_attention(q, q, q, causal="sideways")
     with pytest.raises(ValueError, match="window"):
@@ -494,13 +497,14 @@ def test_sdpa_matches_torch_property(B, H, n, m, d, e, is_causal, mask_kind, sca
         mask.requires_grad_()
         inputs.append(mask)
     dout = torch.randn(B, H, n, e, generator=g, dtype=torch.float64)
+    if mask is not None and is_causal:
+        _refuses_mask_with_causal(lambda: at.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=True, scale=scale))
+        return
     ours, ga = grads_of(lambda: at.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale), inputs, dout)
-    if mask is not None and is_causal:
-        ref, gb = grads_of(lambda: torch_sdpa_mask_and_causal(q, k, v, mask, True, scale), inputs, dout)
-    else:
-        ref, gb = grads_of(lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale), inputs, dout)
+    ref, gb = grads_of(lambda: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale), inputs, dout)
     assert_close(ours, ref, torch.float64)
     for a, b in zip(ga, gb):
         assert_close(a, b, torch.float64)

@@ -304,21 +304,23 @@ def test_sdpa_bf16_is_the_float32_computation_rounded_once(torch, path):
     widened inputs, rounded once (bit for bit): the only rounding of the
     bfloat16 path. Inputs in transformers' layout (a permuted view of one
     (B, n, 3, H, d) tensor, read in place), a float mask in bfloat16, and
-    the gradient of out.sum() (an expanded, stride-0 dout)."""
+    the gradient of out.sum() (an expanded, stride-0 dout); a float bias
+    with the causal flag goes through softmax_attention (torch's SDPA
+    refuses attn_mask with is_causal)."""
     import attnx.torch as at
 
     B, n, H, d = 2, 37, 3, 16
     qkv = _bf16(torch, B, n, 3, H, d, seed=1).requires_grad_()
     bias = _bf16(torch, B, 1, n, n, seed=2).requires_grad_()
     q, k, v = qkv.permute(2, 0, 3, 1, 4)
-    out = at.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
+    out = at.softmax_attention(q, k, v, bias=bias, causal="upper_left")
     dout = _bf16(torch, B, H, n, d, seed=3)
     dqkv, dbias = torch.autograd.grad(out, (qkv, bias), dout)
 
     wide = qkv.detach().float().requires_grad_()
     wide_bias = bias.detach().float().requires_grad_()
     q32, k32, v32 = wide.permute(2, 0, 3, 1, 4)
-    out32 = at.scaled_dot_product_attention(q32, k32, v32, attn_mask=wide_bias, is_causal=True)
+    out32 = at.softmax_attention(q32, k32, v32, bias=wide_bias, causal="upper_left")
     dqkv32, dbias32 = torch.autograd.grad(out32, (wide, wide_bias), dout.float())
     for ours, single in ((out, out32), (dqkv, dqkv32), (dbias, dbias32)):
         assert ours.dtype == torch.bfloat16

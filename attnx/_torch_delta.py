@@ -1,0 +1,218 @@
+"""The delta rule as PyTorch operators (attnx.torch, docs/delta_rule.md),
+under the names and signatures of flash-linear-attention and transformers:
+``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
+``chunk_kda``, ``fused_recurrent_kda``. Tensors are [B, n, H, d] as there
+(q, k with H_k heads, v, g, beta with H_v = G H_k), the state [B, H_v, d_k,
+d_v]; the kernels are attnx.delta_rule_attention's (csrc/delta.c), read in
+place through the transposed views. ``torch.library.custom_op``s in the
+namespace ``attnx`` with fake kernels and autograd: torch.compile traces
+them whole; bfloat16 and float16 compute in float32.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C, _delta
+from .torch import _check_tensor, _in_compute_dtype, _in_dtype, _np
+
+
+
+def _heads(t):
+    """[B, n, H, ...] as the kernels' (B, H, n, ...) view"""
+    return None if t is None else t.transpose(1, 2)
+
+
+def _empty():
+    return torch.empty(0)
+
+
+@torch.library.custom_op("attnx::delta_rule", mutates_args=(), device_types="cpu")
+def _delta_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
+              initial_state: Optional[Tensor], scale: float, l2norm: bool, recurrent: bool,
+              chunk: int) -> Tuple[Tensor, Tensor]:
+    """out [B, n, H_v, d_v] and the final state [B, H_v, d_k, d_v]"""
+    B, n, Hv, dv = v.shape
+    out = torch.empty((B, n, Hv, dv), dtype=q.dtype)
+    q_, k_, v_, beta_, g_ = (_np(_heads(t), q.dtype) if t is not None else None
+                             for t in (q, k, v, beta, g))
+    S0 = None if initial_state is None else _np(initial_state, q.dtype)
+    call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
+    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
+                         call.split(S0, 3), call.split(_np(_heads(out)), 3), True, False,
+                         call.scale, l2norm, recurrent, chunk)
+    return out, torch.from_numpy(call.merge(S, 3))
+
+
+@_delta_op.register_fake
+def _(q, k, v, beta, g, initial_state, scale, l2norm, recurrent, chunk):
+    B, n, Hv, dv = v.shape
+    return (v.new_empty((B, n, Hv, dv), dtype=q.dtype),
+            v.new_empty((B, Hv, q.shape[-1], dv), dtype=q.dtype))
+
+
+@torch.library.custom_op("attnx::delta_rule_backward", mutates_args=(), device_types="cpu")
+def _delta_backward_op(dout: Tensor, dstate: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                       beta: Tensor, g: Optional[Tensor], initial_state: Optional[Tensor],
+                       scale: float, l2norm: bool, chunk: int) -> List[Tensor]:
+    """dq, dk, dv, dbeta, dg, dstate in the inputs' layouts ([B, n, H, ...]
+    made contiguous; empty for an absent g or initial_state)"""
+    dtype = q.dtype
+    arrays = [_np(_heads(t), dtype) if t is not None else None for t in (q, k, v, beta, g)]
+    S0 = None if initial_state is None else _np(initial_state, dtype)
+    grads = _delta.delta_rule_attention_backward(
+        _np(_heads(dout), dtype), *arrays, scale=scale, qk_l2norm=l2norm, chunk=chunk,
+        initial_state=S0, grad_state=None if dstate is None else _np(dstate, dtype))
+    as_input = (lambda a: torch.from_numpy(a).transpose(1, 2).contiguous())
+    return [as_input(grads.q), as_input(grads.k), as_input(grads.v), as_input(grads.beta),
+            _empty() if grads.g is None else as_input(grads.g),
+            _empty() if grads.state is None else torch.from_numpy(grads.state)]
+
+
+@_delta_backward_op.register_fake
+def _(dout, dstate, q, k, v, beta, g, initial_state, scale, l2norm, chunk):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta),
+            q.new_empty(0) if g is None else torch.empty_like(g),
+            q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, g, initial_state, scale, l2norm, recurrent, chunk = inputs
+    ctx.save_for_backward(q, k, v, beta, g, initial_state)
+    ctx.options = (scale, l2norm, chunk)
+
+
+def _backward(ctx, dout, dstate):
+    q, k, v, beta, g, initial_state = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(v, dtype=q.dtype)
+    dq, dk, dv, dbeta, dg, dS0 = torch.ops.attnx.delta_rule_backward(
+        dout, dstate, q, k, v, beta, g, initial_state, *ctx.options)
+    return (dq, dk, dv, dbeta, dg if g is not None else None,
+            dS0 if initial_state is not None else None, None, None, None, None)
+
+
+_delta_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
+         use_qk_l2norm_in_kernel, recurrent, chunk_size, kwargs, name):
+    if kwargs.get("cu_seqlens") is not None:
+        raise NotImplementedError(f"{name}: cu_seqlens (packed variable-length sequences) is not "
+                                  "supported by attnx; pass a padded batch")
+    for arg, t in (("query", query), ("key", key), ("value", value), ("beta", beta)):
+        _check_tensor(arg, t)
+        if t.dim() != (3 if arg == "beta" else 4):
+            raise ValueError(f"{name}: {arg} must be [B, n, H{'' if arg == 'beta' else ', d'}], "
+                             f"got shape {tuple(t.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"{name}: query, key and value must share one dtype, got {query.dtype}, "
+                        f"{key.dtype} and {value.dtype}")
+    if g is not None:
+        _check_tensor("g", g)
+    dtype = query.dtype
+    compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    q, k, v = _in_compute_dtype(query, key, value)
+    beta = beta.to(compute)
+    g = None if g is None else g.to(compute)
+    state = None if initial_state is None else initial_state.to(compute)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    out, final = torch.ops.attnx.delta_rule(q, k, v, beta, g, state, float(scale),
+                                            bool(use_qk_l2norm_in_kernel), recurrent,
+                                            int(chunk_size))
+    return _in_dtype(out, dtype), (final if output_final_state else None)
+
+
+def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' ``torch_chunk_gated_delta_rule`` (and fla's
+    ``chunk_gated_delta_rule``) on attnx: query, key [B, n, H_k, d_k],
+    value [B, n, H_v, d_v], g, beta [B, n, H_v] (g may be None: DeltaNet),
+    initial_state [B, H_v, d_k, d_v]; ``scale=`` (default d_k ** -0.5) may
+    be given by keyword as in fla. Returns (out [B, n, H_v, d_v] in query's
+    dtype, final state in the compute dtype or None)."""
+    return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, False, chunk_size, kwargs,
+                "chunk_gated_delta_rule")
+
+
+def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     **kwargs):
+    """transformers' ``torch_recurrent_gated_delta_rule`` (fla's
+    ``fused_recurrent_gated_delta_rule``) on attnx: the token loop, the
+    form for decoding; arguments as chunk_gated_delta_rule."""
+    return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
+                "fused_recurrent_gated_delta_rule")
+
+
+def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+    """Kimi Delta Attention (transformers' ``chunk_kimi_delta_attention``,
+    fla's ``chunk_kda``) on attnx: as chunk_gated_delta_rule with g
+    [B, n, H, d_k], a log decay per key channel."""
+    return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, False,
+                kwargs.get("chunk_size", 64), kwargs, "chunk_kda")
+
+
+def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, **kwargs):
+    """Kimi Delta Attention's token loop (transformers'
+    ``recurrent_kimi_delta_attention``, fla's ``fused_recurrent_kda``)."""
+    return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
+                "fused_recurrent_kda")
+
+
+# ------------------------------------------------------------ Hugging Face
+
+# transformers' modeling modules and the module-level functions their
+# linear-attention layers call (the torch fallbacks of fla's kernels), with
+# the attnx operator that takes each one's place
+_HF_FUNCTIONS = {
+    "torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
+    "torch_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
+    "chunk_kimi_delta_attention": chunk_kda,
+    "recurrent_kimi_delta_attention": fused_recurrent_kda,
+}
+_HF_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+_replaced: dict = {}  # (module, name) -> the function attnx replaced
+
+
+def register_delta_rule():
+    """Make the linear-attention layers of transformers' Qwen3-Next,
+    Qwen3.5 (dense and MoE), OLMo hybrid and Kimi Linear models run on
+    attnx: the module-level functions their layers call
+    (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
+    ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``) are
+    replaced by attnx.torch's operators, in prefill, decoding with the
+    cache and training alike. Models built before or after the call are
+    affected; ``unregister_delta_rule()`` puts the originals back. Returns
+    the names of the modeling modules changed (those the installed
+    transformers has)."""
+    import importlib
+
+    changed = []
+    for family in _HF_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        for name, replacement in _HF_FUNCTIONS.items():
+            if hasattr(module, name) and (module.__name__, name) not in _replaced:
+                _replaced[(module.__name__, name)] = getattr(module, name)
+                setattr(module, name, replacement)
+        changed.append(module.__name__)
+    return changed
+
+
+def unregister_delta_rule():
+    """Undo register_delta_rule(): transformers' own functions again."""
+    import sys
+
+    for (module_name, name), original in list(_replaced.items()):
+        setattr(sys.modules[module_name], name, original)
+        del _replaced[(module_name, name)]

@@ -1,0 +1,725 @@
+/* delta.c - the delta rule: DeltaNet, Gated DeltaNet (a scalar gate per
+ * token) and Kimi Delta Attention (a gate per key channel), forward and
+ * backward.
+ *
+ * Per head, a state S (K x V) and per token t (q_t, k_t normalised and
+ * q_t scaled first, attnx.h):
+ *   S <- D_t S,  D_t = diag(exp(g_t))                  (the gate; D_t = 1 without)
+ *   S <- S + k_t u_t^T,  u_t = beta_t (v_t - (D_t S)^T k_t)
+ *   o_t = S^T q_t
+ *
+ * Legend: n tokens, K key features (dk), V value features (dv), C the chunk
+ * length, L <= C the rows of the chunk at hand, B = SUB the sub-blocks of a
+ * chunk (per-channel gate).
+ *   Q, Kn  (L, K)  the chunk's queries and keys, normalised and scaled
+ *   G      (L, K)  per channel, or (L) scalar: cumulative log gates from the
+ *                  chunk's start, G_t = g_0 + ... + g_t; Gend = G_{L-1}
+ *   M      (L, L)  M_ts = sum_c k_tc k_sc e^{G_tc - G_sc}, s < t
+ *   P      (L, L)  P_ts = sum_c q_tc k_sc e^{G_tc - G_sc}, s <= t
+ *   U      (L, V)  the values u_t that enter the state
+ *
+ * The chunk form (the WY / UT representation: Yang et al. 2024, "Parallelizing
+ * Linear Transformers with the Delta Rule over Sequence Length"): with S0 the
+ * state before the chunk, unrolling the recurrence gives
+ *   (I + diag(beta) M) U = diag(beta) (V - (Kn . e^G) S0)      a unit lower
+ *                                                             triangular solve
+ *   O  = (Q . e^G) S0 + P U
+ *   S1 = e^{Gend} . S0 + (Kn . e^{Gend - G})^T U
+ * where X . e^G scales row t of X by e^{G_t} (per channel, or one number).
+ * Every factor e^{G_t - G_s} has t >= s, so it is <= 1 for gates <= 0: the
+ * scalar gate forms M and P by a GEMM scaled entry by entry; the per-channel
+ * gate cannot factor e^{G_tc - G_sc} into a row and a column factor that
+ * both stay bounded across a whole chunk, so M and P are made in sub-blocks
+ * of SUB rows: for s in an earlier sub-block than t, split at r, the first
+ * row of t's sub-block (s < r <= t): e^{G_t - G_s} = e^{G_t - G_r} e^{G_r - G_s},
+ * both factors <= 1, one GEMM per sub-block; within a sub-block, exact loops.
+ *
+ * The backward (attnx_delta_bwd) keeps the states at chunk borders: it runs
+ * the chunks forward once, storing per chunk S0, M, P, U and V - (Kn . e^G) S0
+ * (O(n (K V / C + 2 C + 2 V)) numbers per thread, never per head), then
+ * runs them in reverse carrying dS, the gradient at the chunk's end state.
+ * Recomputing the states instead would run the forward twice more (or keep
+ * sqrt(n) checkpoints); keeping them costs K V / C = 256 numbers per token
+ * at K = V = 128, C = 64, about as much as the token's q, k, v and out.
+ *
+ * Threads: OpenMP over heads, BLAS single-threaded inside.
+ */
+#ifndef REAL
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attnx.h"
+#include "blas.h"
+
+#define SUB 16
+/* as linear.c: below this much work per call, one thread */
+#define MIN_PARALLEL_FLOPS 1e6
+#define MIN_PARALLEL_STATE_BYTES (256 * 1024)
+#define CACHE_LINE 64
+#define L2NORM_EPS 1e-6
+
+#define ATTNX_FAMILY_FILE "delta.c"
+#include "real.h"
+
+#else /* REAL: the body, compiled once per type */
+
+#if REAL_IS_DOUBLE
+#define TRSM ATTNX_CBLAS(cblas_dtrsm)
+#else
+#define TRSM ATTNX_CBLAS(cblas_strsm)
+#endif
+#define WS SFX(delta_ws)
+
+/* X (L, V) <- (I + A)^{-1} X (trans 0) or (I + A)^{-T} X (trans 1), A strictly
+ * lower (L, L) with row stride lda, read below its diagonal only */
+static void SFX(unit_lower_solve)(int trans, ptrdiff_t L, ptrdiff_t V, const REAL *A,
+                                  ptrdiff_t lda, REAL *X)
+{
+    if (L <= 1 || V == 0) return;
+    TRSM(CblasRowMajor, CblasLeft, CblasLower, trans ? CblasTrans : CblasNoTrans, CblasUnit,
+         (int)L, (int)V, 1, A, (int)lda, X, (int)V);
+}
+
+/* Everything one thread needs for the heads it runs. */
+typedef struct {
+    const attnx_delta_args *a;
+    ptrdiff_t C, K, V;
+    int channel;               /* the gate is per channel: G is (L, K), else (L) */
+    /* the chunk's rows */
+    REAL *Q, *Kn, *G, *beta, *inv_q, *inv_k;
+    /* products */
+    REAL *Kg, *Qg, *Kd, *M, *P, *Lm, *U, *E, *xs, *xs2, *ys;
+    REAL *S;                   /* the running state when the caller keeps none */
+    /* backward */
+    REAL *dQg, *dKg, *dKd, *R1, *R2, *C1, *dG, *dU, *dP, *dA, *dS, *dSn, *Vn, *dbeta;
+    REAL *keep;                /* per chunk: S0, M, P, U, Vn */
+} WS;
+
+static ptrdiff_t SFX(chunk_keep_size)(ptrdiff_t C, ptrdiff_t K, ptrdiff_t V)
+{
+    return K * V + 2 * C * C + 2 * C * V;
+}
+
+/* numbers of scratch one thread needs (laid out by ws_carve) */
+static size_t SFX(ws_size)(ptrdiff_t C, ptrdiff_t K, ptrdiff_t V, ptrdiff_t n, int backward)
+{
+    size_t CK = (size_t)(C * K), CC = (size_t)(C * C), CV = (size_t)(C * V), KV = (size_t)(K * V);
+    size_t size = 7 * CK + 3 * (size_t)C + 4 * CC + CV + (CK > CV ? CK : CV) + 2 * (size_t)(SUB * K) + KV;
+    if (backward) {
+        ptrdiff_t chunks = (n + C - 1) / C;
+        size += 7 * CK + 2 * CV + 2 * CC + 2 * KV + (size_t)C +
+                (size_t)chunks * (size_t)SFX(chunk_keep_size)(C, K, V);
+    }
+    return size;
+}
+
+static void SFX(ws_carve)(WS *w, REAL *mem, int backward)
+{
+    ptrdiff_t C = w->C, K = w->K, V = w->V;
+    REAL *p = mem;
+#define TAKE(ptr, count) (ptr = p, p += (count))
+    TAKE(w->Q, C * K); TAKE(w->Kn, C * K); TAKE(w->G, C * K); TAKE(w->ys, C * K);
+    TAKE(w->Kg, C * K); TAKE(w->Qg, C * K); TAKE(w->Kd, C * K);
+    TAKE(w->beta, C); TAKE(w->inv_q, C); TAKE(w->inv_k, C);
+    TAKE(w->M, C * C); TAKE(w->P, C * C); TAKE(w->Lm, C * C); TAKE(w->E, C * C);
+    TAKE(w->U, C * V); TAKE(w->Vn, C * K > C * V ? C * K : C * V);
+    TAKE(w->xs, SUB * K); TAKE(w->xs2, SUB * K); TAKE(w->S, K * V);
+    if (backward) {
+        TAKE(w->dQg, C * K); TAKE(w->dKg, C * K); TAKE(w->dKd, C * K); TAKE(w->R1, C * K);
+        TAKE(w->R2, C * K); TAKE(w->C1, C * K); TAKE(w->dG, C * K);
+        TAKE(w->dU, C * V); TAKE(w->dP, C * C); TAKE(w->dA, C * C);
+        TAKE(w->dS, K * V); TAKE(w->dSn, K * V); TAKE(w->dbeta, C);
+        w->keep = p;
+    }
+#undef TAKE
+}
+
+/* Head h's operand at `slot`: its base plus the head's byte offset. */
+static inline const char *SFX(head)(const attnx_delta_args *a, const void *base, ptrdiff_t h,
+                                     int slot)
+{
+    return base ? (const char *)base + a->offsets[h * ATTNX_DR_NOPS + slot] : NULL;
+}
+
+/* 1 / sqrt(|x|^2 + eps): transformers' l2norm (x * rsqrt(sum x^2 + 1e-6)) */
+static inline REAL SFX(inv_norm)(const REAL *x, ptrdiff_t K)
+{
+    REAL sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (ptrdiff_t c = 0; c < K; c++) sum += x[c] * x[c];
+    return (REAL)(1 / sqrt((double)sum + L2NORM_EPS));
+}
+
+/* The chunk's rows [t0, t0 + L) of head h: Q, Kn, beta, G, inv norms. */
+static void SFX(load_rows)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L)
+{
+    const attnx_delta_args *a = w->a;
+    const ptrdiff_t K = w->K;
+    const char *q = SFX(head)(a, a->q, h, ATTNX_DR_Q), *k = SFX(head)(a, a->k, h, ATTNX_DR_K);
+    const char *beta = SFX(head)(a, a->beta, h, ATTNX_DR_BETA);
+    const char *g = SFX(head)(a, a->g, h, ATTNX_DR_G);
+    const REAL scale = (REAL)a->scale;
+    for (ptrdiff_t t = 0; t < L; t++) {
+        const REAL *q_t = (const REAL *)q + (t0 + t) * a->q_row;
+        const REAL *k_t = (const REAL *)k + (t0 + t) * a->k_row;
+        REAL iq = a->l2norm ? SFX(inv_norm)(q_t, K) : 1, ik = a->l2norm ? SFX(inv_norm)(k_t, K) : 1;
+        w->inv_q[t] = iq;
+        w->inv_k[t] = ik;
+        REAL fq = iq * scale, *Q_t = w->Q + t * K, *K_t = w->Kn + t * K;
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < K; c++) {
+            Q_t[c] = q_t[c] * fq;
+            K_t[c] = k_t[c] * ik;
+        }
+        w->beta[t] = *(const REAL *)(beta + (t0 + t) * a->beta_step);
+        if (a->gate == ATTNX_GATE_CHANNEL) {
+            const REAL *g_t = (const REAL *)g + (t0 + t) * a->g_row;
+            REAL *G_t = w->G + t * K;
+            if (t == 0)
+                for (ptrdiff_t c = 0; c < K; c++) G_t[c] = g_t[c];
+            else
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < K; c++) G_t[c] = G_t[c - K] + g_t[c];
+        } else {
+            REAL g_t = a->gate == ATTNX_GATE_SCALAR ? *(const REAL *)(g + (t0 + t) * a->g_step) : 0;
+            w->G[t] = (t ? w->G[t - 1] : 0) + g_t;
+        }
+    }
+}
+
+/* dst (L, K) = X . e^{sign (G_t - ref)}: row t of X scaled by e^{G_t - ref}
+ * (sign 1) or e^{ref - G_t} (sign -1), ref a row of G (NULL: zeros). */
+static void SFX(decay_rows)(const WS *w, ptrdiff_t L, const REAL *X, const REAL *G,
+                            const REAL *ref, REAL sign, REAL *dst)
+{
+    const ptrdiff_t K = w->K;
+    for (ptrdiff_t t = 0; t < L; t++) {
+        const REAL *x_t = X + t * K;
+        REAL *d_t = dst + t * K;
+        if (w->channel) {
+            const REAL *G_t = G + t * K;
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < K; c++)
+                d_t[c] = x_t[c] * SFX(vexp)(sign * (G_t[c] - (ref ? ref[c] : 0)));
+        } else {
+            REAL f = SFX(vexp)(sign * (G[t] - (ref ? ref[0] : 0)));
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < K; c++) d_t[c] = x_t[c] * f;
+        }
+    }
+}
+
+/* the row of G that holds token t's cumulative gate */
+static inline const REAL *SFX(G_row)(const WS *w, ptrdiff_t t)
+{
+    return w->G + (w->channel ? t * w->K : t);
+}
+
+/* E_ts = e^{G_t - G_s} for s <= t (scalar gate), 0 above */
+static void SFX(scalar_decays)(WS *w, ptrdiff_t L)
+{
+    const ptrdiff_t C = w->C;
+    for (ptrdiff_t t = 0; t < L; t++) {
+        REAL *E_t = w->E + t * C, G_t = w->G[t];
+        for (ptrdiff_t s = 0; s <= t; s++) E_t[s] = SFX(vexp)(G_t - w->G[s]);
+        for (ptrdiff_t s = t + 1; s < L; s++) E_t[s] = 0;
+    }
+}
+
+/* M (strictly lower) and, with want_P, P (lower) of the chunk's L rows. */
+static void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
+{
+    const ptrdiff_t C = w->C, K = w->K;
+    REAL *M = w->M, *P = w->P;
+    if (!w->channel) {
+        SFX(gemm)(0, 1, L, L, K, 1, w->Kn, K, w->Kn, K, 0, M, C);
+        if (want_P) SFX(gemm)(0, 1, L, L, K, 1, w->Q, K, w->Kn, K, 0, P, C);
+        SFX(scalar_decays)(w, L);
+        for (ptrdiff_t t = 0; t < L; t++) {
+            const REAL *E_t = w->E + t * C;
+            REAL *M_t = M + t * C, *P_t = P + t * C;
+            for (ptrdiff_t s = 0; s < L; s++) {
+                M_t[s] = s < t ? M_t[s] * E_t[s] : 0;
+                if (want_P) P_t[s] *= E_t[s];
+            }
+        }
+        return;
+    }
+    for (ptrdiff_t tb = 0; tb < L; tb += SUB) {
+        ptrdiff_t te = ATTNX_MIN(tb + SUB, L), rows = te - tb;
+        const REAL *G_r = w->G + tb * K;
+        if (tb > 0) {  /* columns of earlier sub-blocks, split at r = tb */
+            SFX(decay_rows)(w, tb, w->Kn, w->G, G_r, -1, w->ys);
+            SFX(decay_rows)(w, rows, w->Kn + tb * K, w->G + tb * K, G_r, 1, w->xs);
+            SFX(gemm)(0, 1, rows, tb, K, 1, w->xs, K, w->ys, K, 0, M + tb * C, C);
+            if (want_P) {
+                SFX(decay_rows)(w, rows, w->Q + tb * K, w->G + tb * K, G_r, 1, w->xs2);
+                SFX(gemm)(0, 1, rows, tb, K, 1, w->xs2, K, w->ys, K, 0, P + tb * C, C);
+            }
+        }
+        for (ptrdiff_t t = tb; t < te; t++) {  /* the sub-block itself, exactly */
+            const REAL *G_t = w->G + t * K, *k_t = w->Kn + t * K, *q_t = w->Q + t * K;
+            for (ptrdiff_t s = tb; s <= t; s++) {
+                const REAL *G_s = w->G + s * K, *k_s = w->Kn + s * K;
+                REAL mk = 0, mq = 0;
+#pragma omp simd reduction(+ : mk, mq)
+                for (ptrdiff_t c = 0; c < K; c++) {
+                    REAL e = SFX(vexp)(G_t[c] - G_s[c]) * k_s[c];
+                    mk += k_t[c] * e;
+                    mq += q_t[c] * e;
+                }
+                M[t * C + s] = s < t ? mk : 0;
+                if (want_P) P[t * C + s] = mq;
+            }
+            for (ptrdiff_t s = t + 1; s < L; s++) {
+                M[t * C + s] = 0;
+                if (want_P) P[t * C + s] = 0;
+            }
+        }
+    }
+}
+
+/* One chunk forward from the state S (K, V), updated in place; out rows (ld
+ * out_row) unless NULL; with keep, the chunk's S0, M, P, U, Vn stored there. */
+static void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v, ptrdiff_t v_row,
+                           REAL *out, ptrdiff_t out_row, REAL *keep)
+{
+    const ptrdiff_t C = w->C, K = w->K, V = w->V;
+    const int want_P = out || keep;
+    const REAL *Gend = SFX(G_row)(w, L - 1);
+    if (keep) memcpy(keep, S, (size_t)(K * V) * sizeof(REAL));
+    /* R = diag(beta) (V - (Kn . e^G) S0), solved in place into U */
+    SFX(decay_rows)(w, L, w->Kn, w->G, NULL, 1, w->Kg);
+    for (ptrdiff_t t = 0; t < L; t++) memcpy(w->U + t * V, v + t * v_row, (size_t)V * sizeof(REAL));
+    SFX(gemm)(0, 0, L, V, K, -1, w->Kg, K, S, V, 1, w->U, V);
+    if (keep) memcpy(keep + K * V + 2 * C * C + C * V, w->U, (size_t)(L * V) * sizeof(REAL));
+    for (ptrdiff_t t = 0; t < L; t++) {
+        REAL b = w->beta[t], *U_t = w->U + t * V;
+#pragma omp simd
+        for (ptrdiff_t j = 0; j < V; j++) U_t[j] *= b;
+    }
+    SFX(gated_products)(w, L, want_P);
+    for (ptrdiff_t t = 0; t < L; t++)
+        for (ptrdiff_t s = 0; s < t; s++) w->Lm[t * C + s] = w->beta[t] * w->M[t * C + s];
+    SFX(unit_lower_solve)(0, L, V, w->Lm, C, w->U);
+    if (keep) {
+        memcpy(keep + K * V, w->M, (size_t)(L * C) * sizeof(REAL));
+        memcpy(keep + K * V + C * C, w->P, (size_t)(L * C) * sizeof(REAL));
+        memcpy(keep + K * V + 2 * C * C, w->U, (size_t)(L * V) * sizeof(REAL));
+    }
+    if (out) {  /* O = (Q . e^G) S0 + P U */
+        SFX(decay_rows)(w, L, w->Q, w->G, NULL, 1, w->Qg);
+        SFX(gemm)(0, 0, L, V, K, 1, w->Qg, K, S, V, 0, out, out_row);
+        SFX(gemm)(0, 0, L, V, L, 1, w->P, C, w->U, V, 1, out, out_row);
+    }
+    /* S1 = e^{Gend} . S0 + (Kn . e^{Gend - G})^T U */
+    SFX(decay_rows)(w, L, w->Kn, w->G, Gend, -1, w->Kd);
+    for (ptrdiff_t c = 0; c < K; c++) {
+        REAL f = SFX(vexp)(w->channel ? Gend[c] : Gend[0]), *S_c = S + c * V;
+#pragma omp simd
+        for (ptrdiff_t j = 0; j < V; j++) S_c[j] *= f;
+    }
+    SFX(gemm)(1, 0, K, V, L, 1, w->Kd, K, w->U, V, 1, S, V);
+}
+
+/* The token loop on one head from S (K, V), in place: two passes over S per
+ * token (decay while reading S^T k; add k u^T while reading S^T q). */
+static void SFX(recurrent_fwd)(WS *w, ptrdiff_t h, REAL *S)
+{
+    const attnx_delta_args *a = w->a;
+    const ptrdiff_t K = w->K, V = w->V;
+    const char *v = SFX(head)(a, a->v, h, ATTNX_DR_V);
+    REAL *out = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT);
+    REAL *kv = w->U, *u = w->Vn;
+    for (ptrdiff_t t = 0; t < a->n; t++) {
+        SFX(load_rows)(w, h, t, 1);  /* G holds g_t itself: one row's cumulative gate */
+        const REAL *v_t = (const REAL *)v + t * a->v_row;
+        REAL *o_t = out + t * a->out_row;
+        for (ptrdiff_t j = 0; j < V; j++) kv[j] = 0;
+        for (ptrdiff_t c = 0; c < K; c++) {
+            REAL f = a->gate == ATTNX_GATE_NONE ? 1 : SFX(vexp)(w->channel ? w->G[c] : w->G[0]);
+            REAL kc = w->Kn[c], *S_c = S + c * V;
+#pragma omp simd
+            for (ptrdiff_t j = 0; j < V; j++) {
+                S_c[j] *= f;
+                kv[j] += kc * S_c[j];
+            }
+        }
+        REAL b = w->beta[0];
+#pragma omp simd
+        for (ptrdiff_t j = 0; j < V; j++) {
+            u[j] = b * (v_t[j] - kv[j]);
+            o_t[j] = 0;
+        }
+        for (ptrdiff_t c = 0; c < K; c++) {
+            REAL kc = w->Kn[c], qc = w->Q[c], *S_c = S + c * V;
+#pragma omp simd
+            for (ptrdiff_t j = 0; j < V; j++) {
+                S_c[j] += kc * u[j];
+                o_t[j] += qc * S_c[j];
+            }
+        }
+    }
+}
+
+/* the head's running state: S1 itself (C order) when wanted, else scratch;
+ * started from S0 or zeros */
+static REAL *SFX(start_state)(WS *w, ptrdiff_t h)
+{
+    const attnx_delta_args *a = w->a;
+    const ptrdiff_t K = w->K, V = w->V;
+    REAL *S = a->S1 ? (REAL *)SFX(head)(a, a->S1, h, ATTNX_DR_S1) : w->S;
+    const REAL *S0 = (const REAL *)SFX(head)(a, a->S0, h, ATTNX_DR_S0);
+    if (!S0) {
+        memset(S, 0, (size_t)(K * V) * sizeof(REAL));
+    } else if (S0 != S) {
+        for (ptrdiff_t c = 0; c < K; c++)
+            memmove(S + c * V, S0 + c * a->S0_row, (size_t)V * sizeof(REAL));
+    }
+    return S;
+}
+
+static int SFX(stopped)(const attnx_delta_args *a)
+{
+    return a->interrupt && attnx_interrupted(a->interrupt, omp_get_thread_num() == 0);
+}
+
+static int SFX(plan_threads)(const attnx_delta_args *a)
+{
+    double flops = 4.0 * (double)a->heads * (double)a->n * (double)(a->dk * a->dv);
+    double state_bytes = (double)a->heads * (double)(a->dk * a->dv) * sizeof(REAL);
+    int threads = a->num_threads > 1 ? a->num_threads : 1;
+    if (flops < MIN_PARALLEL_FLOPS && state_bytes < MIN_PARALLEL_STATE_BYTES) threads = 1;
+    if ((ptrdiff_t)threads > a->heads) threads = (int)ATTNX_MAX(a->heads, 1);
+    return threads;
+}
+
+int SFX(attnx_delta_fwd)(const attnx_delta_args *a)
+{
+    if (a->heads == 0) return ATTNX_OK;
+    const ptrdiff_t K = a->dk, V = a->dv;
+    const ptrdiff_t C = a->recurrent ? 1 : ATTNX_MAX(1, ATTNX_MIN(a->chunk, ATTNX_MAX(a->n, 1)));
+    const int threads = SFX(plan_threads)(a);
+    const size_t per_thread = SFX(ws_size)(C, K, V, a->n, 0) + 1;
+    int status = ATTNX_OK;
+#pragma omp parallel num_threads(attnx_omp_threads(threads))
+    {
+        REAL *mem = malloc(per_thread * sizeof(REAL));
+        WS w = {.a = a, .C = C, .K = K, .V = V, .channel = a->gate == ATTNX_GATE_CHANNEL};
+        if (!mem) {
+#pragma omp atomic write
+            status = ATTNX_ENOMEM;
+        } else {
+            SFX(ws_carve)(&w, mem, 0);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t h = 0; h < a->heads; h++) {
+            int current;
+#pragma omp atomic read
+            current = status;
+            if (current != ATTNX_OK || !mem) continue;
+            REAL *S = SFX(start_state)(&w, h);
+            if (a->recurrent) {
+                SFX(recurrent_fwd)(&w, h, S);
+            } else {
+                const REAL *v = (const REAL *)SFX(head)(a, a->v, h, ATTNX_DR_V);
+                REAL *out = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT);
+                for (ptrdiff_t t0 = 0; t0 < a->n; t0 += C) {
+                    ptrdiff_t L = ATTNX_MIN(C, a->n - t0);
+                    SFX(load_rows)(&w, h, t0, L);
+                    SFX(chunk_fwd)(&w, L, S, v + t0 * a->v_row, a->v_row, out + t0 * a->out_row,
+                                   a->out_row, NULL);
+                }
+            }
+            if (SFX(stopped)(a)) {
+#pragma omp atomic write
+                status = ATTNX_EINTR;
+            }
+        }
+        free(mem);
+    }
+    return status;
+}
+
+/* ================================================================ backward */
+
+/* R1 += W1 (Kn . e^{G_t - G_s}) rows t, R2 += W2 (same), C1 += W1^T (Kn . e^{..})
+ * + W2^T (Q . e^{..}) columns s: the gradients through M (weights W1 = dM,
+ * strictly lower) and P (W2 = dP, lower) to the rows and columns' vectors. */
+static void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL *W2)
+{
+    const ptrdiff_t C = w->C, K = w->K;
+    memset(w->R1, 0, (size_t)(L * K) * sizeof(REAL));
+    memset(w->R2, 0, (size_t)(L * K) * sizeof(REAL));
+    memset(w->C1, 0, (size_t)(L * K) * sizeof(REAL));
+    if (!w->channel) {
+        SFX(scalar_decays)(w, L);
+        for (ptrdiff_t t = 0; t < L; t++)
+            for (ptrdiff_t s = 0; s < L; s++) {
+                W1[t * C + s] *= w->E[t * C + s];
+                W2[t * C + s] *= w->E[t * C + s];
+            }
+        SFX(gemm)(0, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->R1, K);
+        SFX(gemm)(0, 0, L, K, L, 1, W2, C, w->Kn, K, 0, w->R2, K);
+        SFX(gemm)(1, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->C1, K);
+        SFX(gemm)(1, 0, L, K, L, 1, W2, C, w->Q, K, 1, w->C1, K);
+        return;
+    }
+    for (ptrdiff_t tb = 0; tb < L; tb += SUB) {
+        ptrdiff_t te = ATTNX_MIN(tb + SUB, L), rows = te - tb;
+        if (tb > 0) {  /* rows of this sub-block, columns before it: split at r = tb */
+            const REAL *G_r = w->G + tb * K;
+            SFX(decay_rows)(w, tb, w->Kn, w->G, G_r, -1, w->ys);
+            SFX(gemm)(0, 0, rows, K, tb, 1, W1 + tb * C, C, w->ys, K, 0, w->xs, K);
+            SFX(gemm)(0, 0, rows, K, tb, 1, W2 + tb * C, C, w->ys, K, 0, w->xs2, K);
+            for (ptrdiff_t t = tb; t < te; t++) {
+                const REAL *G_t = w->G + t * K, *x1 = w->xs + (t - tb) * K, *x2 = w->xs2 + (t - tb) * K;
+                REAL *r1 = w->R1 + t * K, *r2 = w->R2 + t * K;
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < K; c++) {
+                    REAL e = SFX(vexp)(G_t[c] - G_r[c]);
+                    r1[c] += x1[c] * e;
+                    r2[c] += x2[c] * e;
+                }
+            }
+        }
+        if (te < L) {  /* columns of this sub-block, rows after it: split at r = te - 1 */
+            const REAL *G_r = w->G + (te - 1) * K;
+            ptrdiff_t later = L - te;
+            SFX(decay_rows)(w, later, w->Kn + te * K, w->G + te * K, G_r, 1, w->ys);
+            SFX(gemm)(1, 0, rows, K, later, 1, W1 + te * C + tb, C, w->ys, K, 0, w->xs, K);
+            SFX(decay_rows)(w, later, w->Q + te * K, w->G + te * K, G_r, 1, w->ys);
+            SFX(gemm)(1, 0, rows, K, later, 1, W2 + te * C + tb, C, w->ys, K, 1, w->xs, K);
+            for (ptrdiff_t s = tb; s < te; s++) {
+                const REAL *G_s = w->G + s * K, *x = w->xs + (s - tb) * K;
+                REAL *c1 = w->C1 + s * K;
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < K; c++) c1[c] += x[c] * SFX(vexp)(G_r[c] - G_s[c]);
+            }
+        }
+        for (ptrdiff_t t = tb; t < te; t++) {  /* the sub-block itself, exactly */
+            const REAL *G_t = w->G + t * K, *k_t = w->Kn + t * K, *q_t = w->Q + t * K;
+            REAL *r1 = w->R1 + t * K, *r2 = w->R2 + t * K;
+            for (ptrdiff_t s = tb; s <= t; s++) {
+                const REAL *G_s = w->G + s * K, *k_s = w->Kn + s * K;
+                REAL w1 = s < t ? W1[t * C + s] : 0, w2 = W2[t * C + s], *c1 = w->C1 + s * K;
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < K; c++) {
+                    REAL e = SFX(vexp)(G_t[c] - G_s[c]);
+                    r1[c] += w1 * e * k_s[c];
+                    r2[c] += w2 * e * k_s[c];
+                    c1[c] += e * (w1 * k_t[c] + w2 * q_t[c]);
+                }
+            }
+        }
+    }
+}
+
+/* dx of x (normalised by inv, times f) from dy, the gradient of y = f inv x:
+ * dx = f (inv dy - inv^3 (x . dy) x); without the norm dx = f dy. */
+static void SFX(norm_bwd)(const WS *w, const REAL *x, REAL inv, REAL f, const REAL *dy,
+                          REAL *dx)
+{
+    const ptrdiff_t K = w->K;
+    if (!w->a->l2norm) {
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < K; c++) dx[c] = f * dy[c];
+        return;
+    }
+    REAL dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (ptrdiff_t c = 0; c < K; c++) dot += x[c] * dy[c];
+    REAL cross = inv * inv * inv * dot;
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < K; c++) dx[c] = f * (inv * dy[c] - cross * x[c]);
+}
+
+/* One chunk backward: dS (K, V) holds the gradient at the chunk's end state
+ * and leaves with the one at its start state. */
+static void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L, const REAL *keep)
+{
+    const attnx_delta_args *a = w->a;
+    const ptrdiff_t C = w->C, K = w->K, V = w->V;
+    const REAL *S0 = keep, *M = keep + K * V, *P = keep + K * V + C * C;
+    const REAL *U = keep + K * V + 2 * C * C, *Vn = U + C * V;
+    const REAL *dO = (const REAL *)SFX(head)(a, a->dout, h, ATTNX_DR_DOUT) + t0 * a->dout_row;
+    const ptrdiff_t ldo = a->dout_row;
+    const REAL *Gend = SFX(G_row)(w, L - 1);
+    REAL *dS = w->dS, *dSn = w->dSn;
+    SFX(decay_rows)(w, L, w->Kn, w->G, NULL, 1, w->Kg);
+    SFX(decay_rows)(w, L, w->Q, w->G, NULL, 1, w->Qg);
+    SFX(decay_rows)(w, L, w->Kn, w->G, Gend, -1, w->Kd);
+    for (ptrdiff_t t = 0; t < L; t++)
+        for (ptrdiff_t s = 0; s < t; s++) w->Lm[t * C + s] = w->beta[t] * M[t * C + s];
+    memset(w->dG, 0, (size_t)(L * K) * sizeof(REAL));
+
+    /* O = Qg S0 + P U:  dQg = dO S0^T,  dP = dO U^T (lower),  dU = P^T dO */
+    SFX(gemm)(0, 1, L, K, V, 1, dO, ldo, S0, V, 0, w->dQg, K);
+    SFX(gemm)(0, 1, L, L, V, 1, dO, ldo, U, V, 0, w->dP, C);
+    for (ptrdiff_t t = 0; t < L; t++)
+        for (ptrdiff_t s = t + 1; s < L; s++) w->dP[t * C + s] = 0;
+    SFX(gemm)(1, 0, L, V, L, 1, P, C, dO, ldo, 0, w->dU, V);
+    /* S1 = e^{Gend} . S0 + Kd^T U:  dU += Kd dS,  dKd = U dS^T,
+     * dGend += e^{Gend} . rowsums(dS . S0),  dS0 = e^{Gend} . dS + Qg^T dO */
+    SFX(gemm)(0, 0, L, V, K, 1, w->Kd, K, dS, V, 1, w->dU, V);
+    SFX(gemm)(0, 1, L, K, V, 1, U, V, dS, V, 0, w->dKd, K);
+    REAL *dG_end = w->dG + (L - 1) * K;
+    for (ptrdiff_t c = 0; c < K; c++) {
+        REAL f = SFX(vexp)(w->channel ? Gend[c] : Gend[0]), dot = 0;
+        const REAL *dS_c = dS + c * V, *S0_c = S0 + c * V;
+        REAL *dSn_c = dSn + c * V;
+#pragma omp simd reduction(+ : dot)
+        for (ptrdiff_t j = 0; j < V; j++) {
+            dot += dS_c[j] * S0_c[j];
+            dSn_c[j] = f * dS_c[j];
+        }
+        dG_end[c] += f * dot;
+    }
+    SFX(gemm)(1, 0, K, V, L, 1, w->Qg, K, dO, ldo, 1, dSn, V);
+    /* (I + diag(beta) M) U = R:  dR = (I + ..)^{-T} dU,  dA = -dR U^T (strictly lower);
+     * R = diag(beta) Vn, Vn = V - Kg S0 */
+    SFX(unit_lower_solve)(1, L, V, w->Lm, C, w->dU);
+    REAL *dR = w->dU;
+    SFX(gemm)(0, 1, L, L, V, -1, dR, V, U, V, 0, w->dA, C);
+    char *dbeta = (char *)SFX(head)(a, a->dbeta, h, ATTNX_DR_DBETA);
+    REAL *dv = (REAL *)SFX(head)(a, a->dv_, h, ATTNX_DR_DV) + t0 * V;
+    for (ptrdiff_t t = 0; t < L; t++) {
+        REAL db = 0, b = w->beta[t], *dA_t = w->dA + t * C;
+        const REAL *M_t = M + t * C, *dR_t = dR + t * V, *Vn_t = Vn + t * V;
+        for (ptrdiff_t s = 0; s < t; s++) {
+            db += dA_t[s] * M_t[s];
+            dA_t[s] *= b;  /* now dM */
+        }
+        for (ptrdiff_t s = t; s < L; s++) dA_t[s] = 0;
+        REAL *dv_t = dv + t * V, *dVn_t = w->Vn + t * V;  /* dVn = beta dR, in the Vn scratch */
+#pragma omp simd reduction(+ : db)
+        for (ptrdiff_t j = 0; j < V; j++) {
+            db += dR_t[j] * Vn_t[j];
+            dv_t[j] = b * dR_t[j];
+            dVn_t[j] = b * dR_t[j];
+        }
+        ((REAL *)dbeta)[t0 + t] = db;
+    }
+    /* Vn = V - Kg S0:  dKg = -dVn S0^T,  dS0 -= Kg^T dVn */
+    SFX(gemm)(0, 1, L, K, V, -1, w->Vn, V, S0, V, 0, w->dKg, K);
+    SFX(gemm)(1, 0, K, V, L, -1, w->Kg, K, w->Vn, V, 1, dSn, V);
+    /* through M and P to Kn, Q and G */
+    SFX(gated_products_bwd)(w, L, w->dA, w->dP);
+
+    /* assemble per row: dQ, dKn and dG (per channel) */
+    REAL *dq = (REAL *)SFX(head)(a, a->dq, h, ATTNX_DR_DQ) + t0 * K;
+    REAL *dk = (REAL *)SFX(head)(a, a->dk_, h, ATTNX_DR_DK) + t0 * K;
+    const char *q = SFX(head)(a, a->q, h, ATTNX_DR_Q), *k = SFX(head)(a, a->k, h, ATTNX_DR_K);
+    for (ptrdiff_t t = 0; t < L; t++) {
+        const REAL *Kn_t = w->Kn + t * K, *Q_t = w->Q + t * K, *Kg_t = w->Kg + t * K;
+        const REAL *Qg_t = w->Qg + t * K, *Kd_t = w->Kd + t * K;
+        REAL *R1_t = w->R1 + t * K, *R2_t = w->R2 + t * K, *C1_t = w->C1 + t * K;
+        const REAL *dQg_t = w->dQg + t * K, *dKg_t = w->dKg + t * K, *dKd_t = w->dKd + t * K;
+        REAL *dG_t = w->dG + t * K;
+        const REAL *G_t = SFX(G_row)(w, t);
+        for (ptrdiff_t c = 0; c < K; c++) {
+            REAL Gc = w->channel ? G_t[c] : G_t[0], Ge = w->channel ? Gend[c] : Gend[0];
+            REAL eg = SFX(vexp)(Gc), ed = SFX(vexp)(Ge - Gc);
+            REAL kd = dKd_t[c] * Kd_t[c];
+            dG_t[c] += Kn_t[c] * (R1_t[c] - C1_t[c]) + Q_t[c] * R2_t[c] + dKg_t[c] * Kg_t[c] +
+                       dQg_t[c] * Qg_t[c] - kd;
+            dG_end[c] += kd;
+            R2_t[c] += dQg_t[c] * eg;                                  /* dQ */
+            R1_t[c] += C1_t[c] + dKg_t[c] * eg + dKd_t[c] * ed;        /* dKn */
+        }
+        SFX(norm_bwd)(w, (const REAL *)q + (t0 + t) * a->q_row, w->inv_q[t],
+                      (REAL)a->scale, R2_t, dq + t * K);
+        SFX(norm_bwd)(w, (const REAL *)k + (t0 + t) * a->k_row, w->inv_k[t], 1, R1_t,
+                      dk + t * K);
+    }
+    /* g_t enters G_t, ..., G_{L-1}: dg_t = sum over t' >= t of dG_t' */
+    if (a->gate != ATTNX_GATE_NONE) {
+        REAL *dg = (REAL *)SFX(head)(a, a->dg, h, ATTNX_DR_DG);
+        if (w->channel) {
+            REAL *dg_rows = dg + t0 * K;
+            for (ptrdiff_t c = 0; c < K; c++) dg_rows[(L - 1) * K + c] = w->dG[(L - 1) * K + c];
+            for (ptrdiff_t t = L - 2; t >= 0; t--)
+                for (ptrdiff_t c = 0; c < K; c++)
+                    dg_rows[t * K + c] = dg_rows[(t + 1) * K + c] + w->dG[t * K + c];
+        } else {
+            REAL run = 0;
+            for (ptrdiff_t t = L - 1; t >= 0; t--) {
+                for (ptrdiff_t c = 0; c < K; c++) run += w->dG[t * K + c];
+                dg[t0 + t] = run;
+            }
+        }
+    }
+    memcpy(dS, dSn, (size_t)(K * V) * sizeof(REAL));
+}
+
+int SFX(attnx_delta_bwd)(const attnx_delta_args *a)
+{
+    if (a->heads == 0) return ATTNX_OK;
+    const ptrdiff_t K = a->dk, V = a->dv;
+    const ptrdiff_t C = ATTNX_MAX(1, ATTNX_MIN(a->chunk, ATTNX_MAX(a->n, 1)));
+    const int threads = SFX(plan_threads)(a);
+    const size_t per_thread = SFX(ws_size)(C, K, V, a->n, 1);
+    const ptrdiff_t keep_size = SFX(chunk_keep_size)(C, K, V);
+    int status = ATTNX_OK;
+#pragma omp parallel num_threads(attnx_omp_threads(threads))
+    {
+        REAL *mem = malloc((per_thread + 1) * sizeof(REAL));
+        WS w = {.a = a, .C = C, .K = K, .V = V, .channel = a->gate == ATTNX_GATE_CHANNEL};
+        if (!mem) {
+#pragma omp atomic write
+            status = ATTNX_ENOMEM;
+        } else {
+            SFX(ws_carve)(&w, mem, 1);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t h = 0; h < a->heads; h++) {
+            int current;
+#pragma omp atomic read
+            current = status;
+            if (current != ATTNX_OK || !mem) continue;
+            /* pass 1: the chunks forward, each one's S0, M, P, U, Vn kept */
+            REAL *S = w.S;
+            const REAL *S0 = (const REAL *)SFX(head)(a, a->S0, h, ATTNX_DR_S0);
+            for (ptrdiff_t c = 0; c < K; c++) {
+                if (S0)
+                    memcpy(S + c * V, S0 + c * a->S0_row, (size_t)V * sizeof(REAL));
+                else
+                    memset(S + c * V, 0, (size_t)V * sizeof(REAL));
+            }
+            const REAL *v = (const REAL *)SFX(head)(a, a->v, h, ATTNX_DR_V);
+            for (ptrdiff_t t0 = 0, i = 0; t0 < a->n; t0 += C, i++) {
+                ptrdiff_t L = ATTNX_MIN(C, a->n - t0);
+                SFX(load_rows)(&w, h, t0, L);
+                SFX(chunk_fwd)(&w, L, S, v + t0 * a->v_row, a->v_row, NULL, 0, w.keep + i * keep_size);
+            }
+            /* pass 2: the chunks in reverse, dS carried */
+            const REAL *dS1 = (const REAL *)SFX(head)(a, a->dS1, h, ATTNX_DR_DS1);
+            for (ptrdiff_t c = 0; c < K; c++) {
+                if (dS1)
+                    memcpy(w.dS + c * V, dS1 + c * a->dS1_row, (size_t)V * sizeof(REAL));
+                else
+                    memset(w.dS + c * V, 0, (size_t)V * sizeof(REAL));
+            }
+            ptrdiff_t chunks = (a->n + C - 1) / C;
+            for (ptrdiff_t i = chunks - 1; i >= 0; i--) {
+                ptrdiff_t t0 = i * C, L = ATTNX_MIN(C, a->n - t0);
+                SFX(load_rows)(&w, h, t0, L);
+                SFX(chunk_bwd)(&w, h, t0, L, w.keep + i * keep_size);
+            }
+            REAL *dS0 = (REAL *)SFX(head)(a, a->dS0, h, ATTNX_DR_DS0);
+            if (dS0) memcpy(dS0, w.dS, (size_t)(K * V) * sizeof(REAL));
+            if (SFX(stopped)(a)) {
+#pragma omp atomic write
+                status = ATTNX_EINTR;
+            }
+        }
+        free(mem);
+    }
+    return status;
+}
+
+#undef TRSM
+#undef WS
+#endif /* REAL */

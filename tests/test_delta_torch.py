@@ -1,0 +1,110 @@
+"""attnx.torch's delta rule operators (attnx/_torch_delta.py) against
+transformers' torch functions, autograd and torch.compile."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import attnx.torch as at  # noqa: E402
+
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+
+def make(B=2, n=19, Hk=2, G=2, dk=8, dv=6, channel=False, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    H = Hk * G
+    q = torch.randn(B, n, Hk, dk, dtype=dtype, generator=gen)
+    k = torch.randn(B, n, Hk, dk, dtype=dtype, generator=gen)
+    v = torch.randn(B, n, H, dv, dtype=dtype, generator=gen)
+    g = -torch.rand(B, n, H, *((dk,) if channel else ()), dtype=dtype, generator=gen)
+    beta = torch.rand(B, n, H, dtype=dtype, generator=gen)
+    S0 = torch.randn(B, H, dk, dv, dtype=dtype, generator=gen)
+    return [t.requires_grad_() for t in (q, k, v, g, beta, S0)]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (at.chunk_gated_delta_rule, "torch_chunk_gated_delta_rule"),
+    (at.fused_recurrent_gated_delta_rule, "torch_recurrent_gated_delta_rule")])
+def test_gated_delta_rule_matches_transformers_with_gradients(ours, theirs):
+    """transformers computes in float32: compare there, gradients included"""
+    inputs = make(dtype=torch.float32)
+    out, S = ours(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    ((out * out).sum() + (S * S).sum()).backward()
+    mine = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    ref, ref_S = getattr(qwen3_next, theirs)(*inputs[:5], initial_state=inputs[5],
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ((ref * ref).sum() + (ref_S * ref_S).sum()).backward()
+    assert rel(out, ref) < 1e-5 and rel(S, ref_S) < 1e-5
+    for a, t in zip(mine, inputs):
+        assert rel(a, t.grad) < 1e-4
+
+
+def test_kda_matches_transformers():
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    inputs = make(G=1, channel=True, dtype=torch.float32)
+    for ours, theirs in ((at.chunk_kda, kimi.chunk_kimi_delta_attention),
+                         (at.fused_recurrent_kda, kimi.recurrent_kimi_delta_attention)):
+        out, S = ours(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        ref, ref_S = theirs(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+        assert rel(out, ref) < 1e-5 and rel(S, ref_S) < 1e-5
+
+
+@pytest.mark.parametrize("channel", [False, True])
+def test_gradcheck(channel):
+    inputs = [t.detach()[:1, :7].requires_grad_() if t.dim() > 3 and t.shape[1] == 19
+              else t.detach()[:1, :7].requires_grad_() if t.dim() == 3
+              else t.detach()[:1].requires_grad_() for t in make(channel=channel, n=19)]
+    fn = at.chunk_kda if channel else at.chunk_gated_delta_rule
+
+    def call(q, k, v, g, beta, S0):
+        return fn(q, k, v, g, beta, initial_state=S0, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, chunk_size=3)
+    assert torch.autograd.gradcheck(call, inputs)
+
+
+def test_opcheck():
+    q, k, v, g, beta, S0 = (t.detach() for t in make(n=9))
+    q, k, v, g, beta, S0 = (t.float() for t in (q, k, v, g, beta, S0))
+    torch.library.opcheck(torch.ops.attnx.delta_rule.default,
+                          (q, k, v, beta, g, S0, 0.3, True, False, 4))
+
+
+def test_compile_fullgraph_and_half_precision():
+    q, k, v, g, beta, S0 = (t.detach().float() for t in make())
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, g, beta, S0):
+        return at.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S0,
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, S = step(q, k, v, g, beta, S0)
+    ref, ref_S = at.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S0,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(S, ref_S)
+    for dtype in (torch.bfloat16, torch.float16):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = at.chunk_gated_delta_rule(*xs, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        assert out.dtype == dtype
+        rounded = at.chunk_gated_delta_rule(*(x.detach().float() for x in xs), g, beta,
+                                            use_qk_l2norm_in_kernel=True)[0]
+        torch.testing.assert_close(out, rounded.to(dtype))
+        out.float().sum().backward()
+        assert all(x.grad.dtype == dtype for x in xs)
+
+
+def test_bad_arguments():
+    q, k, v, g, beta, S0 = (t.detach() for t in make())
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        at.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="query"):
+        at.chunk_gated_delta_rule(q[0], k, v, g, beta)
+    with pytest.raises(TypeError, match="dtype"):
+        at.chunk_gated_delta_rule(q.float(), k, v, g, beta)
