@@ -24,31 +24,103 @@ from ._grad import grad_dtype, register_vjp, sum_to_shape
 
 DeltaRuleGradients = namedtuple("DeltaRuleGradients", "q k v beta g state",
                                 defaults=(None, None, None, None, None, None))
-DeltaRuleGradients.__doc__ = """Gradients of sum(dout * out) (plus sum(grad_state * final
-state) when a grad_state is given) with respect to a delta rule call's inputs.
+DeltaRuleGradients.__doc__ = """Gradients of a delta rule call with respect to its inputs.
 
-Each field has the shape and dtype of its input (summed over the axes along
-which that input was broadcast); ``g`` is None without a gate, ``state``
-None without an ``initial_state``."""
+Of ``sum(dout * out)``, plus ``sum(grad_state * S)`` for the final state S
+when a ``grad_state`` is given. A named tuple, returned by
+`delta_rule_attention_backward` and by the pullback of
+``vjp(delta_rule_attention, ...)``.
+
+Parameters
+----------
+q, k, v, beta : ndarray
+    The gradients of the queries, keys, values and write strengths.
+g : ndarray or None
+    Of the gate; None without a gate.
+state : ndarray or None
+    Of the ``initial_state``; None without one.
+
+Raises
+------
+TypeError
+    When built with unknown fields (as any named tuple).
+
+See Also
+--------
+delta_rule_attention_backward : Returns these.
+Gradients : The gradients of the attention functions.
+
+Notes
+-----
+Each field has the shape and dtype of its input, summed over the axes along
+which that input was broadcast.
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((5, 3)) for _ in range(3))
+>>> out, pullback = attnx.vjp(attnx.delta_rule_attention, q, k, v, np.full(5, 0.5))
+>>> g = pullback(np.ones_like(out))
+>>> g._fields, g.beta.shape, g.g is None
+(('q', 'k', 'v', 'beta', 'g', 'state'), (5,), True)
+"""
 
 _METHODS = ("chunk", "recurrent")
 
 
 class DeltaRuleState:
-    """The state the delta rule carries between calls, returned by
-    ``return_state=True`` and taken back by ``initial_state=`` (which never
-    writes it).
+    """The state the delta rule carries between calls.
 
-    * ``S``: array (..., H_v, d_k, d_v), the state after the tokens seen,
-      in the dtype the calls compute in (float32 for float16 inputs).
+    Returned by ``return_state=True`` and taken back by ``initial_state=``
+    (which never writes it), or advanced in place by `step`.
 
-    ``state.step(q, k, v, beta, g=None, out=None)`` decodes in place: it
-    returns what ``delta_rule_attention(q, k, v, beta, g, initial_state=state,
-    method="recurrent", ...)`` returns, with the options of the call that
-    made the state (``scale``, ``qk_l2norm``), and updates ``S`` where it
-    lies, allocating nothing but the output. ``S`` must stay a writeable
-    C-contiguous array of the computing dtype with the step's batch shape
-    (ValueError otherwise; TypeError for another dtype)."""
+    Parameters
+    ----------
+    S : ndarray, shape (..., H_v, d_k, d_v)
+        The state after the tokens seen, in the dtype the calls compute in
+        (float32 for float16 inputs).
+    scale : float, optional
+        The query scale of the call that made the state.
+    qk_l2norm : bool, default False
+        Whether that call normalised q and k.
+
+    Methods
+    -------
+    step(q, k, v, beta, g=None, out=None)
+        Decode in place.
+
+    Raises
+    ------
+    ValueError
+        From `step`, when S is no longer a writeable C-contiguous array of
+        the computing dtype with the step's batch shape.
+
+    See Also
+    --------
+    delta_rule_attention : Returns a state with ``return_state=True``.
+
+    Notes
+    -----
+    Calls over pieces of a sequence, each continuing the state of the one
+    before, give what one call over the whole sequence gives.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 8, 4)) for _ in range(3))
+    >>> beta = np.full((2, 8), 0.5)
+    >>> o1, state = attnx.delta_rule_attention(q[:, :5], k[:, :5], v[:, :5], beta[:, :5],
+    ...                                        return_state=True)
+    >>> state.S.shape
+    (2, 4, 4)
+    >>> o2 = attnx.delta_rule_attention(q[:, 5:], k[:, 5:], v[:, 5:], beta[:, 5:],
+    ...                                 initial_state=state)
+    >>> whole = attnx.delta_rule_attention(q, k, v, beta)
+    >>> np.allclose(np.concatenate([o1, o2], axis=1), whole)
+    True
+    """
 
     __slots__ = ("S", "_scale", "_qk_l2norm")
 
@@ -61,6 +133,57 @@ class DeltaRuleState:
         return f"DeltaRuleState(S: shape {self.S.shape}, dtype {self.S.dtype})"
 
     def step(self, q, k, v, beta, g=None, *, out=None):
+        """Decode in place: the outputs of new tokens, the state updated.
+
+        Parameters
+        ----------
+        q, k : array_like, shape (..., t, d_k)
+            The new queries and keys (any number t of new tokens).
+        v : array_like, shape (..., t, d_v)
+            The new values.
+        beta : array_like, shape (..., t)
+            Their write strengths.
+        g : array_like, optional
+            Their gates, as in `delta_rule_attention`.
+        out : ndarray, optional
+            Receives the output.
+
+        Returns
+        -------
+        ndarray, shape (..., t, d_v)
+            What ``delta_rule_attention(q, k, v, beta, g,
+            initial_state=state, method="recurrent")`` returns, with the
+            options of the call that made the state.
+
+        Raises
+        ------
+        ValueError
+            Shapes that do not match the state, or an S that is no longer
+            a writeable C-contiguous array of the computing dtype.
+        TypeError
+            Inputs of another dtype than the state's.
+
+        See Also
+        --------
+        delta_rule_attention : The call that makes a state.
+
+        Notes
+        -----
+        ``S`` is updated where it lies; nothing is allocated but the
+        output.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+        >>> beta = np.full(6, 0.5)
+        >>> _, state = attnx.delta_rule_attention(q[:5], k[:5], v[:5], beta[:5],
+        ...                                       return_state=True)
+        >>> last = state.step(q[5:], k[5:], v[5:], beta[5:])
+        >>> np.allclose(last, attnx.delta_rule_attention(q, k, v, beta)[5:])
+        True
+        """
         call = _Call(q, k, v, beta, g, self.S, self._scale)
         S = call.split(self.S, 3)
         result = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel, S,
@@ -186,27 +309,88 @@ def _state_array(initial_state):
 
 def delta_rule_attention(q, k, v, beta, g=None, *, scale=None, qk_l2norm=False, method="chunk",
                          chunk=64, initial_state=None, return_state=False, out=None):
-    """The delta rule (DeltaNet; Gated DeltaNet with a scalar gate g; Kimi
-    Delta Attention with a gate per key channel).
+    """The delta rule: DeltaNet, Gated DeltaNet, Kimi Delta Attention.
 
-    q, k: (..., n, d_k); v: (..., n, d_v); beta: (..., n); g: None, (..., n)
-    (the shape of beta: one log decay per token) or (..., n, d_k) (beta's
-    shape plus d_k: one per key channel); exp(g) multiplies the state, so
-    g <= 0 decays it. Leading axes broadcast; value heads may also be a
-    multiple G of the key heads (axis -3: q, k (..., H_k, n, d_k), v
-    (..., G H_k, n, d_v)), each key head serving G consecutive value heads
-    as transformers' models do. Per token, after the optional L2
-    normalisation of q and k (``qk_l2norm``, x / sqrt(|x|^2 + 1e-6)) and q
-    times ``scale`` (default 1/sqrt(d_k))::
+    Parameters
+    ----------
+    q, k : array_like, shape (..., n, d_k)
+        Queries and keys.
+    v : array_like, shape (..., n, d_v)
+        Values. Leading axes broadcast; value heads may also be a multiple
+        G of the key heads (axis -3: q, k (..., H_k, n, d_k), v (..., G
+        H_k, n, d_v)), each key head serving G consecutive value heads as
+        transformers' models do.
+    beta : array_like, shape (..., n)
+        The write strength of each token.
+    g : array_like, optional
+        The log decay: (..., n) (one per token: Gated DeltaNet) or (..., n,
+        d_k) (one per key channel: Kimi Delta Attention); ``exp(g)``
+        multiplies the state, so ``g <= 0`` decays it. None: DeltaNet.
+    scale : float, optional
+        Multiplies q; default ``1 / sqrt(d_k)``.
+    qk_l2norm : bool, default False
+        L2-normalise q and k first (``x / sqrt(|x|^2 + 1e-6)``).
+    method : {"chunk", "recurrent"}, default "chunk"
+        Chunks of ``chunk`` tokens in the WY representation (GEMMs), or the
+        token loop; they agree to rounding.
+    chunk : int, default 64
+        The chunk length.
+    initial_state : array_like or DeltaRuleState, optional
+        S (..., H_v, d_k, d_v) to start from; default zeros.
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result.
 
-        S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+    Returns
+    -------
+    out : ndarray, shape (..., n, d_v)
+        The output.
+    state : DeltaRuleState
+        Only with ``return_state=True``: continues the sequence exactly
+        and decodes with ``state.step``.
 
-    from S = ``initial_state`` (an array (..., H_v, d_k, d_v) or a
-    DeltaRuleState) or zeros. ``method="chunk"`` (chunks of ``chunk``
-    tokens in the WY representation, GEMMs) and ``"recurrent"`` (the token
-    loop) agree to rounding. Returns out (..., n, d_v), or (out, state)
-    with ``return_state=True``: a DeltaRuleState that continues the
-    sequence exactly and decodes with ``state.step``.
+    Raises
+    ------
+    ValueError
+        Shapes that do not fit (a gate neither beta's shape nor beta's plus
+        d_k, value heads not a multiple of key heads), an unknown method, a
+        chunk below 1.
+    TypeError
+        Complex, object or string inputs, an ``out`` that is not an array,
+        flags that are not booleans.
+
+    See Also
+    --------
+    delta_rule_attention_backward : The gradients.
+    DeltaRuleState : The streaming state.
+    attnx.torch.chunk_gated_delta_rule : The PyTorch operator.
+
+    Notes
+    -----
+    Per head, a state S (d_k, d_v) and per token t::
+
+        S <- exp(g_t) S
+        S <- S + k_t (beta_t (v_t - S^T k_t))^T
+        o_t = S^T q_t
+
+    from S = ``initial_state`` or zeros (Schlag et al. 2021; Yang et al.
+    2024 for the gated and chunked forms; docs/delta_rule.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> beta, g = np.full(6, 0.5), np.full(6, -0.1)
+    >>> o = attnx.delta_rule_attention(q, k, v, beta, g, chunk=4)
+    >>> S, expected = np.zeros((4, 4)), []
+    >>> for t in range(6):
+    ...     S = np.exp(g[t]) * S
+    ...     S = S + np.outer(k[t], beta[t] * (v[t] - S.T @ k[t]))
+    ...     expected.append(S.T @ q[t] / 2)            # scale 1 / sqrt(4)
+    >>> np.allclose(o, expected)
+    True
     """
     recurrent = _check_method(method)
     chunk = _check_chunk(chunk)
@@ -235,16 +419,60 @@ def _deliver(grad, x, call, axis, key=False):
 
 def delta_rule_attention_backward(dout, q, k, v, beta, g=None, *, scale=None, qk_l2norm=False,
                                   method="chunk", chunk=64, initial_state=None, grad_state=None):
-    """Gradients of ``sum(dout * out)`` (plus ``sum(grad_state * S)`` for
-    the final state S, when given) with respect to the inputs of
-    ``delta_rule_attention(q, k, v, beta, g, ...)`` with the same options.
-    Returns :class:`DeltaRuleGradients` (q, k, v, beta, g, state).
+    """Gradients of a `delta_rule_attention` call.
 
-    Computed chunk by chunk whatever ``method`` (which only must be valid):
-    the chunks run forward once keeping the state at each chunk border, then
-    in reverse. ``grad_state`` (..., H_v, d_k, d_v) is the gradient arriving
-    at the returned state, so backpropagation through pieces (each piece's
-    ``state`` gradient the previous piece's ``grad_state``) equals one call.
+    Of ``sum(dout * out)``, plus ``sum(grad_state * S)`` for the final state
+    S when ``grad_state`` is given, with respect to the inputs of
+    ``delta_rule_attention(q, k, v, beta, g, ...)`` with the same options.
+
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, d_v)
+        The gradient arriving at the output.
+    q, k, v, beta, g
+        The forward's inputs.
+    scale, qk_l2norm, method, chunk, initial_state
+        The forward's options (``method`` must only be valid: the backward
+        is chunked whatever it is).
+    grad_state : array_like, shape (..., H_v, d_k, d_v), optional
+        The gradient arriving at the returned state, so backpropagation
+        through pieces (each piece's ``state`` gradient the previous
+        piece's ``grad_state``) equals one call.
+
+    Returns
+    -------
+    DeltaRuleGradients
+        ``q``, ``k``, ``v``, ``beta``, ``g`` (None without a gate) and
+        ``state`` (None without an initial state), each of its input's
+        shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        As in `delta_rule_attention`.
+    TypeError
+        As in `delta_rule_attention`, or dout None.
+
+    See Also
+    --------
+    delta_rule_attention : The forward.
+    vjp : The forward and this backward in one call.
+
+    Notes
+    -----
+    The chunks run forward once keeping the state at each chunk border,
+    then in reverse.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
+    >>> beta, g = np.full(6, 0.5), np.full(6, -0.1)
+    >>> out = attnx.delta_rule_attention(q, k, v, beta, g)
+    >>> grads = attnx.delta_rule_attention_backward(np.ones_like(out), q, k, v, beta, g)
+    >>> grads.q.shape, grads.beta.shape, grads.g.shape
+    ((6, 4), (6,), (6,))
     """
     _check_method(method)
     chunk = _check_chunk(chunk)

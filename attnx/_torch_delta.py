@@ -126,12 +126,75 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' ``torch_chunk_gated_delta_rule`` (and fla's
-    ``chunk_gated_delta_rule``) on attnx: query, key [B, n, H_k, d_k],
-    value [B, n, H_v, d_v], g, beta [B, n, H_v] (g may be None: DeltaNet),
-    initial_state [B, H_v, d_k, d_v]; ``scale=`` (default d_k ** -0.5) may
-    be given by keyword as in fla. Returns (out [B, n, H_v, d_v] in query's
-    dtype, final state in the compute dtype or None)."""
+    """Gated DeltaNet's chunked delta rule on attnx, in transformers' layout.
+
+    Parameters
+    ----------
+    query, key : torch.Tensor, shape [B, n, H_k, d_k]
+        Queries and keys.
+    value : torch.Tensor, shape [B, n, H_v, d_v]
+        Values; H_v a multiple of H_k.
+    g : torch.Tensor or None
+        The log decay, [B, n, H_v] (one per token), or None (DeltaNet).
+    beta : torch.Tensor, shape [B, n, H_v]
+        The write strengths.
+    chunk_size : int, default 64
+        The chunk length.
+    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
+        The state to start from.
+    output_final_state : bool, default False
+        Also return the final state.
+    use_qk_l2norm_in_kernel : bool, default False
+        L2-normalise q and k first.
+    **kwargs
+        ``scale=`` (default ``d_k ** -0.5``) as in fla; ``cu_seqlens``
+        (packed sequences) raises NotImplementedError.
+
+    Returns
+    -------
+    out : torch.Tensor, shape [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : torch.Tensor or None
+        [B, H_v, d_k, d_v] in the compute dtype with
+        ``output_final_state=True``, else None.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or query, key, value of different
+        dtypes.
+    ValueError
+        Tensors of the wrong rank or on another device than the CPU.
+    NotImplementedError
+        ``cu_seqlens`` given.
+
+    See Also
+    --------
+    attnx.delta_rule_attention : The numpy function, heads before positions.
+    fused_recurrent_gated_delta_rule : The token loop, for decoding.
+
+    Notes
+    -----
+    Takes the place of transformers' ``torch_chunk_gated_delta_rule`` and fla's
+    ``chunk_gated_delta_rule``, differentiable (a custom op with autograd). The
+    formula is `attnx.delta_rule_attention`'s.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
+    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
+    >>> g = -torch.rand(1, 5, 2, dtype=torch.float64)
+    >>> out, state = attnx.torch.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    >>> out.shape, state.shape
+    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
+    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
+    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
+    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
+    True
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, False, chunk_size, kwargs,
                 "chunk_gated_delta_rule")
@@ -140,9 +203,73 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
 def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      **kwargs):
-    """transformers' ``torch_recurrent_gated_delta_rule`` (fla's
-    ``fused_recurrent_gated_delta_rule``) on attnx: the token loop, the
-    form for decoding; arguments as chunk_gated_delta_rule."""
+    """Gated DeltaNet's token loop on attnx, the form for decoding.
+
+    Parameters
+    ----------
+    query, key : torch.Tensor, shape [B, n, H_k, d_k]
+        Queries and keys.
+    value : torch.Tensor, shape [B, n, H_v, d_v]
+        Values; H_v a multiple of H_k.
+    g : torch.Tensor or None
+        The log decay, [B, n, H_v] (one per token), or None (DeltaNet).
+    beta : torch.Tensor, shape [B, n, H_v]
+        The write strengths.
+    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
+        The state to start from.
+    output_final_state : bool, default False
+        Also return the final state.
+    use_qk_l2norm_in_kernel : bool, default False
+        L2-normalise q and k first.
+    **kwargs
+        ``scale=`` (default ``d_k ** -0.5``) as in fla; ``cu_seqlens``
+        (packed sequences) raises NotImplementedError.
+
+    Returns
+    -------
+    out : torch.Tensor, shape [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : torch.Tensor or None
+        [B, H_v, d_k, d_v] in the compute dtype with
+        ``output_final_state=True``, else None.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or query, key, value of different
+        dtypes.
+    ValueError
+        Tensors of the wrong rank or on another device than the CPU.
+    NotImplementedError
+        ``cu_seqlens`` given.
+
+    See Also
+    --------
+    attnx.delta_rule_attention : The numpy function, heads before positions.
+    chunk_gated_delta_rule : The chunked form.
+
+    Notes
+    -----
+    Takes the place of transformers' ``torch_recurrent_gated_delta_rule`` and fla's
+    ``fused_recurrent_gated_delta_rule``. The
+    formula is `attnx.delta_rule_attention`'s.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
+    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
+    >>> g = -torch.rand(1, 5, 2, dtype=torch.float64)
+    >>> out, state = attnx.torch.fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    >>> out.shape, state.shape
+    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
+    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
+    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
+    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
+    True
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
                 "fused_recurrent_gated_delta_rule")
@@ -150,9 +277,72 @@ def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=N
 
 def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention (transformers' ``chunk_kimi_delta_attention``,
-    fla's ``chunk_kda``) on attnx: as chunk_gated_delta_rule with g
-    [B, n, H, d_k], a log decay per key channel."""
+    """Kimi Delta Attention, chunked, on attnx.
+
+    Parameters
+    ----------
+    query, key : torch.Tensor, shape [B, n, H_k, d_k]
+        Queries and keys.
+    value : torch.Tensor, shape [B, n, H_v, d_v]
+        Values; H_v a multiple of H_k.
+    g : torch.Tensor or None
+        The log decay, [B, n, H_v, d_k] (one per key channel).
+    beta : torch.Tensor, shape [B, n, H_v]
+        The write strengths.
+    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
+        The state to start from.
+    output_final_state : bool, default False
+        Also return the final state.
+    use_qk_l2norm_in_kernel : bool, default False
+        L2-normalise q and k first.
+    **kwargs
+        ``scale=`` (default ``d_k ** -0.5``) as in fla and ``chunk_size=``; ``cu_seqlens``
+        (packed sequences) raises NotImplementedError.
+
+    Returns
+    -------
+    out : torch.Tensor, shape [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : torch.Tensor or None
+        [B, H_v, d_k, d_v] in the compute dtype with
+        ``output_final_state=True``, else None.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or query, key, value of different
+        dtypes.
+    ValueError
+        Tensors of the wrong rank or on another device than the CPU.
+    NotImplementedError
+        ``cu_seqlens`` given.
+
+    See Also
+    --------
+    attnx.delta_rule_attention : The numpy function, heads before positions.
+    fused_recurrent_kda : The token loop.
+
+    Notes
+    -----
+    Takes the place of transformers' ``chunk_kimi_delta_attention`` and fla's ``chunk_kda``. The
+    formula is `attnx.delta_rule_attention`'s.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
+    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
+    >>> g = -torch.rand(1, 5, 2, 4, dtype=torch.float64)
+    >>> out, state = attnx.torch.chunk_kda(q, k, v, g, beta, output_final_state=True)
+    >>> out.shape, state.shape
+    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
+    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
+    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
+    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
+    True
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, False,
                 kwargs.get("chunk_size", 64), kwargs, "chunk_kda")
@@ -160,8 +350,73 @@ def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state
 
 def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention's token loop (transformers'
-    ``recurrent_kimi_delta_attention``, fla's ``fused_recurrent_kda``)."""
+    """Kimi Delta Attention's token loop on attnx.
+
+    Parameters
+    ----------
+    query, key : torch.Tensor, shape [B, n, H_k, d_k]
+        Queries and keys.
+    value : torch.Tensor, shape [B, n, H_v, d_v]
+        Values; H_v a multiple of H_k.
+    g : torch.Tensor or None
+        The log decay, [B, n, H_v, d_k] (one per key channel).
+    beta : torch.Tensor, shape [B, n, H_v]
+        The write strengths.
+    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
+        The state to start from.
+    output_final_state : bool, default False
+        Also return the final state.
+    use_qk_l2norm_in_kernel : bool, default False
+        L2-normalise q and k first.
+    **kwargs
+        ``scale=`` (default ``d_k ** -0.5``) as in fla; ``cu_seqlens``
+        (packed sequences) raises NotImplementedError.
+
+    Returns
+    -------
+    out : torch.Tensor, shape [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : torch.Tensor or None
+        [B, H_v, d_k, d_v] in the compute dtype with
+        ``output_final_state=True``, else None.
+
+    Raises
+    ------
+    TypeError
+        Arguments that are not tensors, or query, key, value of different
+        dtypes.
+    ValueError
+        Tensors of the wrong rank or on another device than the CPU.
+    NotImplementedError
+        ``cu_seqlens`` given.
+
+    See Also
+    --------
+    attnx.delta_rule_attention : The numpy function, heads before positions.
+    chunk_kda : The chunked form.
+
+    Notes
+    -----
+    Takes the place of transformers' ``recurrent_kimi_delta_attention`` and fla's
+    ``fused_recurrent_kda``. The
+    formula is `attnx.delta_rule_attention`'s.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
+    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
+    >>> g = -torch.rand(1, 5, 2, 4, dtype=torch.float64)
+    >>> out, state = attnx.torch.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    >>> out.shape, state.shape
+    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
+    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
+    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
+    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
+    True
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
                 "fused_recurrent_kda")
@@ -183,16 +438,47 @@ _replaced: dict = {}  # (module, name) -> the function attnx replaced
 
 
 def register_delta_rule():
-    """Make the linear-attention layers of transformers' Qwen3-Next,
-    Qwen3.5 (dense and MoE), OLMo hybrid and Kimi Linear models run on
-    attnx: the module-level functions their layers call
-    (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
-    ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``) are
-    replaced by attnx.torch's operators, in prefill, decoding with the
-    cache and training alike. Models built before or after the call are
-    affected; ``unregister_delta_rule()`` puts the originals back. Returns
-    the names of the modeling modules changed (those the installed
-    transformers has)."""
+    """Run transformers' delta-rule attention layers on attnx.
+
+    Returns
+    -------
+    list of str
+        The names of the modeling modules changed (those the installed
+        transformers has).
+
+    Raises
+    ------
+    None
+        Modules the installed transformers lacks are passed over.
+
+    See Also
+    --------
+    unregister_delta_rule : Puts transformers' functions back.
+    register_transformers : The same for softmax attention layers.
+
+    Notes
+    -----
+    The linear-attention layers of transformers' Qwen3-Next, Qwen3.5 (dense
+    and MoE), OLMo hybrid and Kimi Linear models call module-level
+    functions (``torch_chunk_gated_delta_rule``,
+    ``torch_recurrent_gated_delta_rule``, ``chunk_kimi_delta_attention``,
+    ``recurrent_kimi_delta_attention``); they are replaced by attnx.torch's
+    operators, in prefill, decoding with the cache and training alike.
+    Models built before or after the call are affected.
+
+    Examples
+    --------
+    >>> import attnx.torch
+    >>> import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+    >>> changed = attnx.torch.register_delta_rule()
+    >>> qwen3_next.__name__ in changed
+    True
+    >>> qwen3_next.torch_chunk_gated_delta_rule is attnx.torch.chunk_gated_delta_rule
+    True
+    >>> attnx.torch.unregister_delta_rule()
+    >>> qwen3_next.torch_chunk_gated_delta_rule is attnx.torch.chunk_gated_delta_rule
+    False
+    """
     import importlib
 
     changed = []
@@ -210,7 +496,30 @@ def register_delta_rule():
 
 
 def unregister_delta_rule():
-    """Undo register_delta_rule(): transformers' own functions again."""
+    """Undo `register_delta_rule`: transformers' own functions again.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    None
+        Nothing registered: nothing to undo.
+
+    See Also
+    --------
+    register_delta_rule : What this undoes.
+
+    Notes
+    -----
+    Each function attnx replaced is put back in its modeling module.
+
+    Examples
+    --------
+    >>> import attnx.torch
+    >>> attnx.torch.unregister_delta_rule()             # nothing registered: no change
+    """
     import sys
 
     for (module_name, name), original in list(_replaced.items()):

@@ -631,11 +631,8 @@ class SDPAValueError(RuntimeError, ValueError):
 
     Catchable as torch's RuntimeError (code written for torch's function
     keeps working) and as the ValueError attnx's other front ends raise.
-
-    Parameters
-    ----------
-    message : str
-        attnx's description of what is wrong, naming the argument.
+    Its message is attnx's description of what is wrong, naming the
+    argument.
 
     Raises
     ------
@@ -668,11 +665,8 @@ class SDPATypeError(RuntimeError, TypeError):
     """A wrong dtype given to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
 
     Catchable as torch's RuntimeError and as attnx's TypeError.
-
-    Parameters
-    ----------
-    message : str
-        attnx's description of what is wrong, naming the argument.
+    Its message is attnx's description of what is wrong, naming the
+    argument.
 
     Raises
     ------

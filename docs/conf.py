@@ -20,7 +20,6 @@ extensions = [
     "numpydoc",
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
-    "sphinx.ext.mathjax",
 ]
 
 root_doc = "index"
@@ -30,7 +29,6 @@ exclude_patterns = ["_build"]
 # the Markdown pages link each other by file name ([softmax.md](softmax.md));
 # myst resolves those to the pages, and -n reports any that do not exist
 myst_heading_anchors = 3
-myst_enable_extensions = ["dollarmath"]
 
 autosummary_generate = True
 # a class page shows the class's own docstring (its sections list what it
@@ -41,15 +39,13 @@ autodoc_default_options = {"members": False}
 # docstring's first line)
 autodoc_typehints = "none"
 
-# numpydoc: every public name has the sections of the numpy convention; the
-# build fails (-W) when a docstring misses a parameter, documents one that
-# does not exist, or lacks Returns, See Also or Examples
+# numpydoc: the build fails (-W) when a public name has no docstring, or its
+# docstring misses a parameter, documents one that does not exist, or lacks
+# Returns, See Also or Examples. numpydoc has no check for Raises and Notes:
+# tests/test_docstrings.py checks every section, and runs the Examples
 numpydoc_show_class_members = False
 numpydoc_xref_param_type = False
 numpydoc_validation_checks = {"PR01", "PR02", "RT01", "SA01", "EX01", "GL08"}
-# names whose parameters are documented as a group ("q, k, v : array_like")
-# or forwarded (**options) are still checked by the tests
-# (tests/test_docstrings.py)
 
 html_theme = "pydata_sphinx_theme"
 html_title = f"attnx {release}"
@@ -57,9 +53,7 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
 }
-html_static_path = []
 
+# every cross-reference must resolve (the -n of the build command, kept here
+# for builds without it, such as Read the Docs')
 nitpicky = True
-# types named in prose in the Parameters sections: numpydoc leaves these as
-# plain text (numpydoc_xref_param_type is off), so nothing here needs a target
-nitpick_ignore = []

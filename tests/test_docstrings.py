@@ -45,6 +45,7 @@ def _public():
             if not isinstance(value, type(attnx)):  # not a submodule
                 yield f"{module.__name__}.{name}", value
     yield "attnx.LinearAttentionState.step", attnx.LinearAttentionState.step
+    yield "attnx.DeltaRuleState.step", attnx.DeltaRuleState.step
 
 
 def _skip_if_missing(obj):
@@ -54,8 +55,10 @@ def _skip_if_missing(obj):
 
 PUBLIC = list(_public())
 SECTIONS = ["Parameters", "Returns", "Raises", "See Also", "Notes", "Examples"]
-# what has no parameters
-NO_PARAMETERS = {"attnx.get_num_threads", "attnx.show_config"}
+# what has no parameters (the exceptions take their message, as any)
+NO_PARAMETERS = {"attnx.get_num_threads", "attnx.show_config", "attnx.torch.SDPAValueError",
+                 "attnx.torch.SDPATypeError", "attnx.torch.register_delta_rule",
+                 "attnx.torch.unregister_delta_rule"}
 
 
 def _sections(doc):
