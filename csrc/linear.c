@@ -1209,7 +1209,7 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     return p;
 }
 
-int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
+int TYPED(attnx_linear_fwd_f32, attnx_linear_fwd_f64)(const attnx_linear_args *a)
 {
     if (a->heads == 0 || (a->n == 0 && !a->S_out)) return ATTNX_OK;
     linear_plan p = SFX(make_plan)(a);
@@ -1226,8 +1226,9 @@ int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
     return status;
 }
 
-void SFX(attnx_linear_flush)(void *S_data, const attnx_pending *pending, ptrdiff_t heads,
-                             ptrdiff_t r, ptrdiff_t e, int num_threads)
+void TYPED(attnx_linear_flush_f32, attnx_linear_flush_f64)(
+    void *S_data, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r, ptrdiff_t e,
+    int num_threads)
 {
     REAL *S = S_data;
     const ptrdiff_t capacity = pending->capacity;
@@ -2003,7 +2004,7 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
     if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, w->dS, e, w->dz);
 }
 
-int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
+int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_args *a)
 {
     if (a->heads == 0) return ATTNX_OK;
     bwd_plan p = {.a = a, .r = a->features.r, .C = a->method == ATTNX_METHOD_RECURRENT ? 1 : a->chunk,

@@ -35,7 +35,10 @@
  * MK_W and the other MK_ parameters defined; each body is compiled for its
  * instruction set under #pragma GCC target. Its kernels are named with the
  * suffix MK_SFX: _w16 and _w8 for float32 on AVX-512 and AVX2, _d8 and _d4
- * for float64. */
+ * for float64, by MK_NAME(name) where only this file calls them; one
+ * called from elsewhere is defined as MK_TYPED(name_w16, name_d8, name_w8,
+ * name_d4), or by its literal name where one width has it, so that grep
+ * finds its body by the name it is called by. */
 #ifndef MK_W
 #ifndef ATTNX_MICROKERNEL_H
 #define ATTNX_MICROKERNEL_H
@@ -282,6 +285,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 16
 #define MK_SFX w16
+#define MK_TYPED(w16, d8, w8, d4) w16
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
@@ -291,6 +295,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 8
 #define MK_SFX d8
+#define MK_TYPED(w16, d8, w8, d4) d8
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
@@ -300,6 +305,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 8
 #define MK_SFX w8
+#define MK_TYPED(w16, d8, w8, d4) w8
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
@@ -308,6 +314,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 4
 #define MK_SFX d4
+#define MK_TYPED(w16, d8, w8, d4) d4
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
 #define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
@@ -334,9 +341,10 @@ typedef MK_REAL MK_VEC __attribute__((vector_size(MK_W * sizeof(MK_REAL)),
  * rows [r0, r0 + strip): set those to -inf, then fold the block into the
  * strip's row max. Runs on the few blocks that straddle the band's edges;
  * padding lanes past the tile's rows are left as they are. */
-static inline void MK_NAME(mk_hide_and_max)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
-                                            ptrdiff_t r0, ptrdiff_t strip, ptrdiff_t c0,
-                                            ptrdiff_t kb, MK_REAL *tile_max)
+static inline void MK_TYPED(mk_hide_and_max_w16, mk_hide_and_max_d8, mk_hide_and_max_w8,
+                            mk_hide_and_max_d4)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, ptrdiff_t r0, ptrdiff_t strip, ptrdiff_t c0,
+    ptrdiff_t kb, MK_REAL *tile_max)
 {
     ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
     for (ptrdiff_t j = c0; j < c0 + kb; j++) {
@@ -485,10 +493,9 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_by)(
                                       full, pairs);
 }
 
-static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
-                                      const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
-                                      ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term,
-                                      MK_REAL *tile_max)
+static inline void MK_TYPED(mk_scores_w16, mk_scores_d8, mk_scores_w8, mk_scores_d4)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max)
 {
     MK_NAME(mk_scores_by)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, 0);
 }
@@ -497,10 +504,9 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t s
 /* mk_scores by the bfloat16 dot products: qt (strips, ceil(d / 2), 3 W)
  * and kt (slots, ceil(d / 2), KB) hold pair rows (mk_pair_rows) of
  * bfloat16 values, and d_pairs = ceil(d / 2) */
-static inline void MK_NAME(mk_scores_pairs)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
-                                            const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
-                                            ptrdiff_t d_pairs, MK_REAL scale,
-                                            const MK_REAL *key_term, MK_REAL *tile_max)
+static inline void mk_scores_pairs_w16(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d_pairs, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max)
 {
     MK_NAME(mk_scores_by)(t, st, st_ld, qt, kt, slots, d_pairs, scale, key_term, tile_max, 1);
 }
@@ -594,9 +600,9 @@ static __attribute__((noinline)) void MK_NAME(mk_add_pv_last_strip)(
  * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
  * pt_ld). Each strip's columns of ot are first multiplied by its rows'
  * correction, the online softmax's rescaling. */
-static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
-                                      const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-                                      ptrdiff_t e, const MK_REAL *correction)
+static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv_d4)(
+    const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction)
 {
     ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
     MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, 0, full, MK_RV);
@@ -1554,6 +1560,7 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
 #undef MK_REAL
 #undef MK_W
 #undef MK_SFX
+#undef MK_TYPED
 #undef MK_KB_W
 #undef MK_VMAX
 #undef MK_TARGET
