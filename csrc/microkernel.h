@@ -928,8 +928,8 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
  * A step is one pass over S, which streams from L2: the row is built in
  * registers, one accumulator per vector of columns, rows in order: the
  * loads set the pace, not the multiply-adds' latency (with two sets of
- * accumulators, even and odd rows, a loop of reads took 92 against 80 ns a
- * head on AMD Zen 5). Four heads can also take their steps together
+ * accumulators, even and odd rows, a loop of reads was slower:
+ * docs/performance.md, the C code's choices). Four heads can also take their steps together
  * (mk_decode_group_w16, below), with the same numbers.
  * S (r, e) contiguous; r % 16 == 0, e % 16 == 0, held < MK_DECODE_HELD. */
 #define MK_DECODE_HELD 16
@@ -1076,8 +1076,8 @@ static inline void mk_elu_row_w16(const float *x, ptrdiff_t d, float *f)
 
 /* phi = elu(q) + 1, psi = elu(k) + 1 for one query and one key row of d
  * features, d % 16 == 0: both rows' vectors interleaved, the exponentials'
- * chains of dependent operations overlapping (two calls of mk_elu_row_w16
- * instead: a 32-head decoding step 4.47 against 4.40 us on one thread) */
+ * chains of dependent operations overlapping (faster than two calls of
+ * mk_elu_row_w16: docs/performance.md, the C code's choices) */
 static inline void mk_elu_rows_w16(const float *q, const float *k, ptrdiff_t d, float *phi,
                                    float *psi)
 {
@@ -1117,8 +1117,8 @@ static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdif
  * read as mk_decode_read_w16 does: S, z and the rows are those of
  * four single steps, bit for bit. The rows leave divided by their
  * denominators, as linear.c's finish_rows divides them (1 / max(den, eps),
- * zeros where den == 0), in registers: finish_rows after the group took
- * it 605 against 540 ns (AMD Zen 5, one thread).
+ * zeros where den == 0), in registers: faster than finish_rows after the
+ * group (docs/performance.md, the C code's choices).
  * Each head's key must have joined its held keys (mk_decode_take_w16). */
 typedef struct {
     const float *phi;              /* (r) */
@@ -1199,9 +1199,8 @@ static inline __attribute__((always_inline)) void mk_decode_group_body_w16(
 }
 
 /* with r = e = 64 (the common head size) the loops take constant bounds
- * and strides, which leaves them their pointers in registers (without, a
- * 32-head step took 5.2 against 4.7 us on one thread, 3.0 against 2.8 us
- * on two) */
+ * and strides, which leaves them their pointers in registers (a tenth
+ * faster: docs/performance.md, the C code's choices) */
 static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, ptrdiff_t r,
                                        ptrdiff_t e, float eps)
 {
@@ -1216,8 +1215,8 @@ static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, 
  *   out = phi S,  den = phi . z
  * in one pass over S0 and S: each row of S is written and multiplied into
  * the row in registers, one accumulator chain per vector of columns as in
- * mk_decode_read_w16 (with two, even and odd rows, a 32-head call on two
- * threads took 4.91-5.14 against 4.69-4.73 us). S's entries are the
+ * mk_decode_read_w16 (two, even and odd rows, were slower:
+ * docs/performance.md, the C code's choices). S's entries are the
  * general path's (state_pass) bit for bit: one fused multiply-add each.
  * S0 rows S0_row apart (0: one zero row serves all), S (r, e) contiguous
  * and may be S0 itself (each entry is read before it is written);
@@ -1515,8 +1514,7 @@ static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(
 /* The two passes, with r = e = 64 and values rows 64 apart (contiguous
  * heads of 64 features) as constants: the lanes loops then address their
  * 16 rows of the state from one register instead of spilling 16 pointers
- * (hot, one core: 79-83% of the FMA peak against 74-76%; 8 heads, n =
- * 4096, one thread, loaded machine: backward ~12.5 ms against ~13.9). */
+ * (a tenth faster: docs/performance.md, the C code's choices). */
 static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, ptrdiff_t r,
                                           const float *v, ptrdiff_t v_row, const float *dout,
                                           ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,

@@ -489,8 +489,8 @@ int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args
 
     /* each thread a share of consecutive items, whole heads when they split
      * evenly, then what is left of the others' (softmax_claim_item). One thread
-     * runs on the caller: a parallel region of one costs about 0.2 us, a
-     * tenth of a tiny call. */
+     * runs on the caller: a parallel region of one costs a tenth of a tiny
+     * call. */
     if (threads == 1) {
         for (ptrdiff_t item = 0; item < work && !attnx_interrupted(a->interrupt, 1); item++)
             SFX(item_tile)(be, a, item, &plan, works);
