@@ -152,11 +152,49 @@ __all__ = [
     "set_num_threads",
     "set_output_cache",
     "show_config",
+    "cpu_dispatch",
 ]
 
 
+def cpu_dispatch():
+    """The kernel set each family of calls runs on this CPU.
+
+    Returns
+    -------
+    dict
+        ``{family: kernel set}``: "plain" (C + BLAS), "avx2", "avx512",
+        "avx512_bf16" (with bfloat16 dot products), "avx512_group" (decoding
+        four heads at once), "amx", "neon".
+
+    Raises
+    ------
+    None
+        This function does not raise.
+
+    See Also
+    --------
+    show_config : Prints the same beside the BLAS and threads.
+
+    Notes
+    -----
+    Chosen once at import from the CPU's features, less those the
+    environment variable ``ATTNX_DISABLE_CPU_FEATURES`` leaves out
+    (comma-separated, numpy's spelling: ``AVX512F``, ``AMX``, ``AVX2``,
+    ``FMA3``, ...). A call whose shape a set's kernels do not take runs the
+    plain code. Tests ask this table what ran instead of assuming the CPU.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> choice = attnx.cpu_dispatch()
+    >>> "softmax_forward" in choice and all(isinstance(v, str) for v in choice.values())
+    True
+    """
+    return dict(_C.build_info()["dispatch"])
+
+
 def show_config():
-    """Print the BLAS, SIMD level, thread count and numpy version in use.
+    """Print the BLAS, SIMD level, kernels per family, threads and numpy in use.
 
     Returns
     -------
@@ -176,8 +214,10 @@ def show_config():
     Notes
     -----
     The lines name the BLAS attnx was built with (single-threaded inside
-    attnx's OpenMP pool), the SIMD level of the kernels, whether AMX and
-    the bfloat16 dot product are in use, the threads, the output cache's
+    attnx's OpenMP pool), the SIMD level of the kernels, each family's
+    kernel set (`cpu_dispatch`), the CPU features
+    ``ATTNX_DISABLE_CPU_FEATURES`` left out, whether AMX and the bfloat16
+    dot product are in use, the threads, the output cache's
     limit, numpy's version and the compiler. Include them in a bug report.
 
     Examples
@@ -194,11 +234,11 @@ def show_config():
     print(f"attnx {__version__}")
     print(f"  BLAS:     {info['blas']} (single-threaded inside attnx's OpenMP pool)")
     print(f"  SIMD:     {info['simd']}")
-    amx = "float32 softmax products (bfloat16 x 3 split)" if info["amx"] else "not in use"
-    print(f"  AMX:      {amx}")
-    dot = info["bf16_dot"]
-    dot = "VDPBF16PS on bfloat16-valued float32 inputs" if dot == "avx512_bf16" else "off"
-    print(f"  bf16 dot: {dot}")
+    print(f"  CPU:      {', '.join(info['cpu_features']) or 'no features attnx dispatches on'}")
+    disabled = ", ".join(info["disabled_cpu_features"]) or "none"
+    print(f"  disabled: {disabled} (ATTNX_DISABLE_CPU_FEATURES)")
+    print("  kernels:  " + ", ".join(f"{family} {kernels}"
+                                     for family, kernels in info["dispatch"].items()))
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
     limit = set_output_cache(0)
     set_output_cache(limit)

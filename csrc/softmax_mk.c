@@ -9,7 +9,8 @@
  * output accumulates transposed in ot and is written out at the tile's
  * end. Legend as in softmax.c; see microkernel.h for qt, kt, vt.
  *
- * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot): the
+ * float32 on AVX-512 with the bfloat16 dot products (dispatch.h: the
+ * avx512_bf16 and amx sets): the
  * query strips and key panels are also put in pair rows (mk_pair_rows),
  * which tells whether their numbers are all bfloat16 values, as they are
  * for tensors widened from bfloat16. A tile whose queries and keys all are
@@ -33,7 +34,7 @@
  * any key, or, under a window, a ring over the keys two neighbouring query
  * tiles see, so that memory (and its page faults) does not grow with m. */
 typedef struct {
-    int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
+    int width;            /* the micro-kernels' instruction set (attnx_kernels_width) */
     void *kt;             /* (slots, d, KB) numbers of the call's type, KB = MK_KB(width) */
     void *vt;             /* (slots, e / KB, KB, KB); NULL: the values are read in place */
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
@@ -113,8 +114,9 @@ static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdi
 
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
  * 0: a panel of keys or a strip of queries */
-void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
-                  ptrdiff_t lanes, int width)
+void TYPED(mk_pack_f32, mk_pack_f64)(
+    REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d, ptrdiff_t lanes,
+    int width)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
     SFX(mk_transpose)(block, lanes, x, x_row, count, d, width);
@@ -242,8 +244,9 @@ static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_soft
                        w->tile_max);
 }
 
-void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
-                          ptrdiff_t rows, const REAL *inverse_sum, int width)
+void TYPED(mk_write_output_f32, mk_write_output_f64)(
+    const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out, ptrdiff_t rows,
+    const REAL *inverse_sum, int width)
 {
     /* normalised down ot's columns, then copied out: the output rows are
      * written once */
@@ -280,7 +283,8 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     ptrdiff_t packed_v = pack_values ? softmax_lines(slots * kb * a->e, size) : 0;
     ptrdiff_t queries = softmax_lines(st_ld * a->d, size), outputs = softmax_lines(st_ld * a->e, size);
     /* the pair rows of the bfloat16 dot products, where they run */
-    int pairs = be->mk->scores_pairs && attnx_bf16_dot();
+    int pairs = be->mk->scores_pairs &&
+                attnx_kernels_bf16_dot(attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD));
     ptrdiff_t d_pairs = (a->d + 1) / 2;
     ptrdiff_t packed_pairs = pairs ? softmax_lines(slots * kb * d_pairs, size) : 0;
     ptrdiff_t query_pairs = pairs ? softmax_lines(st_ld * d_pairs, size) : 0;
