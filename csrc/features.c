@@ -184,7 +184,7 @@ void TYPED(attnx_features_f32, attnx_features_f64)(
         return;
     }
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    /* fewer instructions (microkernel.h; elu took a tenth of a causal
+    /* fewer instructions (mk_decode.h; elu took a tenth of a causal
      * forward + backward: docs/performance.md, the C code's choices) */
     if (fm->kind == ATTNX_FM_ELU && attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512) {
         for (ptrdiff_t t = 0; t < rows; t++) mk_elu_row_w16(x + t * x_row, d, feat + t * r);

@@ -465,7 +465,7 @@ static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, 
 
 /* S += keys^T values for `rows` held keys (deferred steps), in key order
  * like the RNN steps they stand for: one pass over S. Float32 on AVX-512
- * keeps blocks of 6 rows of S in registers (microkernel.h); otherwise a
+ * keeps blocks of 6 rows of S in registers (mk_linear.h); otherwise a
  * block of one row stays in registers while the values stream from L1
  * (gemm_small, which adds each key into S in memory, was slower: docs/performance.md, the C code's choices). */
 static ATTNX_HOT void SFX(add_held)(ptrdiff_t r, ptrdiff_t e, REAL *S, const REAL *keys,
@@ -603,7 +603,7 @@ static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scr
 
 /* One whole chunk (KERNEL_CHUNK rows against as many keys) through the
  * fused AVX-512 kernel, which keeps every product in registers: read_state,
- * add_block and state_add in one pass (microkernel.h). Returns 0 where it
+ * add_block and state_add in one pass (mk_linear.h). Returns 0 where it
  * does not apply (float64, other CPUs, partial chunks, values holding inf
  * or NaN), leaving the work to those three. */
 static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
@@ -718,7 +718,7 @@ static SFX(values) SFX(token_features)(const linear_plan *p, const SFX(head) *hd
 #endif
 
 /* The functional single-token call (n = m = 1, causal, query 0 sees key
- * 0) through the float32 AVX-512 kernel (microkernel.h, mk_rnn_step_w16):
+ * 0) through the float32 AVX-512 kernel (mk_decode.h, mk_rnn_step_w16):
  * the key's RNN step from `from` into st and the query's row read from
  * it, one pass over the state, where the general path below takes
  * state_pass plus a dot product. A key removed by key_mask takes no step
@@ -782,7 +782,7 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
 }
 
 /* One single-token decoding step of a head through the float32 AVX-512
- * kernel (microkernel.h, mk_decode_step_w16): the generic steps of
+ * kernel (mk_decode.h, mk_decode_step_w16): the generic steps of
  * deferred_step below in one pass over S, elu features computed in place
  * (mk_elu_rows_w16, the same numbers as features.c). Returns 0 where it
  * does not apply (float64, other CPUs, r or e not whole vectors), leaving
@@ -804,7 +804,7 @@ static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const S
 }
 
 /* The decoding steps of the heads items[0..3] in one pass over their
- * states (microkernel.h, mk_decode_group_w16), where exactly one of them
+ * states (mk_decode.h, mk_decode_group_w16), where exactly one of them
  * takes its turn: with capacity 4 (HELD_KEYS in py_linear.c) any four
  * heads in a row have one turn among them. Elu features only, without a
  * key mask (the features token_features makes in place, no stabiliser
@@ -1261,7 +1261,7 @@ void TYPED(attnx_linear_flush_f32, attnx_linear_flush_f64)(
  * rows that sees it, the state only carrying S0 and the gradient at the
  * returned state. Memory: O(C (r + e) + r e) per thread plus 2 n numbers.
  * Float32 on AVX-512, whole causal chunks of 16 take each pass's steps in
- * one fused kernel (bwd_fused_chunk; microkernel.h), about twice as fast
+ * one fused kernel (bwd_fused_chunk; mk_linear.h), about twice as fast
  * as the steps below at their best chunk (docs/performance.md, the C code's choices).
  *
  * FAVOR+ runs on the stabilised features (as the forward does, the clamp
@@ -1697,7 +1697,7 @@ static void SFX(bwd_key_columns)(const bwd_plan *p, const SFX(bhead) *hd, const 
 
 /* Whole chunks (KERNEL_CHUNK rows against their diagonal block of as
  * many keys, features and values in w) through the fused AVX-512 kernels
- * of microkernel.h, which keep each product's block in registers: one
+ * of mk_linear.h, which keep each product's block in registers: one
  * chunk of bwd_scan_head's pass (1), or with keys_pass of its pass (2).
  * Returns 0 where they do not apply (float64, other CPUs, partial chunks,
  * a block holding inf or NaN, whose zeroed pairs must not carry it),

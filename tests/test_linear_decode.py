@@ -299,7 +299,7 @@ def test_step_is_repeatable_across_threads():
 
 # Single-token steps of float32 states whose r and e are whole AVX-512
 # vectors run through one fused kernel per head on CPUs that have it
-# (microkernel.h, mk_decode_step_w16): S read in one pass, the held keys'
+# (csrc/mk_decode.h, mk_decode_step_w16): S read in one pass, the held keys'
 # terms added in registers, and at a head's turn its held keys added into S
 # in the same pass. The decoding family held to its plain kernel set
 # (dispatched(decode="plain"), csrc/dispatch.c) runs the general
@@ -415,7 +415,7 @@ def test_decode_kernel_favor_and_nonfinite_values():
 @pytest.mark.parametrize("d,e", [(64, 64), (32, 80), (16, 128)])
 def test_decode_group_equals_single_heads(d, e):
     """Four heads in a row take their steps together, one of them at its
-    turn (microkernel.h, mk_decode_group_w16): the outputs, S and z of the
+    turn (csrc/mk_decode.h, mk_decode_group_w16): the outputs, S and z of the
     same steps taken one head at a time, bit for bit, over every tick
     phase, both directions of the heads' order (heads 0 and 1 are in a
     group on one step and alone on the next), e past one vector block; a
@@ -463,7 +463,7 @@ def test_decode_kernel_elu_features_bit_for_bit():
 
 # The functional single-token call (n = m = 1, causal) from a state of
 # float32 whose r and e are whole AVX-512 vectors runs one fused pass per
-# head too (microkernel.h, mk_rnn_step_w16): S = S0 + psi v^T written and
+# head too (csrc/mk_decode.h, mk_rnn_step_w16): S = S0 + psi v^T written and
 # read in the same pass. Its S and z are the general path's bit for bit in
 # an optimised build (one fused multiply-add per entry on both), its
 # outputs agree to float32 rounding (the row's sums run in another order).
