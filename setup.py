@@ -10,10 +10,11 @@ BLAS choice (environment variable ATTNX_BLAS):
 ATTNX_DEBUG=1 builds -O0 -g with AddressSanitizer and UBSan (see
 tests/run_sanitizers.sh).
 
-Compilers: gcc on Linux (OpenMP from libgomp); Apple clang on macOS with
-LLVM's libomp (Homebrew's, or the prefix in OpenMP_ROOT). MSVC cannot
-compile the kernels (GCC vector extensions, aligned_alloc): a Windows build
-stops with a message saying so.
+Compilers: gcc or clang (CC=clang) on Linux, x86-64 and aarch64 (OpenMP
+from libgomp, or LLVM's libomp with clang: Debian's libomp-dev); Apple
+clang on macOS with LLVM's libomp (Homebrew's, or the prefix in
+OpenMP_ROOT). MSVC cannot compile the kernels (GCC vector extensions): a
+Windows build stops with a message saying so.
 
 The only run path written into the module is the package's own folder
 ($ORIGIN / @loader_path): the build machine's library paths that Python's
@@ -171,10 +172,28 @@ def replace_file(src, dst):
     os.replace(dst + ".tmp", dst)
 
 
+def is_clang(command):
+    """True when the compiler command (a list, as setuptools holds it) is clang."""
+    try:
+        version = subprocess.run(command[:1] + ["--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return False
+    return "clang" in version
+
+
+# clang cannot vectorise a max reduction under IEEE rules (a NaN is kept
+# apart, lsh.c's row max), and says so for every `omp simd reduction(max)`;
+# that loop runs one number at a time there
+CLANG_ARGS = ["-Wno-pass-failed"]
+
+
 class BuildExtBundlingBlas(build_ext):
     """Copy the bundled BLAS library and its licences next to the module."""
 
     def build_extensions(self):
+        if is_clang(self.compiler.compiler_so):
+            for extension in self.extensions:
+                extension.extra_compile_args = extension.extra_compile_args + CLANG_ARGS
         # Python's link command (sysconfig LDSHARED) may carry the run path
         # of the interpreter's own lib folder (pyenv, conda): not ours to ship
         linker = getattr(self.compiler, "linker_so", None)

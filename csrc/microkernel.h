@@ -33,7 +33,7 @@
  *
  * The file includes itself once per number type and instruction set, with
  * MK_W and the other MK_ parameters defined; each body is compiled for its
- * instruction set under #pragma GCC target. Its kernels are named with the
+ * instruction set (MK_TARGET, portable.h). Its kernels are named with the
  * suffix MK_SFX: _w16 and _w8 for float32 on AVX-512 and AVX2, _d8 and _d4
  * for float64. */
 #ifndef MK_W
@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "attnx.h"
+#include "portable.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -131,7 +132,7 @@ static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptr
     if (*hi < *lo) *hi = *lo;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#ifdef ATTNX_X86_KERNELS
 #define MK_HAVE_X86 1
 
 /* dst[c][r] = src[r][c] for an 8 x 8 block (row strides in floats) */
@@ -284,7 +285,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_SFX w16
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
 #define MK_PAIRS 1 /* with the bfloat16 dot products */
 #include "microkernel.h"
 
@@ -293,7 +294,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_SFX d8
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
 #include "microkernel.h"
 
 /* AVX2: in 12 of the 16 ymm registers */
@@ -302,7 +303,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_SFX w8
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
 #include "microkernel.h"
 
 #define MK_REAL double
@@ -310,7 +311,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_SFX d4
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
 #include "microkernel.h"
 #endif
 
@@ -329,7 +330,6 @@ static inline int attnx_mk_width(void)
 
 #else /* MK_W: the kernels for one vector width */
 
-#pragma GCC push_options
 MK_TARGET
 
 #define MK_CAT2(a, b) a##b
@@ -1560,7 +1560,7 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
 #undef MK_CAT
 #undef MK_NAME
 #undef MK_VEC
-#pragma GCC pop_options
+ATTNX_TARGET_POP
 /* the parameters of this instantiation */
 #undef MK_REAL
 #undef MK_W

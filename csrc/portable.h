@@ -1,0 +1,87 @@
+/* portable.h - what differs between the compilers and C libraries attnx
+ * builds with: GCC and clang on Linux (glibc or musl) and macOS, for x86-64
+ * and aarch64; clang-cl on Windows.
+ *
+ * - ATTNX_X86_KERNELS: the x86 kernels (AVX2+FMA, AVX-512, AMX) are
+ *   compiled, each under its own target, and chosen at run time by the CPU's
+ *   features. GCC and clang both take GNU vector extensions and target
+ *   attributes; -DATTNX_NO_CLONES leaves every run-time-chosen path out (a
+ *   plain C + BLAS build).
+ * - ATTNX_CLONES: target_clones (several copies of a function, one picked
+ *   by the dynamic loader). It needs ifunc, which glibc has and musl, macOS
+ *   and Windows lack; there the plain copy runs and the kernels above are
+ *   still chosen by attnx itself.
+ * - ATTNX_TARGET_PUSH(features) ... ATTNX_TARGET_POP: compile the functions
+ *   between them for an instruction set (GCC's target pragma; clang's is
+ *   spelled as an attribute applied to every function in the region).
+ * - aligned allocation, the monotonic clock: C11 and POSIX here, the
+ *   Microsoft CRT's spellings on Windows. */
+#ifndef ATTNX_PORTABLE_H
+#define ATTNX_PORTABLE_H
+
+#include <stdlib.h>
+#include <time.h>
+#ifdef _WIN32
+#include <malloc.h>
+#include <windows.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ATTNX_NO_CLONES)
+#define ATTNX_X86_KERNELS 1
+#endif
+
+/* __GLIBC__ comes from <features.h>, which stdlib.h includes on glibc */
+#if defined(ATTNX_X86_KERNELS) && defined(__GLIBC__)
+#define ATTNX_CLONES(...) __attribute__((target_clones(__VA_ARGS__)))
+#else
+#define ATTNX_CLONES(...)
+#endif
+
+#define ATTNX_PRAGMA(text) _Pragma(#text)
+#ifdef __clang__
+#define ATTNX_TARGET_PUSH(features) \
+    ATTNX_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+#define ATTNX_TARGET_POP ATTNX_PRAGMA(clang attribute pop)
+#else
+#define ATTNX_TARGET_PUSH(features) ATTNX_PRAGMA(GCC push_options) ATTNX_PRAGMA(GCC target(features))
+#define ATTNX_TARGET_POP ATTNX_PRAGMA(GCC pop_options)
+#endif
+
+/* size bytes at an address that is a multiple of alignment (a power of two,
+ * at least sizeof(void *)); NULL when out of memory. Freed by
+ * attnx_aligned_free only (the Windows CRT keeps such blocks apart). */
+static inline void *attnx_aligned_alloc(size_t alignment, size_t size)
+{
+#ifdef _WIN32
+    return _aligned_malloc(size ? size : 1, alignment);
+#else
+    void *block = NULL;
+    return posix_memalign(&block, alignment, size ? size : 1) == 0 ? block : NULL;
+#endif
+}
+
+static inline void attnx_aligned_free(void *block)
+{
+#ifdef _WIN32
+    _aligned_free(block);
+#else
+    free(block);
+#endif
+}
+
+/* seconds on a clock that never goes back */
+static inline double attnx_monotonic_seconds(void)
+{
+#ifdef _WIN32
+    LARGE_INTEGER count, frequency;
+    QueryPerformanceCounter(&count);
+    QueryPerformanceFrequency(&frequency);
+    return (double)count.QuadPart / (double)frequency.QuadPart;
+#else
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+#endif
+}
+
+#endif /* ATTNX_PORTABLE_H */
