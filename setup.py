@@ -22,6 +22,8 @@ own link command carries (LDSHARED's -Wl,-rpath,...) are removed, so a
 built module never looks for libraries where it was built.
 """
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -39,26 +41,38 @@ def fail(message):
 
 
 def scipy_openblas():
-    try:
-        import scipy_openblas32 as sob
-    except ImportError:
+    # read from its files, not imported: its import loads the library, which
+    # fails when the build is for another machine (a cross-compile)
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None:
         fail("no BLAS found. Install one of:\n"
              "  pip install scipy-openblas32        (the default; pip does this\n"
              "                                       itself for `pip install .`)\n"
              "  apt-get install libopenblas-dev pkg-config, then build with\n"
              "  ATTNX_BLAS=system")
-    lib_dir = sob.get_lib_dir()
-    lib_file = os.path.join(lib_dir, sob.get_library(fullname=True))
+    package_dir = list(spec.submodule_search_locations)[0]
+    lib_dir = os.path.join(package_dir, "lib")
+    shared = (".so", ".dylib", ".lib")
+    lib_names = sorted(f for f in os.listdir(lib_dir)
+                       if f.startswith("libscipy_openblas") and f.endswith(shared))
+    if not lib_names:
+        fail("the scipy-openblas32 package in %s holds no library" % package_dir)
+    lib_file = os.path.join(lib_dir, lib_names[0])
+    # the link name: without "lib" for -l, whole for MSVC's libscipy_openblas.lib
+    link_name = os.path.splitext(lib_names[0])[0]
+    if sys.platform != "win32":
+        link_name = link_name[len("lib"):]
+    version = importlib.metadata.version("scipy-openblas32")
     info = {
-        "include_dirs": [sob.get_include_dir()],
+        "include_dirs": [os.path.join(package_dir, "include")],
         "library_dirs": [lib_dir],
-        "libraries": [sob.get_library()],
+        "libraries": [link_name],
         "define_macros": [("ATTNX_BLAS_SCIPY_PREFIX", "1"),
-                          ("ATTNX_BLAS_NAME", '"scipy-openblas32 %s"' % sob.__version__)],
+                          ("ATTNX_BLAS_NAME", '"scipy-openblas32 %s"' % version)],
         "bundle": [lib_file],
         "licenses": [],
     }
-    dist = os.path.dirname(os.path.dirname(sob.__file__))
+    dist = os.path.dirname(package_dir)
     for entry in os.listdir(dist):
         if entry.startswith("scipy_openblas32") and entry.endswith(".dist-info"):
             lic_dir = os.path.join(dist, entry, "licenses")
