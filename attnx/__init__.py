@@ -118,7 +118,8 @@ def show_config():
 
     info = _C.build_info()
     print(f"attnx {__version__}")
-    print(f"  BLAS:     {info['blas']} (single-threaded inside attnx's OpenMP pool)")
+    print(f"  BLAS:     {info['blas']}, {info['blas_core']} kernels "
+          f"(single-threaded inside attnx's OpenMP pool)")
     print(f"  SIMD:     {info['simd']}")
     amx = "float32 softmax products (bfloat16 x 3 split)" if info["amx"] else "not in use"
     print(f"  AMX:      {amx}")

@@ -416,6 +416,8 @@ static inline int attnx_omp_threads(int threads)
 /* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
 int attnx_runtime_init(void);
 const char *attnx_blas_name(void);
+/* the kernels OpenBLAS chose for this CPU at load (its core name) */
+const char *attnx_blas_core(void);
 const char *attnx_simd_level(void);
 
 #endif

@@ -252,13 +252,15 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
 #else
     const int optimized = 0;
 #endif
-    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(),
-                         "simd", attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:s,s:N,s:s,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(),
+                         "blas_core", attnx_blas_core(), "simd", attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
                          attnx_softmax_backend_name(limit), "softmax_backends", backends,
                          "bf16_conversion", attnx_bf16_path_name(attnx_bf16_path()),
                          "bf16_dot", bf16_dot_name(attnx_bf16_dot()),
                          "num_threads", attnx_get_num_threads(), "compiler",
-#ifdef __VERSION__
+#if defined(__clang__)
+                         "clang " __clang_version__,
+#elif defined(__VERSION__)
                          "gcc " __VERSION__,
 #else
                          "unknown",
@@ -306,7 +308,7 @@ static PyMethodDef methods[] = {
      "_convert_bf16(src, dst): bfloat16 bits (int16/uint16) <-> float32, rounding to nearest even; "
      "returns dst."},
     {"build_info", build_info, METH_NOARGS,
-     "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
+     "BLAS, its core (the kernels it chose for this CPU), SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
      "bfloat16 conversion, bfloat16 dot products, threads, compiler, optimized build."},
     {NULL, NULL, 0, NULL},
 };

@@ -126,6 +126,8 @@ int attnx_runtime_init(void)
 
 const char *attnx_blas_name(void) { return ATTNX_BLAS_NAME; }
 
+const char *attnx_blas_core(void) { return ATTNX_OPENBLAS(openblas_get_corename)(); }
+
 const char *attnx_simd_level(void)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
