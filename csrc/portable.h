@@ -32,6 +32,7 @@
 
 /* __GLIBC__ comes from <features.h>, which stdlib.h includes on glibc */
 #if defined(ATTNX_X86_KERNELS) && defined(__GLIBC__)
+#define ATTNX_HAVE_CLONES 1
 #define ATTNX_CLONES(...) __attribute__((target_clones(__VA_ARGS__)))
 #else
 #define ATTNX_CLONES(...)

@@ -130,10 +130,16 @@ const char *attnx_blas_core(void) { return ATTNX_OPENBLAS(openblas_get_corename)
 
 const char *attnx_simd_level(void)
 {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(MK_HAVE_X86) && defined(ATTNX_HAVE_CLONES)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return "AVX-512 (x86-64-v4 clones)";
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "AVX2+FMA (x86-64-v3 clones)";
+    return "baseline x86-64 (SSE2)";
+#elif defined(MK_HAVE_X86)
+    /* no target_clones (portable.h): the kernels alone are chosen at run time */
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return "AVX-512 (kernels)";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "AVX2+FMA (kernels)";
     return "baseline x86-64 (SSE2)";
 #else
     return "compiler default";
