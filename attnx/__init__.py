@@ -160,11 +160,22 @@ __all__ = [
     "set_num_threads",
     "set_output_cache",
     "show_config",
+    "cpu_dispatch",
 ]
 
 
+def cpu_dispatch():
+    """{family: kernel set} the calls of each family run on this CPU: "plain"
+    (C + BLAS), "avx2", "avx512", "avx512_bf16" (with bfloat16 dot products),
+    "avx512_group" (decoding four heads at once), "amx". Chosen at import from
+    the CPU's features, less those ATTNX_DISABLE_CPU_FEATURES leaves out; a
+    call whose shape a set's kernels do not take runs the plain code."""
+    return dict(_C.build_info()["dispatch"])
+
+
 def show_config():
-    """Print the BLAS, SIMD level, thread count and numpy version in use."""
+    """Print the BLAS, SIMD level, each family's kernels (cpu_dispatch), the
+    CPU features left out, thread count and numpy version in use."""
     import numpy
 
     info = _C.build_info()
@@ -172,11 +183,11 @@ def show_config():
     print(f"  BLAS:     {info['blas']}, {info['blas_core']} kernels "
           f"(single-threaded inside attnx's OpenMP pool)")
     print(f"  SIMD:     {info['simd']}")
-    amx = "float32 softmax products (bfloat16 x 3 split)" if info["amx"] else "not in use"
-    print(f"  AMX:      {amx}")
-    dot = info["bf16_dot"]
-    dot = "VDPBF16PS on bfloat16-valued float32 inputs" if dot == "avx512_bf16" else "off"
-    print(f"  bf16 dot: {dot}")
+    print(f"  CPU:      {', '.join(info['cpu_features']) or 'no features attnx dispatches on'}")
+    disabled = ", ".join(info["disabled_cpu_features"]) or "none"
+    print(f"  disabled: {disabled} (ATTNX_DISABLE_CPU_FEATURES)")
+    print("  kernels:  " + ", ".join(f"{family} {kernels}"
+                                     for family, kernels in info["dispatch"].items()))
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
     limit = set_output_cache(0)
     set_output_cache(limit)

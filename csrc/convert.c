@@ -17,10 +17,10 @@
 #include "attnx.h"
 #include "convert.h"
 #include "portable.h"
+#include "dispatch.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef ATTNX_CONVERT_X86
 #include <immintrin.h>
-#define CONVERT_X86 1
 #endif
 
 #define CONVERT_HOT ATTNX_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
@@ -82,7 +82,7 @@ static CONVERT_HOT void narrow_row_portable(uint16_t *dst, const float *src, ptr
     }
 }
 
-#ifdef CONVERT_X86
+#ifdef ATTNX_CONVERT_X86
 /* VCVTNEPS2BF16 rounds to nearest even and quiets NaN as narrow_one does,
  * but reads denormal inputs as zero; lanes holding one are redone by
  * narrow_one so that both paths give the same bits. */
@@ -109,36 +109,6 @@ __attribute__((target("avx512f,avx512bf16"))) static void narrow_row_avx512(
     for (; i < count; i++) dst[i] = narrow_one(src[i]);
 }
 #endif
-
-/* ---------------------------------------------------------- the path */
-
-static int bf16_path = ATTNX_BF16_PORTABLE;
-
-int attnx_bf16_avx512_available(void)
-{
-#ifdef CONVERT_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-#else
-    return 0;
-#endif
-}
-
-int attnx_bf16_path(void) { return bf16_path; }
-
-int attnx_set_bf16_path(int path)
-{
-    if (path != ATTNX_BF16_PORTABLE && (path != ATTNX_BF16_AVX512 || !attnx_bf16_avx512_available()))
-        return -1;
-    int before = bf16_path;
-    bf16_path = path;
-    return before;
-}
-
-const char *attnx_bf16_path_name(int path)
-{
-    return path == ATTNX_BF16_AVX512 ? "avx512_bf16" : "portable";
-}
 
 /* ---------------------------------------------------------- the walk */
 
@@ -240,8 +210,9 @@ int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff
                         const ptrdiff_t *src_strides)
 {
     narrow_fn narrow = narrow_row_portable;
-#ifdef CONVERT_X86
-    if (bf16_path == ATTNX_BF16_AVX512) narrow = narrow_row_avx512;
+#ifdef ATTNX_CONVERT_X86
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX512_BF16)
+        narrow = narrow_row_avx512;
 #endif
     return convert(NULL, narrow, dst, src, ndim, shape, src_strides);
 }

@@ -15,6 +15,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "dispatch.h"
 #include "microkernel.h" /* mk_elu_row_w16 */
 
 #define ATTNX_FAMILY_FILE "features.c"
@@ -185,7 +186,7 @@ void SFX(attnx_features)(const attnx_feature_map *fm, int is_key, const REAL *x,
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     /* fewer instructions (microkernel.h; elu took a tenth of a causal
      * forward + backward) */
-    if (fm->kind == ATTNX_FM_ELU && attnx_mk_width() == 16) {
+    if (fm->kind == ATTNX_FM_ELU && attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512) {
         for (ptrdiff_t t = 0; t < rows; t++) mk_elu_row_w16(x + t * x_row, d, feat + t * r);
         return;
     }

@@ -45,6 +45,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "dispatch.h"
 #include "microkernel.h"
 
 /* A head is cut into segments only when each gets at least this many
@@ -472,7 +473,8 @@ static ATTNX_HOT void SFX(add_held)(ptrdiff_t r, ptrdiff_t e, REAL *S, const REA
                                     const REAL *values, ptrdiff_t rows)
 {
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    if (attnx_mk_width() == 16 && r % 2 == 0 && e % 16 == 0) {
+    if (attnx_kernels_width(attnx_kernels(ATTNX_FAMILY_DECODE)) == 16 && r % 2 == 0 &&
+        e % 16 == 0) {
         mk_add_keys_w16(keys, r, values, e, rows, S, e, NULL);
         return;
     }
@@ -1163,14 +1165,15 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     /* the fused kernel: whole chunks of 16 under a causal band that opens
      * at key 0, features in blocks of 8, values in whole vectors */
-    p.chunk_kernel = attnx_mk_width() == 16 && p.C == KERNEL_CHUNK && p.r % 8 == 0 &&
-                     a->e % 16 == 0 && !a->band.has_lo;
-    p.decode_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && a->pending.psi &&
-                      p.r % 16 == 0 && a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
-    p.decode_group = p.decode_kernel && attnx_decode_group_enabled() &&
+    int decode_set = attnx_kernels(ATTNX_FAMILY_DECODE);
+    p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512 &&
+                     p.C == KERNEL_CHUNK && p.r % 8 == 0 && a->e % 16 == 0 && !a->band.has_lo;
+    p.decode_kernel = attnx_kernels_width(decode_set) == 16 && a->pending.psi && p.r % 16 == 0 &&
+                      a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
+    p.decode_group = p.decode_kernel && decode_set == ATTNX_KERNELS_AVX512_GROUP &&
                      a->features.kind == ATTNX_FM_ELU && a->normalise;
     /* the single-token call: its query sees its key, and no segments */
-    p.step_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && !a->pending.psi &&
+    p.step_kernel = attnx_kernels_width(decode_set) == 16 && !a->pending.psi &&
                     a->method == ATTNX_METHOD_RECURRENT && a->n == 1 && a->m == 1 &&
                     !a->band.has_lo && attnx_band_end(&a->band, 0) == 1 && p.r % 16 == 0 &&
                     a->e % 16 == 0;
@@ -2008,7 +2011,8 @@ int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     /* the fused kernels: causal chunks of 16 under a band that opens at
      * key 0 and no mask, features in blocks of 8, values in whole vectors */
-    p.chunk_kernel = attnx_mk_width() == 16 && a->method == ATTNX_METHOD_CHUNK &&
+    p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_BWD) == ATTNX_KERNELS_AVX512 &&
+                     a->method == ATTNX_METHOD_CHUNK &&
                      p.C == KERNEL_CHUNK && p.causal && !a->band.has_lo && !a->mask &&
                      p.r % 8 == 0 && a->e % 16 == 0;
 #endif

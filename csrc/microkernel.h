@@ -1,6 +1,6 @@
 /* microkernel.h - register-blocked kernels for the softmax tiles, float32
- * and float64, for AVX-512 and AVX2+FMA, picked at run time
- * (attnx_mk_width), and for one chunk of kernelised attention on AVX-512,
+ * and float64, for AVX-512 and AVX2+FMA, picked at import (dispatch.h),
+ * and for one chunk of kernelised attention on AVX-512,
  * float32 (at the end of the file).
  * Header functions are static inline, so that a file that uses some of
  * them compiles without the others.
@@ -54,7 +54,7 @@
  * a query tile that holds whole AVX-512 strips holds whole AVX2 strips */
 #define MK_RV 3
 #define MK_STRIP(lanes) (MK_RV * (lanes))
-/* An instruction set is named by its float32 lanes w (attnx_mk_width: 16
+/* An instruction set is named by its float32 lanes w (attnx_kernels_width: 16
  * for AVX-512, 8 for AVX2); it holds MK_LANES(w, size) numbers of `size`
  * bytes per vector, and its panels MK_KB(w) keys, so that MK_KB(w) x MK_RV
  * accumulators fill its registers for either type. */
@@ -210,7 +210,7 @@ __attribute__((target("avx2"))) static inline void mk_transpose4_f64(double *dst
     }
 }
 
-/* The bfloat16 dot products (attnx_bf16_dot). VDPBF16PS (avx512_bf16)
+/* The bfloat16 dot products (dispatch.h, attnx_kernels_bf16_dot). VDPBF16PS (avx512_bf16)
  * adds to each float32 lane l the products of its two bfloat16 pairs,
  * a[2l] b[2l] + a[2l + 1] b[2l + 1]. A product of two bfloat16 numbers
  * (8-bit significands) is exact in float32, so on operands whose numbers
@@ -314,17 +314,6 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
 #include "microkernel.h"
 #endif
-
-/* floats per vector of the best kernels this CPU runs, 0 for none */
-static inline int attnx_mk_width(void)
-{
-#ifdef MK_HAVE_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 16;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 8;
-#endif
-    return 0;
-}
 
 #endif /* ATTNX_MICROKERNEL_H */
 

@@ -345,17 +345,16 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
  * whole groups of a panel's width (the P V kernel's columns) and the tiles
  * have rows enough to pay for packing the keys; AMX on top for float32,
  * where the keys' operands (all of the head's) need not be kept to a
- * window and no dropout (which its walk by blocks does not apply); none
- * past the limit a test or ATTNX_SOFTMAX_BACKEND sets. */
+ * window and no dropout (which its walk by blocks does not apply); each
+ * only where the softmax forward's table chose it (dispatch.h). */
 const SFX(softmax_backend) *SFX(softmax_choose_backend)(const attnx_softmax_args *a)
 {
-    int limit = attnx_softmax_backend_limit();
-    int cpu_width = limit >= ATTNX_BACKEND_MK ? attnx_mk_width() : 0;
+    int set = attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD);
+    int cpu_width = attnx_kernels_width(set);
     if (!cpu_width || a->e % MK_KB(cpu_width) != 0 || a->n < MK_MIN_ROWS)
         return &SFX(softmax_plain);
 #if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
-    if (cpu_width == 16 && limit >= ATTNX_BACKEND_AMX && attnx_amx_usable() &&
-        !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
+    if (set == ATTNX_KERNELS_AMX && !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
         return &softmax_amx_f32;
 #endif
 #ifdef MK_HAVE_X86

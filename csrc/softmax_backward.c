@@ -27,8 +27,8 @@
  * dQ gets one partial per group, added in group order at the end (with one
  * group, the item adds into dq directly).
  *
- * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot,
- * microkernel.h): the two products whose operands are both inputs, the
+ * float32 on AVX-512 with the bfloat16 dot products (the avx512_bf16 set,
+ * dispatch.h; microkernel.h): the two products whose operands are both inputs, the
  * scores Q K^T and dP = dO V^T, run on pairs of bfloat16 values where a
  * block's operands all are bfloat16 values (as tensors widened from
  * bfloat16 are; the output gradient too, when it was bfloat16); the other
@@ -75,9 +75,8 @@ enum { PAIRED = 1, Q_EXACT = 2, DOUT_EXACT = 4 };
 
 #ifdef MK_HAVE_X86
 /* The five products on AVX-512 without BLAS (whose kernels may be chosen
- * for a lesser CPU: OPENBLAS_CORETYPE), where gcc can target it (the CPU
- * is asked at run time, attnx_mk_width; a backend limit of "plain" from
- * ATTNX_SOFTMAX_BACKEND or a test keeps them on BLAS), as one
+ * for a lesser CPU: OPENBLAS_CORETYPE), where gcc can target it and the
+ * softmax backward's table chose AVX-512 (dispatch.h), as one
  * register-blocked kernel:
  *   c (rows, cols) = alpha a b   (or += when accumulate)
  * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
@@ -593,15 +592,15 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     /* AVX-512 products where the CPU has them and d, e are whole vectors */
     int zmm = 0;
 #ifdef MK_HAVE_X86
-    zmm = attnx_softmax_backend_limit() >= ATTNX_BACKEND_MK && attnx_mk_width() == 16 &&
-          d % ZLANES == 0 && a->e % ZLANES == 0;
+    int set = attnx_kernels(ATTNX_FAMILY_SOFTMAX_BWD);
+    zmm = attnx_kernels_width(set) == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
     ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
     /* the bfloat16 dot products: the key block's and the item's query
      * blocks' pair rows (float32, so the numbers are the pairs' size) */
     int pairs = 0;
 #ifdef BWD_PAIRS
-    pairs = zmm && attnx_bf16_dot();
+    pairs = zmm && attnx_kernels_bf16_dot(set);
 #endif
     ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (BC + n)) : 0;
     int dropout = a->dropout_p > 0;

@@ -19,6 +19,7 @@
 
 #include "amx.h"
 #include "attnx.h"
+#include "dispatch.h"
 #include "microkernel.h"
 
 /* Tile sizes: a scores tile of Q_TILE x KEY_TILE stays in L2, and tall
@@ -123,7 +124,7 @@ typedef struct {
 typedef struct SFX(softmax_backend) SFX(softmax_backend);
 typedef struct SFX(mk_kernels) SFX(mk_kernels);
 struct SFX(softmax_backend) {
-    int width;             /* the micro-kernels' instruction set (attnx_mk_width), 0 none */
+    int width;             /* the micro-kernels' instruction set (attnx_kernels_width), 0 none */
     const SFX(mk_kernels) *mk;  /* the micro-kernels of that width (softmax_mk.c), or NULL */
     ptrdiff_t q_tile;      /* query rows per tile */
     ptrdiff_t row_align;   /* st_ld is the rows rounded up to this (1: the rows) */

@@ -9,7 +9,8 @@
  * output accumulates transposed in ot and is written out at the tile's
  * end. Legend as in softmax.c; see microkernel.h for qt, kt, vt.
  *
- * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot): the
+ * float32 on AVX-512 with the bfloat16 dot products (dispatch.h: the
+ * avx512_bf16 and amx sets): the
  * query strips and key panels are also put in pair rows (mk_pair_rows),
  * which tells whether their numbers are all bfloat16 values, as they are
  * for tensors widened from bfloat16. A tile whose queries and keys all are
@@ -33,7 +34,7 @@
  * any key, or, under a window, a ring over the keys two neighbouring query
  * tiles see, so that memory (and its page faults) does not grow with m. */
 typedef struct {
-    int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
+    int width;            /* the micro-kernels' instruction set (attnx_kernels_width) */
     void *kt;             /* (slots, d, KB) numbers of the call's type, KB = MK_KB(width) */
     void *vt;             /* (slots, e / KB, KB, KB); NULL: the values are read in place */
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
@@ -280,7 +281,8 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     ptrdiff_t packed_v = pack_values ? softmax_lines(slots * kb * a->e, size) : 0;
     ptrdiff_t queries = softmax_lines(st_ld * a->d, size), outputs = softmax_lines(st_ld * a->e, size);
     /* the pair rows of the bfloat16 dot products, where they run */
-    int pairs = be->mk->scores_pairs && attnx_bf16_dot();
+    int pairs = be->mk->scores_pairs &&
+                attnx_kernels_bf16_dot(attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD));
     ptrdiff_t d_pairs = (a->d + 1) / 2;
     ptrdiff_t packed_pairs = pairs ? softmax_lines(slots * kb * d_pairs, size) : 0;
     ptrdiff_t query_pairs = pairs ? softmax_lines(st_ld * d_pairs, size) : 0;

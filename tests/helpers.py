@@ -196,27 +196,31 @@ def assert_interrupted_quickly(setup, call, check):
 
 
 @contextlib.contextmanager
-def switched(setter, value):
-    """One of attnx._C's test switches (_set_softmax_backend,
-    _set_decode_kernel, _set_bf16_dot, ...; each returns the setting it
-    replaces) set to `value` for the block."""
-    before = setter(value)
+def dispatched(disabled=None, **limits):
+    """Every family's kernels chosen again for the block (attnx._C._set_dispatch,
+    the code import runs): as ATTNX_DISABLE_CPU_FEATURES=disabled would choose
+    them (None: the features left out now, as the environment said at
+    import), each family named in limits held to that kernel set or a lesser
+    one of its table (csrc/dispatch.c)."""
+    if disabled is None:
+        disabled = ",".join(attnx._C.build_info()["disabled_cpu_features"])
+    before = attnx._C._set_dispatch(disabled, limits)
     try:
-        yield value
+        yield attnx.cpu_dispatch()
     finally:
-        setter(before)
+        attnx._C._set_dispatch(*before)
 
 
-def can_switch(setter, value):
-    """Whether this CPU takes `value` for the switch (ValueError if not)."""
-    try:
-        with switched(setter, value):
-            return True
-    except ValueError:
-        return False
-
-
-def softmax_backend(name):
-    """Calls inside use at most backend `name` (plain C + BLAS, the
-    micro-kernels, AMX), as ATTNX_SOFTMAX_BACKEND=name would have them."""
-    return switched(attnx._C._set_softmax_backend, name)
+def kernels_here(family):
+    """The kernel sets `family` can run on this CPU and build, best first,
+    less those the features left out rule out: those its table gives when
+    held to each set in turn."""
+    sets = []
+    for name in ("amx", "avx512_group", "avx512_bf16", "avx512", "avx2", "plain"):
+        try:
+            with dispatched(**{family: name}) as chosen:
+                if chosen[family] not in sets:
+                    sets.append(chosen[family])
+        except ValueError:      # not in this family's table, or not in this build
+            pass
+    return sets

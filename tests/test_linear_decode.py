@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import attnx
-from helpers import assert_close, f64, qkv, switched, vscale
+from helpers import assert_close, dispatched, f64, kernels_here, qkv, vscale
 
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
@@ -301,7 +301,8 @@ def test_step_is_repeatable_across_threads():
 # vectors run through one fused kernel per head on CPUs that have it
 # (microkernel.h, mk_decode_step_w16): S read in one pass, the held keys'
 # terms added in registers, and at a head's turn its held keys added into S
-# in the same pass. attnx._C._set_decode_kernel(False) forces the general
+# in the same pass. The decoding family held to its plain kernel set
+# (dispatched(decode="plain"), csrc/dispatch.c) runs the general
 # path, which must agree, and which every other shape and float64 take.
 # The kernel's multiply-adds are fused; an optimised build contracts the
 # general path's C loops into fused ones too, so both give the same S, z
@@ -317,8 +318,14 @@ def assert_same_sums(got, want):
         assert_close(got, want, np.float32, vscale(want))
 
 
+# the decoding family's kernel sets on this CPU, best first (plain last)
+DECODE_KERNELS = kernels_here("decode")
+
+
 def decode_kernel(enabled):
-    return switched(attnx._C._set_decode_kernel, enabled)
+    """Decoding steps on the best kernel set this CPU has, or on the general
+    plain C path."""
+    return dispatched(decode=DECODE_KERNELS[0] if enabled else "plain")
 
 
 def _decode(front, options, q, k, v, n0, kernel):
@@ -421,7 +428,8 @@ def test_decode_group_equals_single_heads(d, e):
     q[2, n0 + 5] = -60   # phi ~ 1e-26: den < eps
     v[3, n0 + 6, 2] = np.nan
     together = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
-    with switched(attnx._C._set_decode_group, False):
+    single = "avx512" if "avx512" in DECODE_KERNELS else DECODE_KERNELS[-1]
+    with dispatched(decode=single):
         alone = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
     for ours, theirs in zip((together[0],) + together[1] + together[2],
                             (alone[0],) + alone[1] + alone[2]):
