@@ -1302,31 +1302,6 @@ def test_amx_used_where_the_cpu_has_it():
             assert attnx._C.build_info()["amx"] is False
 
 
-def test_dispatch_setting_names():
-    """The test hook refuses unknown features, families and kernel sets, and
-    sets a family's table does not hold, leaving every choice as it was."""
-    before = attnx.cpu_dispatch()
-    for args, message in [(("AVX1024",), "unknown CPU features: AVX1024"),
-                          (("", {"softmax": "plain"}), "unknown family 'softmax'"),
-                          (("", {"decode": "mk"}), "unknown kernel set 'mk' for decode"),
-                          (("", {"lsh": "avx512"}), "lsh has no kernel set avx512 here"),
-                          (("", {"decode": 1}), "unknown kernel set 1 for decode")]:
-        with pytest.raises(ValueError, match=message):
-            attnx._C._set_dispatch(*args)
-        assert attnx.cpu_dispatch() == before
-    with pytest.raises(TypeError, match="limits must be a dict"):
-        attnx._C._set_dispatch("", ["plain"])
-    # every set but plain needs features this CPU has
-    assert KERNELS_HERE[-1] == "plain"
-    cpu = set(attnx._C.build_info()["cpu_features"])
-    needs = {"avx2": {"AVX2", "FMA3"}, "avx512": {"AVX512F", "AVX512DQ"},
-             "avx512_bf16": {"AVX512F", "AVX512_BF16"}, "amx": {"AMX_TILE", "AMX_BF16"}}
-    for name in KERNELS_HERE[:-1]:
-        assert needs[name] <= cpu, (name, cpu)
-    if "avx512" in KERNELS_HERE:       # a build with AVX-512 kernels has the AVX2 ones
-        assert "avx2" in KERNELS_HERE
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_kernel_set_reaches_the_kernel(dtype):
     """Each kernel set of the softmax forward this CPU has computes the same
@@ -1353,45 +1328,6 @@ def test_kernel_set_reaches_the_kernel(dtype):
              if dtype == np.float32 or "plain" in (first, second)]
     for first, second in pairs:
         assert not np.array_equal(results[first], results[second]), (first, second)
-
-
-def _import_in_child(env_changes, code):
-    env = {key: val for key, val in os.environ.items()
-           if key not in ("ATTNX_DISABLE_CPU_FEATURES", "ATTNX_AMX", "ATTNX_SOFTMAX_BACKEND")}
-    env.update(env_changes)
-    return subprocess.run([sys.executable, "-W", "default", "-c", code], env=env,
-                          capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__))))
-
-
-@pytest.mark.parametrize("disabled", ["AMX", "AVX512F", "AVX512F,AVX2", "AVX512_BF16 AMX", ""])
-def test_disabled_cpu_features_from_the_environment(disabled):
-    """ATTNX_DISABLE_CPU_FEATURES (numpy's names, separated by commas or
-    spaces) fills the tables at import as the test hook does here."""
-    run = _import_in_child({"ATTNX_DISABLE_CPU_FEATURES": disabled},
-                           "import attnx; print(sorted(attnx.cpu_dispatch().items()))")
-    assert run.returncode == 0, run.stderr
-    assert "Warning" not in run.stderr, run.stderr
-    with dispatched(disabled) as chosen:
-        assert run.stdout.strip() == str(sorted(chosen.items()))
-
-
-def test_unknown_and_retired_settings_warn():
-    """As numpy does for NPY_DISABLE_CPU_FEATURES, a name it does not know
-    gives an ImportWarning and leaves nothing out; ATTNX_SOFTMAX_BACKEND and
-    ATTNX_AMX, which only the softmax forward read, are no longer read, and
-    a warning names what replaced them."""
-    code = "import attnx; print(sorted(attnx.cpu_dispatch().items()))"
-    run = _import_in_child({"ATTNX_DISABLE_CPU_FEATURES": "AVX1024,avx512f"}, code)
-    assert run.returncode == 0, run.stderr
-    assert "ImportWarning" in run.stderr and "AVX1024 avx512f" in run.stderr, run.stderr
-    assert run.stdout.strip() == str(sorted(attnx.cpu_dispatch().items()))
-    for retired in ("ATTNX_SOFTMAX_BACKEND=plain", "ATTNX_AMX=0"):
-        name, value = retired.split("=")
-        run = _import_in_child({name: value}, code)
-        assert run.returncode == 0, run.stderr
-        assert f"UserWarning: {name} is no longer read" in run.stderr, run.stderr
-        assert "ATTNX_DISABLE_CPU_FEATURES" in run.stderr
 
 
 @pytest.mark.parametrize("n,m,d,e", [(100, 100, 40, 40), (130, 77, 130, 136), (64, 300, 8, 8),
