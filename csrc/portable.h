@@ -14,15 +14,16 @@
  * - ATTNX_TARGET_PUSH(features) ... ATTNX_TARGET_POP: compile the functions
  *   between them for an instruction set (GCC's target pragma; clang's is
  *   spelled as an attribute applied to every function in the region).
- * - aligned allocation, the monotonic clock: C11 and POSIX here, the
- *   Microsoft CRT's spellings on Windows. */
+ * - the monotonic clock: POSIX here, the performance counter on Windows.
+ * What Windows lacks beyond this header (team.c's POSIX threads, the
+ * kernels' posix_memalign and aligned_alloc, freed by free) keeps it
+ * unsupported: setup.py says so. */
 #ifndef ATTNX_PORTABLE_H
 #define ATTNX_PORTABLE_H
 
 #include <stdlib.h>
 #include <time.h>
 #ifdef _WIN32
-#include <malloc.h>
 #include <windows.h>
 #endif
 
@@ -47,28 +48,6 @@
 #define ATTNX_TARGET_PUSH(features) ATTNX_PRAGMA(GCC push_options) ATTNX_PRAGMA(GCC target(features))
 #define ATTNX_TARGET_POP ATTNX_PRAGMA(GCC pop_options)
 #endif
-
-/* size bytes at an address that is a multiple of alignment (a power of two,
- * at least sizeof(void *)); NULL when out of memory. Freed by
- * attnx_aligned_free only (the Windows CRT keeps such blocks apart). */
-static inline void *attnx_aligned_alloc(size_t alignment, size_t size)
-{
-#ifdef _WIN32
-    return _aligned_malloc(size ? size : 1, alignment);
-#else
-    void *block = NULL;
-    return posix_memalign(&block, alignment, size ? size : 1) == 0 ? block : NULL;
-#endif
-}
-
-static inline void attnx_aligned_free(void *block)
-{
-#ifdef _WIN32
-    _aligned_free(block);
-#else
-    free(block);
-#endif
-}
 
 /* seconds on a clock that never goes back */
 static inline double attnx_monotonic_seconds(void)
