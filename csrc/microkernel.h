@@ -286,6 +286,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
+#define MK_TARGET_POP ATTNX_TARGET_POP
 #define MK_PAIRS 1 /* with the bfloat16 dot products */
 #include "microkernel.h"
 
@@ -295,6 +296,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
+#define MK_TARGET_POP ATTNX_TARGET_POP
 #include "microkernel.h"
 
 /* AVX2: in 12 of the 16 ymm registers */
@@ -304,6 +306,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
+#define MK_TARGET_POP ATTNX_TARGET_POP
 #include "microkernel.h"
 
 #define MK_REAL double
@@ -312,6 +315,37 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
+#define MK_TARGET_POP ATTNX_TARGET_POP
+#include "microkernel.h"
+
+#elif defined(ATTNX_NEON_KERNELS)
+#define MK_HAVE_NEON 1
+#include <arm_neon.h>
+
+/* Advanced SIMD (NEON), part of every aarch64 core, so compiled without a
+ * target of its own: 128-bit vectors, the softmax tiles' products in 12 of
+ * the 32 registers. The row max keeps x86's rule (the second operand where
+ * either is NaN), as the plain code's `a > b ? a : b` does. */
+#define MK_REAL float
+#define MK_W 4
+#define MK_SFX n4
+#define MK_KB_W 4
+#define MK_VMAX(a, b) \
+    ((MK_VEC)vbslq_f32(vcgtq_f32((float32x4_t)(a), (float32x4_t)(b)), (float32x4_t)(a), \
+                       (float32x4_t)(b)))
+#define MK_TARGET
+#define MK_TARGET_POP
+#include "microkernel.h"
+
+#define MK_REAL double
+#define MK_W 2
+#define MK_SFX nd2
+#define MK_KB_W 4
+#define MK_VMAX(a, b) \
+    ((MK_VEC)vbslq_f64(vcgtq_f64((float64x2_t)(a), (float64x2_t)(b)), (float64x2_t)(a), \
+                       (float64x2_t)(b)))
+#define MK_TARGET
+#define MK_TARGET_POP
 #include "microkernel.h"
 #endif
 
@@ -1549,7 +1583,7 @@ static inline void mk_linear_bwd_keys_w16(const float *phi, const float *psi, pt
 #undef MK_CAT
 #undef MK_NAME
 #undef MK_VEC
-ATTNX_TARGET_POP
+MK_TARGET_POP
 /* the parameters of this instantiation */
 #undef MK_REAL
 #undef MK_W
@@ -1557,6 +1591,7 @@ ATTNX_TARGET_POP
 #undef MK_KB_W
 #undef MK_VMAX
 #undef MK_TARGET
+#undef MK_TARGET_POP
 #undef MK_PAIRS
 
 #endif /* MK_W */

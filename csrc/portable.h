@@ -7,10 +7,12 @@
  *   features. GCC and clang both take GNU vector extensions and target
  *   attributes; -DATTNX_NO_CLONES leaves every run-time-chosen path out (a
  *   plain C + BLAS build).
+ * - ATTNX_NEON_KERNELS: the aarch64 kernels (Advanced SIMD, which every
+ *   aarch64 core has) are compiled; ATTNX_NO_CLONES leaves them out too.
  * - ATTNX_CLONES: target_clones (several copies of a function, one picked
- *   by the dynamic loader). It needs ifunc, which glibc has and musl, macOS
- *   and Windows lack; there the plain copy runs and the kernels above are
- *   still chosen by attnx itself.
+ *   by the dynamic loader), with GCC on glibc. It needs ifunc, which musl,
+ *   macOS and Windows lack; there, and under clang, the plain copy runs and
+ *   the kernels above are still chosen by attnx itself.
  * - ATTNX_TARGET_PUSH(features) ... ATTNX_TARGET_POP: compile the functions
  *   between them for an instruction set (GCC's target pragma; clang's is
  *   spelled as an attribute applied to every function in the region).
@@ -30,9 +32,15 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(ATTNX_NO_CLONES)
 #define ATTNX_X86_KERNELS 1
 #endif
+/* the NEON kernels: GNU vector extensions lowered to Advanced SIMD */
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(ATTNX_NO_CLONES)
+#define ATTNX_NEON_KERNELS 1
+#endif
 
-/* __GLIBC__ comes from <features.h>, which stdlib.h includes on glibc */
-#if defined(ATTNX_X86_KERNELS) && defined(__GLIBC__)
+/* __GLIBC__ comes from <features.h>, which stdlib.h includes on glibc.
+ * Not under clang: clang 14 (Debian 12's) names the ifunc of an external
+ * function f "f.ifunc", so calls to f from other files find no f at link */
+#if defined(ATTNX_X86_KERNELS) && defined(__GLIBC__) && !defined(__clang__)
 #define ATTNX_HAVE_CLONES 1
 #define ATTNX_CLONES(...) __attribute__((target_clones(__VA_ARGS__)))
 #else

@@ -216,7 +216,7 @@ def kernels_here(family):
     less those the features left out rule out: those its table gives when
     held to each set in turn."""
     sets = []
-    for name in ("amx", "avx512_group", "avx512_bf16", "avx512", "avx2", "plain"):
+    for name in ("amx", "avx512_group", "avx512_bf16", "avx512", "avx2", "neon", "plain"):
         try:
             with dispatched(**{family: name}) as chosen:
                 if chosen[family] not in sets:

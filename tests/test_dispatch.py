@@ -37,7 +37,8 @@ def test_dispatch_setting_names():
     assert here[-1] == "plain"
     cpu = set(attnx._C.build_info()["cpu_features"])
     needs = {"avx2": {"AVX2", "FMA3"}, "avx512": {"AVX512F", "AVX512DQ"},
-             "avx512_bf16": {"AVX512F", "AVX512_BF16"}, "amx": {"AMX_TILE", "AMX_BF16"}}
+             "avx512_bf16": {"AVX512F", "AVX512_BF16"}, "amx": {"AMX_TILE", "AMX_BF16"},
+             "neon": {"ASIMD"}}
     for name in here[:-1]:
         assert needs[name] <= cpu, (name, cpu)
     if "avx512" in here:       # a build with AVX-512 kernels has the AVX2 ones
