@@ -10,7 +10,8 @@
  * accuracy: at d = 128 the largest error measured against float64 was
  * 8.7e-6 where a float32 FMA loop made 2.7e-5 (|a . b| up to 53). The
  * tiles do 16 x 16 x 32 multiply-adds per instruction, so even six of them
- * beat AVX-512 float32 FMAs: ~430 against ~200 GFLOP/s per core here.
+ * beat AVX-512 float32 FMAs, about twice over (docs/performance.md, the C
+ * code's choices).
  * Limits: AMX and the bfloat16 conversion treat subnormal numbers as 0, so
  * inputs under 2^-126 count as 0 and those under ~2^-110 keep fewer than 24
  * bits (their products are below 2^-220 relative to the normal ones).

@@ -27,12 +27,11 @@
 
 /* 16 Ki elements: 64 KiB of float32, a few microseconds of work */
 #define PIECE ((ptrdiff_t)16384)
-/* elements a second thread must have before it is started. One thread
- * converts about 1.5 G elements/s (4 Mi elements in 0.6-0.8 ms, memory
- * bound), so below this a second thread would save under half a
- * millisecond; a parallel region on a machine shared with other work
- * waits for its slowest thread to be scheduled, and measured on 2 busy
- * cores, 2 threads took 12-24 ms where 1 took 0.07-0.8 ms (1-4 Mi elements) */
+/* elements a second thread must have before it is started: the
+ * conversion is memory bound, so below this a second thread would save
+ * under half a millisecond, while a parallel region on a machine shared
+ * with other work waits for its slowest thread to be scheduled, which
+ * costs far more (docs/performance.md, the C code's choices) */
 #define PER_THREAD ((ptrdiff_t)1 << 22)
 /* numpy's limit on dimensions */
 #define CONVERT_MAX_DIMS 64

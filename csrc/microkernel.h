@@ -35,7 +35,10 @@
  * MK_W and the other MK_ parameters defined; each body is compiled for its
  * instruction set (MK_TARGET, portable.h). Its kernels are named with the
  * suffix MK_SFX: _w16 and _w8 for float32 on AVX-512 and AVX2, _d8 and _d4
- * for float64. */
+ * for float64, by MK_NAME(name) where only this file calls them; one
+ * called from elsewhere is defined as MK_TYPED(name_w16, name_d8, name_w8,
+ * name_d4), or by its literal name where one width has it, so that grep
+ * finds its body by the name it is called by. */
 #ifndef MK_W
 #ifndef ATTNX_MICROKERNEL_H
 #define ATTNX_MICROKERNEL_H
@@ -283,6 +286,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 16
 #define MK_SFX w16
+#define MK_TYPED(w16, d8, w8, d4) w16
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
@@ -293,6 +297,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 8
 #define MK_SFX d8
+#define MK_TYPED(w16, d8, w8, d4) d8
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
@@ -303,6 +308,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 8
 #define MK_SFX w8
+#define MK_TYPED(w16, d8, w8, d4) w8
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
@@ -312,6 +318,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 4
 #define MK_SFX d4
+#define MK_TYPED(w16, d8, w8, d4) d4
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
@@ -368,9 +375,10 @@ typedef MK_REAL MK_VEC __attribute__((vector_size(MK_W * sizeof(MK_REAL)),
  * rows [r0, r0 + strip): set those to -inf, then fold the block into the
  * strip's row max. Runs on the few blocks that straddle the band's edges;
  * padding lanes past the tile's rows are left as they are. */
-static inline void MK_NAME(mk_hide_and_max)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
-                                            ptrdiff_t r0, ptrdiff_t strip, ptrdiff_t c0,
-                                            ptrdiff_t kb, MK_REAL *tile_max)
+static inline void MK_TYPED(mk_hide_and_max_w16, mk_hide_and_max_d8, mk_hide_and_max_w8,
+                            mk_hide_and_max_d4)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, ptrdiff_t r0, ptrdiff_t strip, ptrdiff_t c0,
+    ptrdiff_t kb, MK_REAL *tile_max)
 {
     ptrdiff_t r1 = r0 + strip < t->rows ? r0 + strip : t->rows;
     for (ptrdiff_t j = c0; j < c0 + kb; j++) {
@@ -519,10 +527,9 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_by)(
                                       full, pairs);
 }
 
-static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
-                                      const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
-                                      ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term,
-                                      MK_REAL *tile_max)
+static inline void MK_TYPED(mk_scores_w16, mk_scores_d8, mk_scores_w8, mk_scores_d4)(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max)
 {
     MK_NAME(mk_scores_by)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, 0);
 }
@@ -531,10 +538,9 @@ static inline void MK_NAME(mk_scores)(const mk_tile *t, MK_REAL *st, ptrdiff_t s
 /* mk_scores by the bfloat16 dot products: qt (strips, ceil(d / 2), 3 W)
  * and kt (slots, ceil(d / 2), KB) hold pair rows (mk_pair_rows) of
  * bfloat16 values, and d_pairs = ceil(d / 2) */
-static inline void MK_NAME(mk_scores_pairs)(const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld,
-                                            const MK_REAL *qt, const MK_REAL *kt, ptrdiff_t slots,
-                                            ptrdiff_t d_pairs, MK_REAL scale,
-                                            const MK_REAL *key_term, MK_REAL *tile_max)
+static inline void mk_scores_pairs_w16(
+    const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
+    ptrdiff_t slots, ptrdiff_t d_pairs, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max)
 {
     MK_NAME(mk_scores_by)(t, st, st_ld, qt, kt, slots, d_pairs, scale, key_term, tile_max, 1);
 }
@@ -628,9 +634,9 @@ static __attribute__((noinline)) void MK_NAME(mk_add_pv_last_strip)(
  * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
  * pt_ld). Each strip's columns of ot are first multiplied by its rows'
  * correction, the online softmax's rescaling. */
-static inline void MK_NAME(mk_add_pv)(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
-                                      const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-                                      ptrdiff_t e, const MK_REAL *correction)
+static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv_d4)(
+    const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction)
 {
     ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
     MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, 0, full, MK_RV);
@@ -956,8 +962,8 @@ static inline void mk_linear_chunk_w16(const float *phi, const float *psi, ptrdi
  * A step is one pass over S, which streams from L2: the row is built in
  * registers, one accumulator per vector of columns, rows in order: the
  * loads set the pace, not the multiply-adds' latency (with two sets of
- * accumulators, even and odd rows, a loop of reads took 92 against 80 ns a
- * head on AMD Zen 5). Four heads can also take their steps together
+ * accumulators, even and odd rows, a loop of reads was slower:
+ * docs/performance.md, the C code's choices). Four heads can also take their steps together
  * (mk_decode_group_w16, below), with the same numbers.
  * S (r, e) contiguous; r % 16 == 0, e % 16 == 0, held < MK_DECODE_HELD. */
 #define MK_DECODE_HELD 16
@@ -1104,8 +1110,8 @@ static inline void mk_elu_row_w16(const float *x, ptrdiff_t d, float *f)
 
 /* phi = elu(q) + 1, psi = elu(k) + 1 for one query and one key row of d
  * features, d % 16 == 0: both rows' vectors interleaved, the exponentials'
- * chains of dependent operations overlapping (two calls of mk_elu_row_w16
- * instead: a 32-head decoding step 4.47 against 4.40 us on one thread) */
+ * chains of dependent operations overlapping (faster than two calls of
+ * mk_elu_row_w16: docs/performance.md, the C code's choices) */
 static inline void mk_elu_rows_w16(const float *q, const float *k, ptrdiff_t d, float *phi,
                                    float *psi)
 {
@@ -1145,8 +1151,8 @@ static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdif
  * read as mk_decode_read_w16 does: S, z and the rows are those of
  * four single steps, bit for bit. The rows leave divided by their
  * denominators, as linear.c's finish_rows divides them (1 / max(den, eps),
- * zeros where den == 0), in registers: finish_rows after the group took
- * it 605 against 540 ns (AMD Zen 5, one thread).
+ * zeros where den == 0), in registers: faster than finish_rows after the
+ * group (docs/performance.md, the C code's choices).
  * Each head's key must have joined its held keys (mk_decode_take_w16). */
 typedef struct {
     const float *phi;              /* (r) */
@@ -1227,9 +1233,8 @@ static inline __attribute__((always_inline)) void mk_decode_group_body_w16(
 }
 
 /* with r = e = 64 (the common head size) the loops take constant bounds
- * and strides, which leaves them their pointers in registers (without, a
- * 32-head step took 5.2 against 4.7 us on one thread, 3.0 against 2.8 us
- * on two) */
+ * and strides, which leaves them their pointers in registers (a tenth
+ * faster: docs/performance.md, the C code's choices) */
 static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, ptrdiff_t r,
                                        ptrdiff_t e, float eps)
 {
@@ -1244,8 +1249,8 @@ static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, 
  *   out = phi S,  den = phi . z
  * in one pass over S0 and S: each row of S is written and multiplied into
  * the row in registers, one accumulator chain per vector of columns as in
- * mk_decode_read_w16 (with two, even and odd rows, a 32-head call on two
- * threads took 4.91-5.14 against 4.69-4.73 us). S's entries are the
+ * mk_decode_read_w16 (two, even and odd rows, were slower:
+ * docs/performance.md, the C code's choices). S's entries are the
  * general path's (state_pass) bit for bit: one fused multiply-add each.
  * S0 rows S0_row apart (0: one zero row serves all), S (r, e) contiguous
  * and may be S0 itself (each entry is read before it is written);
@@ -1543,8 +1548,7 @@ static inline __attribute__((always_inline)) void mk_linear_bwd_keys_body_w16(
 /* The two passes, with r = e = 64 and values rows 64 apart (contiguous
  * heads of 64 features) as constants: the lanes loops then address their
  * 16 rows of the state from one register instead of spilling 16 pointers
- * (hot, one core: 79-83% of the FMA peak against 74-76%; 8 heads, n =
- * 4096, one thread, loaded machine: backward ~12.5 ms against ~13.9). */
+ * (a tenth faster: docs/performance.md, the C code's choices). */
 static inline void mk_linear_bwd_rows_w16(const float *phi, const float *psi, ptrdiff_t r,
                                           const float *v, ptrdiff_t v_row, const float *dout,
                                           ptrdiff_t dout_row, ptrdiff_t e, const int *visible_rows,
@@ -1588,6 +1592,7 @@ MK_TARGET_POP
 #undef MK_REAL
 #undef MK_W
 #undef MK_SFX
+#undef MK_TYPED
 #undef MK_KB_W
 #undef MK_VMAX
 #undef MK_TARGET

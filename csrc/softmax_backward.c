@@ -133,7 +133,8 @@ static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_blo
         }
 }
 
-static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_gemm_by)(
+static inline __attribute__((always_inline, target("avx512f"))) void
+TYPED(zmm_gemm_by_f32, zmm_gemm_by_f64)(
     ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
     ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row,
     const int pairs)
@@ -561,7 +562,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
     return h;
 }
 
-int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
+int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_args *b)
 {
     const attnx_softmax_args *a = &b->fwd;
     const ptrdiff_t n = a->n, m = a->m, d = a->d, heads = a->heads;

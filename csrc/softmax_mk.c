@@ -123,8 +123,9 @@ static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdi
 
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
  * 0: a panel of keys or a strip of queries */
-void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
-                  ptrdiff_t lanes, int width)
+void TYPED(mk_pack_f32, mk_pack_f64)(
+    REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d, ptrdiff_t lanes,
+    int width)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
     SFX(mk_transpose)(block, lanes, x, x_row, count, d, width);
@@ -252,8 +253,9 @@ static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_soft
                        w->tile_max);
 }
 
-void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
-                          ptrdiff_t rows, const REAL *inverse_sum, int width)
+void TYPED(mk_write_output_f32, mk_write_output_f64)(
+    const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out, ptrdiff_t rows,
+    const REAL *inverse_sum, int width)
 {
     /* normalised down ot's columns, then copied out: the output rows are
      * written once */

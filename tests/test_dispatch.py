@@ -4,6 +4,7 @@ hook that fills them again through the same code, the levels tests/levels.py
 runs the subset under, and what show_config and cpu_dispatch report."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -104,3 +105,56 @@ def test_levels_this_machine_can_force():
     for _, disabled, chosen in found:
         with dispatched(disabled) as here:
             assert here == chosen
+
+
+# ------------------------------------------------- names grep can find
+
+CSRC = os.path.join(os.path.dirname(HERE), "csrc")
+TYPED_SUFFIX = r"_(?:f32|f64|w16|w8|d8|d4)"
+# SFX(name) defines name_f32 and name_f64 (csrc/real.h), MK_NAME(name) one
+# kernel per instruction set (csrc/microkernel.h)
+MACRO_SUFFIXES = {"SFX": ("_f32", "_f64"), "MK_NAME": ("_w16", "_d8", "_w8", "_d4")}
+
+
+def _defined_at(text, start):
+    """Whether the name ending at `start` begins a definition: more names of
+    the same macro (TYPED(a_f32, a_f64)), then the parameters, then a body."""
+    match = re.compile(r"[\w\s,]*\)?\s*\(").match(text, start)
+    if not match:
+        return False
+    depth, i = 1, match.end()
+    while depth and i < len(text):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    return text[i:].lstrip().startswith("{")
+
+
+def test_grep_finds_every_typed_kernel_by_the_name_it_is_called_by():
+    """Every C function that some file calls (or puts in a table) by its
+    typed name, attnx_linear_fwd_f32 or mk_scores_w16, has that name
+    spelled in its definition (TYPED, MK_TYPED or the literal name), so
+    that `grep -n attnx_linear_fwd_f32 csrc/*` finds its body, not only
+    its declaration and its callers."""
+    attributes = re.compile(r"__attribute__\s*\(\((?:[^()]|\([^()]*\))*\)\)")
+    sources = {}
+    for name in sorted(os.listdir(CSRC)):
+        if name.endswith((".c", ".h")):
+            with open(os.path.join(CSRC, name)) as f:
+                sources[name] = attributes.sub("", f.read())
+    functions = set()
+    for text in sources.values():
+        for match in re.finditer(r"\b(SFX|MK_NAME)\((\w+)\)\(", text):
+            if _defined_at(text, match.end() - 1):
+                functions.update(match.group(2) + s for s in MACRO_SUFFIXES[match.group(1)])
+        for match in re.finditer(r"\b(\w+" + TYPED_SUFFIX + r")\b", text):
+            if _defined_at(text, match.end()):
+                functions.add(match.group(1))
+    used = set()
+    for text in sources.values():
+        used.update(re.findall(r"\b\w+" + TYPED_SUFFIX + r"\b", text))
+    called = used & functions
+    assert len(called) > 50    # attnx_*_f32/_f64, the micro-kernels
+    unfound = sorted(name for name in called
+                     if not any(_defined_at(text, m.end()) for text in sources.values()
+                                for m in re.finditer(r"\b" + name + r"\b", text)))
+    assert not unfound, f"defined only through SFX() or MK_NAME(): {unfound}"
