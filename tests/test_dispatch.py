@@ -110,10 +110,10 @@ def test_levels_this_machine_can_force():
 # ------------------------------------------------- names grep can find
 
 CSRC = os.path.join(os.path.dirname(HERE), "csrc")
-TYPED_SUFFIX = r"_(?:f32|f64|w16|w8|d8|d4)"
+TYPED_SUFFIX = r"_(?:f32|f64|w16|w8|d8|d4|n4|nd2)"
 # SFX(name) defines name_f32 and name_f64 (csrc/real.h), MK_NAME(name) one
 # kernel per instruction set (csrc/microkernel.h)
-MACRO_SUFFIXES = {"SFX": ("_f32", "_f64"), "MK_NAME": ("_w16", "_d8", "_w8", "_d4")}
+MACRO_SUFFIXES = {"SFX": ("_f32", "_f64"), "MK_NAME": ("_w16", "_d8", "_w8", "_d4", "_n4", "_nd2")}
 
 
 def _defined_at(text, start):
