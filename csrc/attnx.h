@@ -433,6 +433,8 @@ static inline int attnx_omp_threads(int threads)
 /* at import: the thread count, the BLAS kept to one thread */
 void attnx_runtime_init(void);
 const char *attnx_blas_name(void);
+/* the kernels OpenBLAS chose for this CPU at load (its core name) */
+const char *attnx_blas_core(void);
 const char *attnx_simd_level(void);
 
 #endif

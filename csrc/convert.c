@@ -16,17 +16,14 @@
 
 #include "attnx.h"
 #include "convert.h"
+#include "portable.h"
 #include "dispatch.h"
 
 #ifdef ATTNX_CONVERT_X86
 #include <immintrin.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
-#define CONVERT_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CONVERT_HOT
-#endif
+#define CONVERT_HOT ATTNX_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 
 /* 16 Ki elements: 64 KiB of float32, a few microseconds of work */
 #define PIECE ((ptrdiff_t)16384)

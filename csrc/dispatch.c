@@ -10,12 +10,17 @@
 #include "amx.h"          /* ATTNX_HAVE_AMX */
 #include "convert.h"      /* ATTNX_CONVERT_X86 */
 #include "dispatch.h"
-#include "microkernel.h"  /* MK_HAVE_X86 */
+#include "microkernel.h"  /* MK_HAVE_X86, MK_HAVE_NEON */
 
 #ifdef MK_HAVE_X86
 #define BUILT_X86 1
 #else
 #define BUILT_X86 0
+#endif
+#ifdef MK_HAVE_NEON
+#define BUILT_NEON 1
+#else
+#define BUILT_NEON 0
 #endif
 #ifdef ATTNX_CONVERT_X86
 #define BUILT_CONVERT_X86 1
@@ -50,6 +55,7 @@ static const kernel_row softmax_fwd_table[] = {
     {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86},
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
+    {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
 static const kernel_row softmax_bwd_table[] = {
@@ -95,6 +101,7 @@ static const char *const set_names[ATTNX_KERNEL_SETS] = {
     [ATTNX_KERNELS_AVX512_BF16] = "avx512_bf16",
     [ATTNX_KERNELS_AVX512_GROUP] = "avx512_group",
     [ATTNX_KERNELS_AMX] = "amx",
+    [ATTNX_KERNELS_NEON] = "neon",
 };
 
 int attnx_dispatch_table[ATTNX_FAMILIES];

@@ -36,6 +36,7 @@ enum {
     ATTNX_KERNELS_AVX512_BF16,
     ATTNX_KERNELS_AVX512_GROUP,
     ATTNX_KERNELS_AMX,
+    ATTNX_KERNELS_NEON,
     ATTNX_KERNEL_SETS
 };
 
@@ -45,10 +46,13 @@ extern int attnx_dispatch_table[ATTNX_FAMILIES];
 static inline int attnx_kernels(int family) { return attnx_dispatch_table[family]; }
 
 /* the float32 lanes of the register-blocked kernels of a set (16 AVX-512,
- * 8 AVX2, 0 none) */
+ * 8 AVX2, 4 NEON, 0 none) */
 static inline int attnx_kernels_width(int set)
 {
-    return set == ATTNX_KERNELS_AVX2 ? 8 : set == ATTNX_KERNELS_PLAIN ? 0 : 16;
+    return set == ATTNX_KERNELS_AVX2   ? 8
+           : set == ATTNX_KERNELS_NEON ? 4
+           : set == ATTNX_KERNELS_PLAIN ? 0
+                                        : 16;
 }
 
 /* 1 for the sets with the bfloat16 dot products */

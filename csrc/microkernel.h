@@ -33,12 +33,13 @@
  *
  * The file includes itself once per number type and instruction set, with
  * MK_W and the other MK_ parameters defined; each body is compiled for its
- * instruction set under #pragma GCC target. Its kernels are named with the
+ * instruction set (MK_TARGET, portable.h). Its kernels are named with the
  * suffix MK_SFX: _w16 and _w8 for float32 on AVX-512 and AVX2, _d8 and _d4
- * for float64, by MK_NAME(name) where only this file calls them; one
- * called from elsewhere is defined as MK_TYPED(name_w16, name_d8, name_w8,
- * name_d4), or by its literal name where one width has it, so that grep
- * finds its body by the name it is called by. */
+ * for float64, _n4 and _nd2 on NEON, by MK_NAME(name) where only this file
+ * calls them; one called from elsewhere is defined as MK_TYPED(name_w16,
+ * name_d8, name_w8, name_d4, name_n4, name_nd2), or by its literal name
+ * where one width has it, so that grep finds its body by the name it is
+ * called by. */
 #ifndef MK_W
 #ifndef ATTNX_MICROKERNEL_H
 #define ATTNX_MICROKERNEL_H
@@ -48,6 +49,7 @@
 #include <string.h>
 
 #include "attnx.h"
+#include "portable.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -134,7 +136,7 @@ static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptr
     if (*hi < *lo) *hi = *lo;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
+#ifdef ATTNX_X86_KERNELS
 #define MK_HAVE_X86 1
 
 /* dst[c][r] = src[r][c] for an 8 x 8 block (row strides in floats) */
@@ -285,39 +287,75 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 16
 #define MK_SFX w16
-#define MK_TYPED(w16, d8, w8, d4) w16
+#define MK_TYPED(w16, d8, w8, d4, n4, nd2) w16
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
+#define MK_TARGET_POP ATTNX_TARGET_POP
 #define MK_PAIRS 1 /* with the bfloat16 dot products */
 #include "microkernel.h"
 
 #define MK_REAL double
 #define MK_W 8
 #define MK_SFX d8
-#define MK_TYPED(w16, d8, w8, d4) d8
+#define MK_TYPED(w16, d8, w8, d4, n4, nd2) d8
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx512f,avx512dq\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
+#define MK_TARGET_POP ATTNX_TARGET_POP
 #include "microkernel.h"
 
 /* AVX2: in 12 of the 16 ymm registers */
 #define MK_REAL float
 #define MK_W 8
 #define MK_SFX w8
-#define MK_TYPED(w16, d8, w8, d4) w8
+#define MK_TYPED(w16, d8, w8, d4, n4, nd2) w8
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
+#define MK_TARGET_POP ATTNX_TARGET_POP
 #include "microkernel.h"
 
 #define MK_REAL double
 #define MK_W 4
 #define MK_SFX d4
-#define MK_TYPED(w16, d8, w8, d4) d4
+#define MK_TYPED(w16, d8, w8, d4, n4, nd2) d4
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
-#define MK_TARGET _Pragma("GCC target(\"avx2,fma\")")
+#define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
+#define MK_TARGET_POP ATTNX_TARGET_POP
+#include "microkernel.h"
+
+#elif defined(ATTNX_NEON_KERNELS)
+#define MK_HAVE_NEON 1
+#include <arm_neon.h>
+
+/* Advanced SIMD (NEON), part of every aarch64 core, so compiled without a
+ * target of its own: 128-bit vectors, the softmax tiles' products in 12 of
+ * the 32 registers. The row max keeps x86's rule (the second operand where
+ * either is NaN), as the plain code's `a > b ? a : b` does. */
+#define MK_REAL float
+#define MK_W 4
+#define MK_SFX n4
+#define MK_TYPED(w16, d8, w8, d4, n4, nd2) n4
+#define MK_KB_W 4
+#define MK_VMAX(a, b) \
+    ((MK_VEC)vbslq_f32(vcgtq_f32((float32x4_t)(a), (float32x4_t)(b)), (float32x4_t)(a), \
+                       (float32x4_t)(b)))
+#define MK_TARGET
+#define MK_TARGET_POP
+#include "microkernel.h"
+
+#define MK_REAL double
+#define MK_W 2
+#define MK_SFX nd2
+#define MK_TYPED(w16, d8, w8, d4, n4, nd2) nd2
+#define MK_KB_W 4
+#define MK_VMAX(a, b) \
+    ((MK_VEC)vbslq_f64(vcgtq_f64((float64x2_t)(a), (float64x2_t)(b)), (float64x2_t)(a), \
+                       (float64x2_t)(b)))
+#define MK_TARGET
+#define MK_TARGET_POP
 #include "microkernel.h"
 #endif
 
@@ -325,7 +363,6 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 
 #else /* MK_W: the kernels for one vector width */
 
-#pragma GCC push_options
 MK_TARGET
 
 #define MK_CAT2(a, b) a##b
@@ -342,7 +379,7 @@ typedef MK_REAL MK_VEC __attribute__((vector_size(MK_W * sizeof(MK_REAL)),
  * strip's row max. Runs on the few blocks that straddle the band's edges;
  * padding lanes past the tile's rows are left as they are. */
 static inline void MK_TYPED(mk_hide_and_max_w16, mk_hide_and_max_d8, mk_hide_and_max_w8,
-                            mk_hide_and_max_d4)(
+                            mk_hide_and_max_d4, mk_hide_and_max_n4, mk_hide_and_max_nd2)(
     const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, ptrdiff_t r0, ptrdiff_t strip, ptrdiff_t c0,
     ptrdiff_t kb, MK_REAL *tile_max)
 {
@@ -493,7 +530,8 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_by)(
                                       full, pairs);
 }
 
-static inline void MK_TYPED(mk_scores_w16, mk_scores_d8, mk_scores_w8, mk_scores_d4)(
+static inline void MK_TYPED(mk_scores_w16, mk_scores_d8, mk_scores_w8, mk_scores_d4,
+                            mk_scores_n4, mk_scores_nd2)(
     const mk_tile *t, MK_REAL *st, ptrdiff_t st_ld, const MK_REAL *qt, const MK_REAL *kt,
     ptrdiff_t slots, ptrdiff_t d, MK_REAL scale, const MK_REAL *key_term, MK_REAL *tile_max)
 {
@@ -600,7 +638,8 @@ static __attribute__((noinline)) void MK_NAME(mk_add_pv_last_strip)(
  * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
  * pt_ld). Each strip's columns of ot are first multiplied by its rows'
  * correction, the online softmax's rescaling. */
-static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv_d4)(
+static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv_d4,
+                            mk_add_pv_n4, mk_add_pv_nd2)(
     const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
     const mk_values *values, ptrdiff_t e, const MK_REAL *correction)
 {
@@ -682,7 +721,7 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
 #undef MK_CAT
 #undef MK_NAME
 #undef MK_VEC
-#pragma GCC pop_options
+MK_TARGET_POP
 /* the parameters of this instantiation */
 #undef MK_REAL
 #undef MK_W
@@ -691,6 +730,7 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
 #undef MK_KB_W
 #undef MK_VMAX
 #undef MK_TARGET
+#undef MK_TARGET_POP
 #undef MK_PAIRS
 
 #endif /* MK_W */

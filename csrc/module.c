@@ -260,12 +260,15 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
     const int optimized = 0;
 #endif
     int amx = attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD) == ATTNX_KERNELS_AMX;
-    return Py_BuildValue("{s:s,s:s,s:N,s:N,s:N,s:N,s:i,s:s,s:N}", "blas", attnx_blas_name(),
-                         "simd", attnx_simd_level(), "amx", PyBool_FromLong(amx), "dispatch",
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:N,s:N,s:N,s:i,s:s,s:N}", "blas", attnx_blas_name(),
+                         "blas_core", attnx_blas_core(), "simd", attnx_simd_level(), "amx",
+                         PyBool_FromLong(amx), "dispatch",
                          family_dict(0), "cpu_features", feature_list(attnx_cpu_detected()),
                          "disabled_cpu_features", feature_list(attnx_dispatch_disabled()),
                          "num_threads", attnx_get_num_threads(), "compiler",
-#ifdef __VERSION__
+#if defined(__clang__)
+                         "clang " __clang_version__,
+#elif defined(__VERSION__)
                          "gcc " __VERSION__,
 #else
                          "unknown",
@@ -418,7 +421,8 @@ static PyMethodDef methods[] = {
      "_convert_bf16(src, dst): bfloat16 bits (int16/uint16) <-> float32, rounding to nearest even; "
      "returns dst."},
     {"build_info", build_info, METH_NOARGS,
-     "BLAS, SIMD level of the compiler's clones, AMX in use, each family's kernel set "
+     "BLAS, its core (the kernels it chose for this CPU), SIMD level of the compiler's clones, "
+     "AMX in use, each family's kernel set "
      "(dispatch), the CPU's features and those left out, threads, compiler, optimized build."},
     {NULL, NULL, 0, NULL},
 };

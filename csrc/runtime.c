@@ -20,6 +20,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "portable.h"
 
 static int num_threads = 1;
 /* set in a process created by fork(): every call then runs on one thread */
@@ -54,14 +55,17 @@ void attnx_runtime_init(void)
 
 const char *attnx_blas_name(void) { return ATTNX_BLAS_NAME; }
 
+const char *attnx_blas_core(void) { return ATTNX_OPENBLAS(openblas_get_corename)(); }
+
 const char *attnx_simd_level(void)
 {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef ATTNX_HAVE_CLONES
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return "AVX-512 (x86-64-v4 clones)";
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "AVX2+FMA (x86-64-v3 clones)";
     return "baseline x86-64 (SSE2)";
 #else
+    /* no target_clones in this build (portable.h) */
     return "compiler default";
 #endif
 }
@@ -71,9 +75,7 @@ int attnx_interrupted(attnx_interrupt *interrupt, int calling_thread)
     if (!interrupt) return 0;
     if (interrupt->stopped) return 1;
     if (!calling_thread || !interrupt->poll) return 0;
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    double seconds = (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+    double seconds = attnx_monotonic_seconds();
     /* the first poll 20 ms into the call: shorter calls never pay for one
      * (Python sees a signal when they return anyway) */
     if (interrupt->next_poll == 0) interrupt->next_poll = seconds + 0.02;

@@ -357,7 +357,9 @@ const SFX(softmax_backend) *SFX(softmax_choose_backend)(const attnx_softmax_args
     if (set == ATTNX_KERNELS_AMX && !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
         return &softmax_amx_f32;
 #endif
-#ifdef MK_HAVE_X86
+#if defined(MK_HAVE_NEON)
+    return &SFX(softmax_mk_neon);
+#elif defined(MK_HAVE_X86)
     return cpu_width == 16 ? &SFX(softmax_mk_avx512) : &SFX(softmax_mk_avx2);
 #else
     return &SFX(softmax_plain);

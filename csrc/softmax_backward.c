@@ -339,8 +339,6 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
 #ifdef MK_HAVE_X86
     const int zmm = w->kt != NULL && !nonfinite;
     const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
-#else
-    const int zmm = 0;
 #endif
 
     /* the products of two inputs by the bfloat16 dot products, where both
@@ -357,9 +355,11 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                        w->kt_pairs, BC, w->pt, BC);
     else
 #endif
+#ifdef MK_HAVE_X86
     if (zmm)
         ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
     else
+#endif
         SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
     if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
@@ -367,6 +367,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         return;
     }
+#ifdef MK_HAVE_X86
     if (zmm) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
         ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
@@ -377,7 +378,9 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         else
 #endif
         ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
-    } else if (!nonfinite) {
+    } else
+#endif
+    if (!nonfinite) {
         SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
         SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
     } else {
@@ -400,10 +403,13 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
+#ifdef MK_HAVE_X86
     if (zmm) {
         ZMM_GEMM(cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j, dk_row);
         ZMM_GEMM(rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i, dq_row);
-    } else if (!nonfinite) {
+    } else
+#endif
+    if (!nonfinite) {
         SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
         SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
     } else {

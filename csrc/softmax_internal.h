@@ -22,6 +22,11 @@
 #include "dispatch.h"
 #include "microkernel.h"
 
+/* this build has micro-kernel backends (softmax_mk.c) */
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+#define SOFTMAX_MK 1
+#endif
+
 /* Tile sizes: a scores tile of Q_TILE x KEY_TILE stays in L2, and tall
  * query tiles amortise the packing of each key tile over many rows. Q_TILE
  * is a whole number of micro-kernel strips (MK_ROW_ALIGN); KEY_TILE a whole
@@ -194,9 +199,13 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
 
 /* softmax_mk.c: the micro-kernels' backends, one per instruction set, and
  * the packing and transposes AMX uses too */
-#ifdef MK_HAVE_X86
+#ifdef SOFTMAX_MK
+#ifdef MK_HAVE_NEON
+extern const SFX(softmax_backend) SFX(softmax_mk_neon);
+#else
 extern const SFX(softmax_backend) SFX(softmax_mk_avx512);
 extern const SFX(softmax_backend) SFX(softmax_mk_avx2);
+#endif
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past count 0 */
 void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
                   ptrdiff_t lanes, int width);

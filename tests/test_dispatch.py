@@ -38,7 +38,8 @@ def test_dispatch_setting_names():
     assert here[-1] == "plain"
     cpu = set(attnx._C.build_info()["cpu_features"])
     needs = {"avx2": {"AVX2", "FMA3"}, "avx512": {"AVX512F", "AVX512DQ"},
-             "avx512_bf16": {"AVX512F", "AVX512_BF16"}, "amx": {"AMX_TILE", "AMX_BF16"}}
+             "avx512_bf16": {"AVX512F", "AVX512_BF16"}, "amx": {"AMX_TILE", "AMX_BF16"},
+             "neon": {"ASIMD"}}
     for name in here[:-1]:
         assert needs[name] <= cpu, (name, cpu)
     if "avx512" in here:       # a build with AVX-512 kernels has the AVX2 ones
@@ -109,10 +110,10 @@ def test_levels_this_machine_can_force():
 # ------------------------------------------------- names grep can find
 
 CSRC = os.path.join(os.path.dirname(HERE), "csrc")
-TYPED_SUFFIX = r"_(?:f32|f64|w16|w8|d8|d4)"
+TYPED_SUFFIX = r"_(?:f32|f64|w16|w8|d8|d4|n4|nd2)"
 # SFX(name) defines name_f32 and name_f64 (csrc/real.h), MK_NAME(name) one
 # kernel per instruction set (csrc/microkernel.h)
-MACRO_SUFFIXES = {"SFX": ("_f32", "_f64"), "MK_NAME": ("_w16", "_d8", "_w8", "_d4")}
+MACRO_SUFFIXES = {"SFX": ("_f32", "_f64"), "MK_NAME": ("_w16", "_d8", "_w8", "_d4", "_n4", "_nd2")}
 
 
 def _defined_at(text, start):
