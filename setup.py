@@ -10,10 +10,12 @@ BLAS choice (environment variable ATTNX_BLAS):
 ATTNX_DEBUG=1 builds -O0 -g with AddressSanitizer and UBSan (see
 tests/run_sanitizers.sh).
 
-Compilers: gcc on Linux (OpenMP from libgomp); Apple clang on macOS with
-LLVM's libomp (Homebrew's, or the prefix in OpenMP_ROOT). MSVC cannot
-compile the kernels (GCC vector extensions, aligned_alloc): a Windows build
-stops with a message saying so.
+Compilers: gcc or clang (CC=clang) on Linux, x86-64 and aarch64 (OpenMP
+from libgomp, or LLVM's libomp with clang: Debian's libomp-dev); Apple
+clang on macOS with LLVM's libomp (Homebrew's, or the prefix in
+OpenMP_ROOT). Windows: not yet (POSIX threads, posix_memalign; csrc/portable.h
+holds what is already spelled per platform): a build stops with a message
+saying so.
 
 The only run path written into the module is the package's own folder
 ($ORIGIN / @loader_path): the build machine's library paths that Python's
@@ -21,6 +23,8 @@ own link command carries (LDSHARED's -Wl,-rpath,...) are removed, so a
 built module never looks for libraries where it was built.
 """
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -38,26 +42,38 @@ def fail(message):
 
 
 def scipy_openblas():
-    try:
-        import scipy_openblas32 as sob
-    except ImportError:
+    # read from its files, not imported: its import loads the library, which
+    # fails when the build is for another machine (a cross-compile)
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None:
         fail("no BLAS found. Install one of:\n"
              "  pip install scipy-openblas32        (the default; pip does this\n"
              "                                       itself for `pip install .`)\n"
              "  apt-get install libopenblas-dev pkg-config, then build with\n"
              "  ATTNX_BLAS=system")
-    lib_dir = sob.get_lib_dir()
-    lib_file = os.path.join(lib_dir, sob.get_library(fullname=True))
+    package_dir = list(spec.submodule_search_locations)[0]
+    lib_dir = os.path.join(package_dir, "lib")
+    shared = (".so", ".dylib", ".lib")
+    lib_names = sorted(f for f in os.listdir(lib_dir)
+                       if f.startswith("libscipy_openblas") and f.endswith(shared))
+    if not lib_names:
+        fail("the scipy-openblas32 package in %s holds no library" % package_dir)
+    lib_file = os.path.join(lib_dir, lib_names[0])
+    # the link name: without "lib" for -l, whole for MSVC's libscipy_openblas.lib
+    link_name = os.path.splitext(lib_names[0])[0]
+    if sys.platform != "win32":
+        link_name = link_name[len("lib"):]
+    version = importlib.metadata.version("scipy-openblas32")
     info = {
-        "include_dirs": [sob.get_include_dir()],
+        "include_dirs": [os.path.join(package_dir, "include")],
         "library_dirs": [lib_dir],
-        "libraries": [sob.get_library()],
+        "libraries": [link_name],
         "define_macros": [("ATTNX_BLAS_SCIPY_PREFIX", "1"),
-                          ("ATTNX_BLAS_NAME", '"scipy-openblas32 %s"' % sob.__version__)],
+                          ("ATTNX_BLAS_NAME", '"scipy-openblas32 %s"' % version)],
         "bundle": [lib_file],
         "licenses": [],
     }
-    dist = os.path.dirname(os.path.dirname(sob.__file__))
+    dist = os.path.dirname(package_dir)
     for entry in os.listdir(dist):
         if entry.startswith("scipy_openblas32") and entry.endswith(".dist-info"):
             lic_dir = os.path.join(dist, entry, "licenses")
@@ -113,9 +129,10 @@ def openmp_flags():
 
 
 if sys.platform == "win32":
-    fail("Windows is not supported yet: the kernels use GCC vector extensions and\n"
-         "  C11 aligned_alloc, which MSVC lacks (a clang-cl port is the way forward).\n"
-         "  Use WSL or Linux.")
+    fail("Windows is not supported yet: the kernels use GCC vector extensions (MSVC\n"
+         "  lacks them; clang-cl has them), POSIX threads (csrc/team.c) and\n"
+         "  posix_memalign / aligned_alloc memory released by free, which the\n"
+         "  Microsoft C runtime lacks. Use WSL or Linux.")
 
 debug = os.environ.get("ATTNX_DEBUG", "") not in ("", "0")
 if debug:
@@ -171,10 +188,28 @@ def replace_file(src, dst):
     os.replace(dst + ".tmp", dst)
 
 
+def is_clang(command):
+    """True when the compiler command (a list, as setuptools holds it) is clang."""
+    try:
+        version = subprocess.run(command[:1] + ["--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return False
+    return "clang" in version
+
+
+# clang cannot vectorise a max reduction under IEEE rules (a NaN is kept
+# apart, lsh.c's row max), and says so for every `omp simd reduction(max)`;
+# that loop runs one number at a time there
+CLANG_ARGS = ["-Wno-pass-failed"]
+
+
 class BuildExtBundlingBlas(build_ext):
     """Copy the bundled BLAS library and its licences next to the module."""
 
     def build_extensions(self):
+        if is_clang(self.compiler.compiler_so):
+            for extension in self.extensions:
+                extension.extra_compile_args = extension.extra_compile_args + CLANG_ARGS
         # Python's link command (sysconfig LDSHARED) may carry the run path
         # of the interpreter's own lib folder (pyenv, conda): not ours to ship
         linker = getattr(self.compiler, "linker_so", None)

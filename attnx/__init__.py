@@ -44,22 +44,73 @@ def _explain_unbuilt(error):
     raise ImportError(message) from error
 
 
+def _hwcap2():
+    """AT_HWCAP2 of this process (Linux: the CPU features the kernel, or an
+    emulator, advertises), 0 where it cannot be read."""
+    import struct
+
+    try:
+        with open("/proc/self/auxv", "rb") as f:
+            auxv = f.read()
+    except OSError:
+        return 0
+    for key, value in struct.iter_unpack("QQ", auxv[:len(auxv) // 16 * 16]):
+        if key == 26:  # AT_HWCAP2
+            return value
+    return 0
+
+
+def _openblas_core():
+    """The OPENBLAS_CORETYPE the extension's OpenBLAS must load with where the
+    kernels it would choose for this CPU are known to fail, else None (the
+    user's own OPENBLAS_CORETYPE always wins):
+    - x86-64 without SSSE3: OpenBLAS 0.3.34 chooses its Nehalem kernels,
+      which use SSSE3 (SIGILL); Prescott's need SSE3 only;
+    - aarch64 Linux advertising SME (HWCAP2_SME): it chooses its SME core,
+      whose products came out wrong on such a CPU (an emulated one); the
+      Armv8 SVE core, or plain Armv8, computes them."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        try:
+            from numpy._core._multiarray_umath import __cpu_features__ as features
+        except ImportError:  # numpy 1.x
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        if features.get("SSSE3") is False:
+            return "Prescott"
+    elif machine == "aarch64" and _hwcap2() & (1 << 23):  # HWCAP2_SME
+        try:
+            from numpy._core._multiarray_umath import __cpu_features__ as features
+        except ImportError:
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        return "ARMV8SVE" if features.get("SVE") else "ARMV8"
+    return None
+
+
 def _load_extension():
-    """Import the extension with its OpenBLAS told to start no threads:
-    attnx runs BLAS single-threaded inside its own OpenMP pool, and an idle
-    BLAS thread pool would spin on the cores that pool needs."""
-    saved = _os.environ.get("OPENBLAS_NUM_THREADS")
-    _os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    """Import the extension with its OpenBLAS told to start no threads
+    (attnx runs BLAS single-threaded inside its own OpenMP pool, and an idle
+    BLAS thread pool would spin on the cores that pool needs), and on a core
+    that works here (_openblas_core). OpenBLAS reads both when it loads,
+    with the extension; the variables are put back after."""
+    settings = {"OPENBLAS_NUM_THREADS": "1"}
+    core = _openblas_core()
+    if core and not _os.environ.get("OPENBLAS_CORETYPE"):
+        settings["OPENBLAS_CORETYPE"] = core
+    saved = {name: _os.environ.get(name) for name in settings}
+    _os.environ.update(settings)
     try:
         from . import _C
     except ImportError as error:
         _explain_unbuilt(error)
         raise
     finally:
-        if saved is None:
-            del _os.environ["OPENBLAS_NUM_THREADS"]
-        else:
-            _os.environ["OPENBLAS_NUM_THREADS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del _os.environ[name]
+            else:
+                _os.environ[name] = value
     return _C
 
 
@@ -152,11 +203,57 @@ __all__ = [
     "set_num_threads",
     "set_output_cache",
     "show_config",
+    "cpu_dispatch",
 ]
 
 
+def cpu_dispatch():
+    """The kernel set each family of calls runs on this CPU.
+
+    Returns
+    -------
+    dict
+        ``{family: kernel set}``: "plain" (C + BLAS), "avx2", "avx512",
+        "avx512_bf16" (with bfloat16 dot products), "avx512_group" (decoding
+        four heads at once), "amx", "neon".
+
+    Raises
+    ------
+    None
+        This function does not raise.
+
+    See Also
+    --------
+    show_config : Prints the same beside the BLAS and threads.
+
+    Notes
+    -----
+    Chosen once at import from the CPU's features, less those the
+    environment variable ``ATTNX_DISABLE_CPU_FEATURES`` leaves out
+    (comma-separated, numpy's spelling: ``AVX512F``, ``AMX``, ``AVX2``,
+    ``FMA3``, ...). A call whose shape a set's kernels do not take runs the
+    plain code. Tests ask this table what ran instead of assuming the CPU.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> choice = attnx.cpu_dispatch()
+    >>> "softmax_forward" in choice and all(isinstance(v, str) for v in choice.values())
+    True
+    """
+
+
+    """{family: kernel set} the calls of each family run on this CPU: "plain"
+    (C + BLAS), "avx2", "avx512", "avx512_bf16" (with bfloat16 dot products),
+    "avx512_group" (decoding four heads at once), "amx", "neon" (aarch64's
+    Advanced SIMD). Chosen at import from the CPU's features, less those
+    ATTNX_DISABLE_CPU_FEATURES leaves out; a call whose shape a set's kernels
+    do not take runs the plain code."""
+    return dict(_C.build_info()["dispatch"])
+
+
 def show_config():
-    """Print the BLAS, SIMD level, thread count and numpy version in use.
+    """Print the BLAS, SIMD level, kernels per family, threads and numpy in use.
 
     Returns
     -------
@@ -176,8 +273,10 @@ def show_config():
     Notes
     -----
     The lines name the BLAS attnx was built with (single-threaded inside
-    attnx's OpenMP pool), the SIMD level of the kernels, whether AMX and
-    the bfloat16 dot product are in use, the threads, the output cache's
+    attnx's OpenMP pool), the SIMD level of the kernels, each family's
+    kernel set (`cpu_dispatch`), the CPU features
+    ``ATTNX_DISABLE_CPU_FEATURES`` left out, whether AMX and the bfloat16
+    dot product are in use, the threads, the output cache's
     limit, numpy's version and the compiler. Include them in a bug report.
 
     Examples
@@ -192,13 +291,14 @@ def show_config():
 
     info = _C.build_info()
     print(f"attnx {__version__}")
-    print(f"  BLAS:     {info['blas']} (single-threaded inside attnx's OpenMP pool)")
+    print(f"  BLAS:     {info['blas']}, {info['blas_core']} kernels "
+          f"(single-threaded inside attnx's OpenMP pool)")
     print(f"  SIMD:     {info['simd']}")
-    amx = "float32 softmax products (bfloat16 x 3 split)" if info["amx"] else "not in use"
-    print(f"  AMX:      {amx}")
-    dot = info["bf16_dot"]
-    dot = "VDPBF16PS on bfloat16-valued float32 inputs" if dot == "avx512_bf16" else "off"
-    print(f"  bf16 dot: {dot}")
+    print(f"  CPU:      {', '.join(info['cpu_features']) or 'no features attnx dispatches on'}")
+    disabled = ", ".join(info["disabled_cpu_features"]) or "none"
+    print(f"  disabled: {disabled} (ATTNX_DISABLE_CPU_FEATURES)")
+    print("  kernels:  " + ", ".join(f"{family} {kernels}"
+                                     for family, kernels in info["dispatch"].items()))
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
     limit = set_output_cache(0)
     set_output_cache(limit)

@@ -836,9 +836,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         causal, attn_mask = _causal_bias(attn_mask, is_causal, n, m)
     elif attn_mask is not None:
         if is_causal:
-            raise SDPAValueError("scaled_dot_product_attention: Explicit attn_mask should not be "
-                                 "set when is_causal=True (put the causal pattern in attn_mask, "
-                                 "or pass is_causal alone)")
+            # torch's own wording inside, so code matching torch's message matches
+            raise SDPAValueError("attn_mask and is_causal=True given together "
+                                 "(_scaled_dot_product_attention: Explicit attn_mask should not "
+                                 "be set when is_causal=True): put the causal pattern in "
+                                 "attn_mask, or pass is_causal alone")
         _sdpa_mask_dtype(attn_mask, query.dtype)
     if attn_mask is not None and attn_mask.dim() >= 1 and (
             attn_mask.shape[-1] not in (1, m)

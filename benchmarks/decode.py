@@ -77,17 +77,18 @@ def forms(heads, d, dtype, general_path=False):
 
 def time_calls(call, calls, kernel=True):
     """The median time of one call, in ns, over `calls` calls timed one by
-    one (kernel=False: with the AVX-512 decoding kernel turned off)."""
+    one (kernel=False: the decoding family held to its plain C kernels)."""
     times = np.empty(calls, dtype=np.int64)
     clock = time.perf_counter_ns
-    before = attnx._C._set_decode_kernel(kernel)
+    disabled = ",".join(attnx._C.build_info()["disabled_cpu_features"])
+    before = attnx._C._set_dispatch(disabled, None if kernel else {"decode": "plain"})
     try:
         for i in range(calls):
             start = clock()
             call()
             times[i] = clock() - start
     finally:
-        attnx._C._set_decode_kernel(before)
+        attnx._C._set_dispatch(*before)
     return float(np.median(times))
 
 

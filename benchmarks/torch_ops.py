@@ -71,7 +71,7 @@ def main():
         torch.set_num_threads(args.threads)
     settings = harness.Settings(max_rounds=5, budget_s=5.0) if args.quick else harness.Settings()
     print(f"attnx {attnx.__version__}: {attnx.get_num_threads()} threads, bfloat16 conversion "
-          f"{attnx._C.build_info()['bf16_conversion']}; torch {torch.__version__}: "
+          f"{attnx.cpu_dispatch()['convert']}; torch {torch.__version__}: "
           f"{torch.get_num_threads()} threads")
     print(f"{'case':<34} {'dtype':<9} {'torch ms':>10} {'attnx ms':>10} {'torch/attnx':>12} {'max |dq| diff':>14}")
     for dtype_name in args.dtypes.split(","):

@@ -10,7 +10,8 @@
  * accuracy: at d = 128 the largest error measured against float64 was
  * 8.7e-6 where a float32 FMA loop made 2.7e-5 (|a . b| up to 53). The
  * tiles do 16 x 16 x 32 multiply-adds per instruction, so even six of them
- * beat AVX-512 float32 FMAs: ~430 against ~200 GFLOP/s per core here.
+ * beat AVX-512 float32 FMAs, about twice over (docs/performance.md, the C
+ * code's choices).
  * Limits: AMX and the bfloat16 conversion treat subnormal numbers as 0, so
  * inputs under 2^-126 count as 0 and those under ~2^-110 keep fewer than 24
  * bits (their products are below 2^-220 relative to the normal ones).
@@ -38,27 +39,6 @@
 #define ATTNX_HAVE_AMX 1
 #include <immintrin.h>
 #include <math.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* 1 when this CPU has AMX with bfloat16 and the kernel lets this process
- * use its tile registers (Linux asks each process to request them). */
-static inline int attnx_amx_usable(void)
-{
-    static int usable = -1;
-    if (usable >= 0) return usable;
-    unsigned int eax, ebx, ecx, edx;
-    int cpu = 0;
-    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-    int tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
-    if (eax >= 1 && tile && bf16 && (ebx >> 16) & 1) { /* leaf 7.0 ebx 16: AVX512F */
-        __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
-        cpu = (eax >> 5) & 1; /* AVX512_BF16: the float32 -> bfloat16 conversion */
-    }
-    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; harmless when repeated */
-    usable = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return usable;
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")

@@ -411,38 +411,7 @@ int attnx_delta_bwd_f64(const attnx_delta_args *args);
 
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);
-/* The softmax backends, each able to do all the ones before it: plain C +
- * BLAS, the micro-kernels (AVX-512, AVX2), AMX (float32). A call takes the
- * best its CPU and shape allow, up to the limit (AMX unless
- * ATTNX_SOFTMAX_BACKEND or ATTNX_AMX=0 said otherwise at import, or a test
- * set it). attnx_set_softmax_backend_limit returns the limit it replaces;
- * the names are those of ATTNX_SOFTMAX_BACKEND, and a name that is none of
- * them gives -1. */
-enum { ATTNX_BACKEND_PLAIN, ATTNX_BACKEND_MK, ATTNX_BACKEND_AMX, ATTNX_BACKENDS };
-int attnx_softmax_backend_limit(void);
-int attnx_set_softmax_backend_limit(int limit);
-int attnx_softmax_backend_from_name(const char *name);
-const char *attnx_softmax_backend_name(int backend);
-/* The float32 AVX-512 decoding step (linear.c, decode_kernel) runs where it
- * applies unless a test turned it off to check the general path, and takes
- * four heads at once (decode_group) unless a test turned that off to check
- * them against single heads; the setters return the setting they replace. */
-int attnx_decode_kernel_enabled(void);
-int attnx_set_decode_kernel(int enabled);
-int attnx_decode_group_enabled(void);
-int attnx_set_decode_group(int enabled);
 void attnx_set_num_threads(int num_threads);
-/* The bfloat16 dot products of float32 softmax attention (VDPBF16PS,
- * avx512_bf16): a product of two operands whose numbers are all bfloat16
- * values (the low 16 bits of each float32 zero, as for tensors widened
- * from bfloat16) is computed from their upper halves, float32 sums of
- * exact products. On by default where the CPU has the instruction (and
- * this build the kernels); attnx_set_bf16_dot(0) turns it off (for tests),
- * attnx_set_bf16_dot(1) returns -1 where it is unavailable. Both return
- * the setting they replace otherwise. */
-int attnx_bf16_dot_available(void);
-int attnx_bf16_dot(void);
-int attnx_set_bf16_dot(int on);
 /* Work too short for an OpenMP parallel region (a decoding step) split
  * over helper threads of attnx's own (team.c): task(context, member,
  * members) runs for member 0 (on the caller) to members - 1, and returns
@@ -461,9 +430,11 @@ static inline int attnx_omp_threads(int threads)
     if (threads > 1) attnx_team_rest();
     return threads;
 }
-/* at import: 0, or -1 when ATTNX_SOFTMAX_BACKEND names no backend */
-int attnx_runtime_init(void);
+/* at import: the thread count, the BLAS kept to one thread */
+void attnx_runtime_init(void);
 const char *attnx_blas_name(void);
+/* the kernels OpenBLAS chose for this CPU at load (its core name) */
+const char *attnx_blas_core(void);
 const char *attnx_simd_level(void);
 
 #endif

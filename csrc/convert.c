@@ -16,26 +16,22 @@
 
 #include "attnx.h"
 #include "convert.h"
+#include "portable.h"
+#include "dispatch.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef ATTNX_CONVERT_X86
 #include <immintrin.h>
-#define CONVERT_X86 1
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
-#define CONVERT_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CONVERT_HOT
-#endif
+#define CONVERT_HOT ATTNX_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 
 /* 16 Ki elements: 64 KiB of float32, a few microseconds of work */
 #define PIECE ((ptrdiff_t)16384)
-/* elements a second thread must have before it is started. One thread
- * converts about 1.5 G elements/s (4 Mi elements in 0.6-0.8 ms, memory
- * bound), so below this a second thread would save under half a
- * millisecond; a parallel region on a machine shared with other work
- * waits for its slowest thread to be scheduled, and measured on 2 busy
- * cores, 2 threads took 12-24 ms where 1 took 0.07-0.8 ms (1-4 Mi elements) */
+/* elements a second thread must have before it is started: the
+ * conversion is memory bound, so below this a second thread would save
+ * under half a millisecond, while a parallel region on a machine shared
+ * with other work waits for its slowest thread to be scheduled, which
+ * costs far more (docs/performance.md, the C code's choices) */
 #define PER_THREAD ((ptrdiff_t)1 << 22)
 /* numpy's limit on dimensions */
 #define CONVERT_MAX_DIMS 64
@@ -85,7 +81,7 @@ static CONVERT_HOT void narrow_row_portable(uint16_t *dst, const float *src, ptr
     }
 }
 
-#ifdef CONVERT_X86
+#ifdef ATTNX_CONVERT_X86
 /* VCVTNEPS2BF16 rounds to nearest even and quiets NaN as narrow_one does,
  * but reads denormal inputs as zero; lanes holding one are redone by
  * narrow_one so that both paths give the same bits. */
@@ -112,36 +108,6 @@ __attribute__((target("avx512f,avx512bf16"))) static void narrow_row_avx512(
     for (; i < count; i++) dst[i] = narrow_one(src[i]);
 }
 #endif
-
-/* ---------------------------------------------------------- the path */
-
-static int bf16_path = ATTNX_BF16_PORTABLE;
-
-int attnx_bf16_avx512_available(void)
-{
-#ifdef CONVERT_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-#else
-    return 0;
-#endif
-}
-
-int attnx_bf16_path(void) { return bf16_path; }
-
-int attnx_set_bf16_path(int path)
-{
-    if (path != ATTNX_BF16_PORTABLE && (path != ATTNX_BF16_AVX512 || !attnx_bf16_avx512_available()))
-        return -1;
-    int before = bf16_path;
-    bf16_path = path;
-    return before;
-}
-
-const char *attnx_bf16_path_name(int path)
-{
-    return path == ATTNX_BF16_AVX512 ? "avx512_bf16" : "portable";
-}
 
 /* ---------------------------------------------------------- the walk */
 
@@ -243,8 +209,9 @@ int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff
                         const ptrdiff_t *src_strides)
 {
     narrow_fn narrow = narrow_row_portable;
-#ifdef CONVERT_X86
-    if (bf16_path == ATTNX_BF16_AVX512) narrow = narrow_row_avx512;
+#ifdef ATTNX_CONVERT_X86
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX512_BF16)
+        narrow = narrow_row_avx512;
 #endif
     return convert(NULL, narrow, dst, src, ndim, shape, src_strides);
 }

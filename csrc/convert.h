@@ -10,18 +10,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* the narrowing paths: VCVTNEPS2BF16 (avx512_bf16) or portable integer
- * rounding; both give the same bits */
-enum { ATTNX_BF16_PORTABLE = 0, ATTNX_BF16_AVX512 = 1 };
-
-/* 1 when this CPU (and build) has the avx512_bf16 narrowing */
-int attnx_bf16_avx512_available(void);
-/* the path narrowing uses now: the best available unless set */
-int attnx_bf16_path(void);
-/* use `path` from now on; returns the one before, or -1 (nothing
- * changed) when `path` is unknown or unavailable here */
-int attnx_set_bf16_path(int path);
-const char *attnx_bf16_path_name(int path);
+/* this build has VCVTNEPS2BF16 narrowing (avx512_bf16), which the
+ * conversions' table (dispatch.c) offers where the CPU has it; it gives
+ * the bits the portable integer rounding gives */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ATTNX_CONVERT_X86 1
+#endif
 
 /* dst (C order, the shape of src) = src widened or narrowed.
  * src: `ndim` axes of sizes shape[0..ndim), strides src_strides in

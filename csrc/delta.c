@@ -396,7 +396,7 @@ static int SFX(plan_threads)(const attnx_delta_args *a)
     return threads;
 }
 
-int SFX(attnx_delta_fwd)(const attnx_delta_args *a)
+int TYPED(attnx_delta_fwd_f32, attnx_delta_fwd_f64)(const attnx_delta_args *a)
 {
     if (a->heads == 0) return ATTNX_OK;
     const ptrdiff_t K = a->dk, V = a->dv;
@@ -654,7 +654,7 @@ static void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L, const 
     memcpy(dS, dSn, (size_t)(K * V) * sizeof(REAL));
 }
 
-int SFX(attnx_delta_bwd)(const attnx_delta_args *a)
+int TYPED(attnx_delta_bwd_f32, attnx_delta_bwd_f64)(const attnx_delta_args *a)
 {
     if (a->heads == 0) return ATTNX_OK;
     const ptrdiff_t K = a->dk, V = a->dv;

@@ -15,6 +15,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "dispatch.h"
 #include "microkernel.h" /* mk_elu_row_w16 */
 
 #define ATTNX_FAMILY_FILE "features.c"
@@ -171,9 +172,9 @@ static void SFX(favor_block)(const attnx_feature_map *fm, int is_key, const REAL
     }
 }
 
-void SFX(attnx_features)(const attnx_feature_map *fm, int is_key, const REAL *x, ptrdiff_t x_row,
-                         ptrdiff_t rows, ptrdiff_t pos0, double key_log_scale,
-                         const REAL *col_shift, REAL *feat, REAL *log_scale)
+void TYPED(attnx_features_f32, attnx_features_f64)(
+    const attnx_feature_map *fm, int is_key, const REAL *x, ptrdiff_t x_row, ptrdiff_t rows,
+    ptrdiff_t pos0, double key_log_scale, const REAL *col_shift, REAL *feat, REAL *log_scale)
 {
     const ptrdiff_t d = fm->d, r = fm->r;
     if (!is_key)
@@ -183,9 +184,9 @@ void SFX(attnx_features)(const attnx_feature_map *fm, int is_key, const REAL *x,
         return;
     }
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    /* fewer instructions (microkernel.h; elu took a tenth of a causal
-     * forward + backward) */
-    if (fm->kind == ATTNX_FM_ELU && attnx_mk_width() == 16) {
+    /* fewer instructions (mk_decode.h; elu took a tenth of a causal
+     * forward + backward: docs/performance.md, the C code's choices) */
+    if (fm->kind == ATTNX_FM_ELU && attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512) {
         for (ptrdiff_t t = 0; t < rows; t++) mk_elu_row_w16(x + t * x_row, d, feat + t * r);
         return;
     }
@@ -326,10 +327,10 @@ static void SFX(favor_block_bwd)(const attnx_feature_map *fm, const REAL *x, ptr
     if (dW) SFX(gemm)(1, 0, r, d, rows, x_scale, dfeat, r, x, x_row, 1, dW, d);
 }
 
-void SFX(attnx_features_bwd)(const attnx_feature_map *fm, int is_key, const REAL *x,
-                             ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t pos0, const REAL *feat,
-                             REAL *dfeat, const REAL *col_dot, REAL *dx, ptrdiff_t dx_row,
-                             REAL *dW)
+void TYPED(attnx_features_bwd_f32, attnx_features_bwd_f64)(
+    const attnx_feature_map *fm, int is_key, const REAL *x, ptrdiff_t x_row, ptrdiff_t rows,
+    ptrdiff_t pos0, const REAL *feat, REAL *dfeat, const REAL *col_dot, REAL *dx, ptrdiff_t dx_row,
+    REAL *dW)
 {
     const ptrdiff_t d = fm->d, r = fm->r;
     if (fm->kind == ATTNX_FM_FAVOR) {
@@ -361,7 +362,7 @@ void SFX(attnx_features_bwd)(const attnx_feature_map *fm, int is_key, const REAL
     }
 }
 
-double SFX(attnx_key_log_scale)(const attnx_feature_map *fm)
+double TYPED(attnx_key_log_scale_f32, attnx_key_log_scale_f64)(const attnx_feature_map *fm)
 {
     if (fm->kind != ATTNX_FM_FAVOR) return 0;
     const REAL *W = (const REAL *)fm->projection;
@@ -373,9 +374,9 @@ double SFX(attnx_key_log_scale)(const attnx_feature_map *fm)
     return top / 2;
 }
 
-void SFX(attnx_key_column_max)(const REAL *x, ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t d,
-                               const unsigned char *key_mask, ptrdiff_t key_mask_col,
-                               REAL *col_max)
+void TYPED(attnx_key_column_max_f32, attnx_key_column_max_f64)(
+    const REAL *x, ptrdiff_t x_row, ptrdiff_t rows, ptrdiff_t d, const unsigned char *key_mask,
+    ptrdiff_t key_mask_col, REAL *col_max)
 {
     for (ptrdiff_t c = 0; c < d; c++) col_max[c] = -(REAL)INFINITY;
     for (ptrdiff_t j = 0; j < rows; j++) {

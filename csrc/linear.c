@@ -45,6 +45,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "dispatch.h"
 #include "microkernel.h"
 
 /* A head is cut into segments only when each gets at least this many
@@ -55,7 +56,7 @@
  * one costs more than it saves (tiny heads)... unless its states reach this
  * many bytes: a decoding step is few flops but one pass over every head's
  * state, 512 KB at 32 heads of 64 x 64, which two cores' caches share out
- * (measured: 15.1 us on one thread, 10.5 us on two). */
+ * (a third faster on two threads; docs/performance.md, the C code's choices). */
 #define MIN_PARALLEL_FLOPS 1e6
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
 #define CACHE_LINE 64
@@ -464,15 +465,15 @@ static void SFX(steps)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t j0, 
 
 /* S += keys^T values for `rows` held keys (deferred steps), in key order
  * like the RNN steps they stand for: one pass over S. Float32 on AVX-512
- * keeps blocks of 6 rows of S in registers (microkernel.h); otherwise a
+ * keeps blocks of 6 rows of S in registers (mk_linear.h); otherwise a
  * block of one row stays in registers while the values stream from L1
- * (gemm_small, which adds each key into S in memory, made a float64 step
- * of 32 heads of 64 take 19.7 us against 16.0). */
+ * (gemm_small, which adds each key into S in memory, was slower: docs/performance.md, the C code's choices). */
 static ATTNX_HOT void SFX(add_held)(ptrdiff_t r, ptrdiff_t e, REAL *S, const REAL *keys,
                                     const REAL *values, ptrdiff_t rows)
 {
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
-    if (attnx_mk_width() == 16 && r % 2 == 0 && e % 16 == 0) {
+    if (attnx_kernels_width(attnx_kernels(ATTNX_FAMILY_DECODE)) == 16 && r % 2 == 0 &&
+        e % 16 == 0) {
         mk_add_keys_w16(keys, r, values, e, rows, S, e, NULL);
         return;
     }
@@ -602,7 +603,7 @@ static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scr
 
 /* One whole chunk (KERNEL_CHUNK rows against as many keys) through the
  * fused AVX-512 kernel, which keeps every product in registers: read_state,
- * add_block and state_add in one pass (microkernel.h). Returns 0 where it
+ * add_block and state_add in one pass (mk_linear.h). Returns 0 where it
  * does not apply (float64, other CPUs, partial chunks, values holding inf
  * or NaN), leaving the work to those three. */
 static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
@@ -619,9 +620,9 @@ static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
     for (ptrdiff_t t = 0; t < rows; t++)
         SFX(row_span)(p, hd, i0 + t, j0, cols, &first, &visible[t]);
     SFX(state_dens)(p, rows, st.z, w);
-    /* the next chunk's rows, asked for from inside the kernel (mk_ahead):
-     * 8 heads, n = 4096, d = e = 64, one thread, loaded machine: forward
-     * ~4.7 ms against ~5.6 with them asked for all at once before it */
+    /* the next chunk's rows, asked for from inside the kernel (mk_ahead),
+     * spread over its loops: faster than asking for them all at once
+     * before it (docs/performance.md, the C code's choices) */
     const ptrdiff_t size = (ptrdiff_t)sizeof(float);
     ptrdiff_t next_rows = ATTNX_MIN(KERNEL_CHUNK, a->n - i0 - rows);
     ptrdiff_t next_keys = ATTNX_MIN(KERNEL_CHUNK, a->m - j0 - cols);
@@ -669,9 +670,8 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
         REAL *out = hd->out + i0 * a->out_row;
         if (i0 + rows < qb && !p->chunk_kernel) {
             /* long inputs stream from memory: ask for the next chunk's rows
-             * while this one computes (8 heads, n = 65536, d = 64, float64:
-             * 157 ms against 172 without). The fused kernel asks for them
-             * itself, spread over its loops (fused_chunk). */
+             * while this one computes (docs/performance.md, the C code's choices). The fused
+             * kernel asks for them itself, spread over its loops (fused_chunk). */
             ptrdiff_t next = ATTNX_MIN(p->C, qb - i0 - rows), key_next = hi;
             SFX(prefetch_rows)(hd->q + (i0 + rows) * a->q_row, a->q_row, next, a->d);
             if (key_next < a->m) {
@@ -718,7 +718,7 @@ static SFX(values) SFX(token_features)(const linear_plan *p, const SFX(head) *hd
 #endif
 
 /* The functional single-token call (n = m = 1, causal, query 0 sees key
- * 0) through the float32 AVX-512 kernel (microkernel.h, mk_rnn_step_w16):
+ * 0) through the float32 AVX-512 kernel (mk_decode.h, mk_rnn_step_w16):
  * the key's RNN step from `from` into st and the query's row read from
  * it, one pass over the state, where the general path below takes
  * state_pass plus a dot product. A key removed by key_mask takes no step
@@ -782,7 +782,7 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
 }
 
 /* One single-token decoding step of a head through the float32 AVX-512
- * kernel (microkernel.h, mk_decode_step_w16): the generic steps of
+ * kernel (mk_decode.h, mk_decode_step_w16): the generic steps of
  * deferred_step below in one pass over S, elu features computed in place
  * (mk_elu_rows_w16, the same numbers as features.c). Returns 0 where it
  * does not apply (float64, other CPUs, r or e not whole vectors), leaving
@@ -804,7 +804,7 @@ static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const S
 }
 
 /* The decoding steps of the heads items[0..3] in one pass over their
- * states (microkernel.h, mk_decode_group_w16), where exactly one of them
+ * states (mk_decode.h, mk_decode_group_w16), where exactly one of them
  * takes its turn: with capacity 4 (HELD_KEYS in py_linear.c) any four
  * heads in a row have one turn among them. Elu features only, without a
  * key mask (the features token_features makes in place, no stabiliser
@@ -1077,8 +1077,8 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
             SFX(segment_starts)(p, h, deltas, starts, &w);
         }
     }
-    /* one thread runs on the caller: a parallel region of one costs about
-     * 0.2 us, a tenth of a one-head decoding step */
+    /* one thread runs on the caller: a parallel region of one costs a
+     * tenth of a one-head decoding step (docs/performance.md, the C code's choices) */
     int finished = 0;
     /* a decoding step splits over attnx's own team (team.c), which starts
      * and joins in a ninth of what a parallel region takes, when the team
@@ -1163,14 +1163,15 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     /* the fused kernel: whole chunks of 16 under a causal band that opens
      * at key 0, features in blocks of 8, values in whole vectors */
-    p.chunk_kernel = attnx_mk_width() == 16 && p.C == KERNEL_CHUNK && p.r % 8 == 0 &&
-                     a->e % 16 == 0 && !a->band.has_lo;
-    p.decode_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && a->pending.psi &&
-                      p.r % 16 == 0 && a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
-    p.decode_group = p.decode_kernel && attnx_decode_group_enabled() &&
+    int decode_set = attnx_kernels(ATTNX_FAMILY_DECODE);
+    p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512 &&
+                     p.C == KERNEL_CHUNK && p.r % 8 == 0 && a->e % 16 == 0 && !a->band.has_lo;
+    p.decode_kernel = attnx_kernels_width(decode_set) == 16 && a->pending.psi && p.r % 16 == 0 &&
+                      a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
+    p.decode_group = p.decode_kernel && decode_set == ATTNX_KERNELS_AVX512_GROUP &&
                      a->features.kind == ATTNX_FM_ELU && a->normalise;
     /* the single-token call: its query sees its key, and no segments */
-    p.step_kernel = attnx_mk_width() == 16 && attnx_decode_kernel_enabled() && !a->pending.psi &&
+    p.step_kernel = attnx_kernels_width(decode_set) == 16 && !a->pending.psi &&
                     a->method == ATTNX_METHOD_RECURRENT && a->n == 1 && a->m == 1 &&
                     !a->band.has_lo && attnx_band_end(&a->band, 0) == 1 && p.r % 16 == 0 &&
                     a->e % 16 == 0;
@@ -1206,7 +1207,7 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     return p;
 }
 
-int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
+int TYPED(attnx_linear_fwd_f32, attnx_linear_fwd_f64)(const attnx_linear_args *a)
 {
     if (a->heads == 0 || (a->n == 0 && !a->S_out)) return ATTNX_OK;
     linear_plan p = SFX(make_plan)(a);
@@ -1223,8 +1224,9 @@ int SFX(attnx_linear_fwd)(const attnx_linear_args *a)
     return status;
 }
 
-void SFX(attnx_linear_flush)(void *S_data, const attnx_pending *pending, ptrdiff_t heads,
-                             ptrdiff_t r, ptrdiff_t e, int num_threads)
+void TYPED(attnx_linear_flush_f32, attnx_linear_flush_f64)(
+    void *S_data, const attnx_pending *pending, ptrdiff_t heads, ptrdiff_t r, ptrdiff_t e,
+    int num_threads)
 {
     REAL *S = S_data;
     const ptrdiff_t capacity = pending->capacity;
@@ -1259,9 +1261,8 @@ void SFX(attnx_linear_flush)(void *S_data, const attnx_pending *pending, ptrdiff
  * rows that sees it, the state only carrying S0 and the gradient at the
  * returned state. Memory: O(C (r + e) + r e) per thread plus 2 n numbers.
  * Float32 on AVX-512, whole causal chunks of 16 take each pass's steps in
- * one fused kernel (bwd_fused_chunk; microkernel.h), which
- * ran the backward of 8 heads, n = 4096, d = e = 64 in 19.6 ms against
- * 39.1 ms for the steps below at their best chunk (CPU time, one thread).
+ * one fused kernel (bwd_fused_chunk; mk_linear.h), about twice as fast
+ * as the steps below at their best chunk (docs/performance.md, the C code's choices).
  *
  * FAVOR+ runs on the stabilised features (as the forward does, the clamp
  * scaled alike): the attention does not depend on the stabilisers, so
@@ -1696,7 +1697,7 @@ static void SFX(bwd_key_columns)(const bwd_plan *p, const SFX(bhead) *hd, const 
 
 /* Whole chunks (KERNEL_CHUNK rows against their diagonal block of as
  * many keys, features and values in w) through the fused AVX-512 kernels
- * of microkernel.h, which keep each product's block in registers: one
+ * of mk_linear.h, which keep each product's block in registers: one
  * chunk of bwd_scan_head's pass (1), or with keys_pass of its pass (2).
  * Returns 0 where they do not apply (float64, other CPUs, partial chunks,
  * a block holding inf or NaN, whose zeroed pairs must not carry it),
@@ -1730,15 +1731,13 @@ static int SFX(bwd_fused_chunk)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff
      * them: pass (2) writes dk only for keys from the block's first key
      * j0 >= i0 on, going down, so the rows of the chunks still to come
      * are untouched. That spares pass (2) two of the block's products
-     * (8 heads, n = 4096, d = e = 64: backward 11.41 -> 10.89 ms on one
-     * thread, 5.78 -> 5.50 ms on two, medians of alternating runs). */
+     * (the backward 5% faster: docs/performance.md, the C code's choices). */
     float *kept = a->d >= 32 && j0 >= i0 ? hd->dk + i0 * a->dk_row : NULL;
     /* the chunk the pass takes next (later rows in pass (1), earlier ones
      * in (2)), asked for from inside the kernels (mk_ahead): its queries,
-     * keys, values, dout and the gradient rows the pass writes. 8 heads,
-     * n = 4096, d = e = 64, one thread, loaded machine: backward ~13.7 ms,
-     * against ~16.3 with them asked for all at once before each chunk and
-     * ~16.5 with the hardware's prefetch alone. */
+     * keys, values, dout and the gradient rows the pass writes: faster
+     * than asking for them all at once before each chunk or leaving them
+     * to the hardware's prefetch (docs/performance.md, the C code's choices). */
     const ptrdiff_t size = (ptrdiff_t)sizeof(float);
     ptrdiff_t next_i = keys_pass ? i0 - KERNEL_CHUNK : i0 + rows;
     ptrdiff_t next_j = keys_pass ? j0 - KERNEL_CHUNK : j0 + cols;
@@ -2000,7 +1999,7 @@ static void SFX(bwd_quadratic_head)(const bwd_plan *p, const SFX(bhead) *hd, con
     if (hd->dS0) SFX(bwd_load)(p, hd->dS0, hd->dz0, w->dS, e, w->dz);
 }
 
-int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
+int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_args *a)
 {
     if (a->heads == 0) return ATTNX_OK;
     bwd_plan p = {.a = a, .r = a->features.r, .C = a->method == ATTNX_METHOD_RECURRENT ? 1 : a->chunk,
@@ -2008,7 +2007,8 @@ int SFX(attnx_linear_bwd)(const attnx_linear_bwd_args *a)
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     /* the fused kernels: causal chunks of 16 under a band that opens at
      * key 0 and no mask, features in blocks of 8, values in whole vectors */
-    p.chunk_kernel = attnx_mk_width() == 16 && a->method == ATTNX_METHOD_CHUNK &&
+    p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_BWD) == ATTNX_KERNELS_AVX512 &&
+                     a->method == ATTNX_METHOD_CHUNK &&
                      p.C == KERNEL_CHUNK && p.causal && !a->band.has_lo && !a->mask &&
                      p.r % 8 == 0 && a->e % 16 == 0;
 #endif

@@ -646,11 +646,17 @@ done:
     return status;
 }
 
-int SFX(attnx_lsh_fwd)(const attnx_lsh_args *a) { return SFX(lsh_run)(a, 0); }
+int TYPED(attnx_lsh_fwd_f32, attnx_lsh_fwd_f64)(const attnx_lsh_args *a)
+{
+    return SFX(lsh_run)(a, 0);
+}
 
-int SFX(attnx_lsh_bwd)(const attnx_lsh_args *a) { return SFX(lsh_run)(a, 1); }
+int TYPED(attnx_lsh_bwd_f32, attnx_lsh_bwd_f64)(const attnx_lsh_args *a)
+{
+    return SFX(lsh_run)(a, 1);
+}
 
-int SFX(attnx_lsh_buckets)(const attnx_lsh_args *a, int32_t *buckets)
+int TYPED(attnx_lsh_buckets_f32, attnx_lsh_buckets_f64)(const attnx_lsh_args *a, int32_t *buckets)
 {
     const ptrdiff_t n = a->n, H = a->n_hashes, items = a->heads * H;
     if (items == 0 || n == 0) return ATTNX_OK;

@@ -5,10 +5,10 @@
 #define PY_ARRAY_UNIQUE_SYMBOL attnx_ARRAY_API
 #include <numpy/arrayobject.h>
 
-#include "amx.h"
 #include "attnx.h"
 #include "bindings.h"
 #include "convert.h"
+#include "dispatch.h"
 
 static PyObject *get_num_threads(PyObject *self, PyObject *unused)
 {
@@ -31,106 +31,127 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* _set_softmax_backend(name): the most capable softmax backend calls may
- * use (attnx.h); returns the name of the one before */
-static PyObject *set_softmax_backend(PyObject *self, PyObject *arg)
+/* a list of the names of the features in `set` */
+static PyObject *feature_list(attnx_cpu_set set)
 {
-    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    if (PyUnicode_Check(arg) && !name) return NULL;
-    int limit = name ? attnx_softmax_backend_from_name(name) : -1;
-    if (limit < 0) {
-        PyErr_Format(PyExc_ValueError, "backend must be 'plain', 'mk' or 'amx', got %R", arg);
+    PyObject *list = PyList_New(0);
+    for (int f = 0; list && f < ATTNX_CPU_FEATURES; f++) {
+        if (!(set & ATTNX_CPU_BIT(f))) continue;
+        PyObject *name = PyUnicode_FromString(attnx_cpu_feature_name(f));
+        if (!name || PyList_Append(list, name) < 0) Py_CLEAR(list);
+        Py_XDECREF(name);
+    }
+    return list;
+}
+
+/* {family: its kernel set} of the tables, or of the limits (families
+ * without one left out) */
+static PyObject *family_dict(int limits)
+{
+    PyObject *dict = PyDict_New();
+    for (int f = 0; dict && f < ATTNX_FAMILIES; f++) {
+        int set = limits ? attnx_dispatch_limit(f) : attnx_kernels(f);
+        if (set < 0) continue;
+        PyObject *name = PyUnicode_FromString(attnx_kernels_name(set));
+        if (!name || PyDict_SetItemString(dict, attnx_family_name(f), name) < 0) Py_CLEAR(dict);
+        Py_XDECREF(name);
+    }
+    return dict;
+}
+
+/* limits[family] from {family name: kernel set name} (None: no limits) */
+static int parse_limits(PyObject *given, int *limits)
+{
+    for (int f = 0; f < ATTNX_FAMILIES; f++) limits[f] = -1;
+    if (given == Py_None) return 0;
+    if (!PyDict_Check(given)) {
+        PyErr_Format(PyExc_TypeError, "limits must be a dict or None, got %s",
+                     Py_TYPE(given)->tp_name);
+        return -1;
+    }
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(given, &pos, &key, &value)) {
+        const char *family = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+        const char *set = PyUnicode_Check(value) ? PyUnicode_AsUTF8(value) : NULL;
+        if (PyErr_Occurred()) return -1;
+        int f = family ? attnx_family_from_name(family) : -1;
+        if (f < 0) {
+            PyErr_Format(PyExc_ValueError, "limits: unknown family %R", key);
+            return -1;
+        }
+        limits[f] = set ? attnx_kernels_from_name(set) : -1;
+        if (limits[f] < 0) {
+            PyErr_Format(PyExc_ValueError, "limits: unknown kernel set %R for %s", value, family);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* _set_dispatch(disabled, limits=None): fill every family's table again as
+ * at import with ATTNX_DISABLE_CPU_FEATURES=disabled, each family in
+ * limits held to that set or one after it in its table (for tests);
+ * returns (disabled, limits) before */
+static PyObject *set_dispatch(PyObject *self, PyObject *args)
+{
+    const char *disabled_names;
+    PyObject *given = Py_None;
+    if (!PyArg_ParseTuple(args, "s|O:_set_dispatch", &disabled_names, &given)) return NULL;
+    char unknown[256], before_names[256];
+    attnx_cpu_set disabled = attnx_cpu_parse(disabled_names, unknown, sizeof unknown);
+    if (unknown[0]) {
+        PyErr_Format(PyExc_ValueError, "_set_dispatch: unknown CPU features: %s", unknown);
         return NULL;
     }
-    return PyUnicode_FromString(attnx_softmax_backend_name(attnx_set_softmax_backend_limit(limit)));
-}
-
-/* a switch of attnx.h from Python's truth of arg; returns the setting before */
-static PyObject *set_switch(PyObject *arg, int (*set)(int))
-{
-    int enabled = PyObject_IsTrue(arg);
-    if (enabled < 0) return NULL;
-    return PyBool_FromLong(set(enabled));
-}
-
-/* _set_decode_kernel(flag): whether single-token decoding steps may use
- * the float32 AVX-512 kernel; _set_decode_group(flag): whether it may
- * take four heads at once */
-static PyObject *set_decode_kernel(PyObject *self, PyObject *arg)
-{
-    return set_switch(arg, attnx_set_decode_kernel);
-}
-
-static PyObject *set_decode_group(PyObject *self, PyObject *arg)
-{
-    return set_switch(arg, attnx_set_decode_group);
-}
-
-/* 1 when this CPU (and build) can run the softmax backend */
-static int softmax_backend_available(int backend)
-{
-    switch (backend) {
-    case ATTNX_BACKEND_MK:
-        return attnx_mk_width() != 0;
-    case ATTNX_BACKEND_AMX:
-#ifdef ATTNX_HAVE_AMX
-        return attnx_mk_width() == 16 && attnx_amx_usable();
-#else
-        return 0;
-#endif
-    default:
-        return 1;
-    }
-}
-
-/* _set_bf16_conversion(name): the bfloat16 narrowing path, 'avx512_bf16'
- * (VCVTNEPS2BF16) or 'portable' (for tests: both give the same bits);
- * returns the name of the one before */
-static PyObject *set_bf16_conversion(PyObject *self, PyObject *arg)
-{
-    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    if (PyUnicode_Check(arg) && !name) return NULL;
-    int path = -1;
-    if (name && strcmp(name, "portable") == 0) path = ATTNX_BF16_PORTABLE;
-    if (name && strcmp(name, "avx512_bf16") == 0) path = ATTNX_BF16_AVX512;
-    if (path < 0) {
-        PyErr_Format(PyExc_ValueError, "bf16 conversion must be 'avx512_bf16' or 'portable', got %R",
-                     arg);
+    int limits[ATTNX_FAMILIES];
+    if (parse_limits(given, limits) < 0) return NULL;
+    attnx_cpu_format(attnx_dispatch_disabled(), before_names, sizeof before_names);
+    PyObject *before_limits = family_dict(1);
+    if (!before_limits) return NULL;
+    int status = attnx_dispatch_fill(disabled, limits);
+    if (status < 0) {
+        int family = -1 - status, sets[ATTNX_KERNEL_SETS];
+        int count = attnx_family_sets(family, sets);
+        PyObject *names = PyList_New(count);
+        for (int s = 0; names && s < count; s++)
+            PyList_SET_ITEM(names, s, PyUnicode_FromString(attnx_kernels_name(sets[s])));
+        if (names)
+            PyErr_Format(PyExc_ValueError, "limits: %s has no kernel set %s here; it has %S",
+                         attnx_family_name(family), attnx_kernels_name(limits[family]), names);
+        Py_XDECREF(names);
+        Py_DECREF(before_limits);
         return NULL;
     }
-    int before = attnx_set_bf16_path(path);
-    if (before < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "bf16 conversion 'avx512_bf16' needs a CPU with avx512_bf16 (this one has none)");
-        return NULL;
-    }
-    return PyUnicode_FromString(attnx_bf16_path_name(before));
+    return Py_BuildValue("(sN)", before_names, before_limits);
 }
 
-/* _set_bf16_dot(name): the bfloat16 dot products of float32 softmax
- * attention (attnx.h), 'avx512_bf16' (VDPBF16PS) or 'off' (for tests:
- * both compute in float32); returns the name of the setting before */
-static const char *bf16_dot_name(int on) { return on ? "avx512_bf16" : "off"; }
-
-static PyObject *set_bf16_dot(PyObject *self, PyObject *arg)
+/* Fill the tables from ATTNX_DISABLE_CPU_FEATURES at import. As numpy
+ * does with NPY_DISABLE_CPU_FEATURES, names it does not know give an
+ * ImportWarning and are ignored. ATTNX_SOFTMAX_BACKEND and ATTNX_AMX, which
+ * limited the softmax forward alone, are no longer read: a UserWarning
+ * says what replaced them. */
+static int dispatch_init(void)
 {
-    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    if (PyUnicode_Check(arg) && !name) return NULL;
-    int on = -1;
-    if (name && strcmp(name, "off") == 0) on = 0;
-    if (name && strcmp(name, "avx512_bf16") == 0) on = 1;
-    if (on < 0) {
-        PyErr_Format(PyExc_ValueError, "bf16 dot must be 'avx512_bf16' or 'off', got %R", arg);
-        return NULL;
-    }
-    int before = attnx_set_bf16_dot(on);
-    if (before < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "bf16 dot 'avx512_bf16' needs a CPU with avx512_bf16 and AVX-512 "
-                        "micro-kernels (this one has none)");
-        return NULL;
-    }
-    return PyUnicode_FromString(bf16_dot_name(before));
+    const char *names = getenv("ATTNX_DISABLE_CPU_FEATURES");
+    char unknown[256];
+    attnx_cpu_set disabled = attnx_cpu_parse(names, unknown, sizeof unknown);
+    if (unknown[0] &&
+        PyErr_WarnFormat(PyExc_ImportWarning, 1,
+                         "ATTNX_DISABLE_CPU_FEATURES: unknown CPU features ignored: %s (known: "
+                         "AVX2, FMA3, AVX512F, AVX512DQ, AVX512BW, AVX512VL, AVX512_BF16, "
+                         "AMX_TILE, AMX_BF16, AMX, ASIMD, SVE)", unknown) < 0)
+        return -1;
+    static const char *const retired[] = {"ATTNX_SOFTMAX_BACKEND", "ATTNX_AMX"};
+    for (int r = 0; r < 2; r++)
+        if (getenv(retired[r]) &&
+            PyErr_WarnFormat(PyExc_UserWarning, 1,
+                             "%s is no longer read: ATTNX_DISABLE_CPU_FEATURES leaves CPU "
+                             "features out for every family (AMX for the old ATTNX_AMX=0)",
+                             retired[r]) < 0)
+            return -1;
+    (void)attnx_dispatch_fill(disabled, NULL);
+    return 0;
 }
 
 /* the lowest and one past the highest byte `array` can touch */
@@ -230,20 +251,6 @@ static PyObject *convert_bf16(PyObject *self, PyObject *args)
 
 static PyObject *build_info(PyObject *self, PyObject *unused)
 {
-    int limit = attnx_softmax_backend_limit();
-    int amx = limit >= ATTNX_BACKEND_AMX && softmax_backend_available(ATTNX_BACKEND_AMX);
-    PyObject *backends = PyList_New(0);
-    if (!backends) return NULL;
-    for (int b = 0; b < ATTNX_BACKENDS; b++) {
-        if (!softmax_backend_available(b)) continue;
-        PyObject *name = PyUnicode_FromString(attnx_softmax_backend_name(b));
-        if (!name || PyList_Append(backends, name) < 0) {
-            Py_XDECREF(name);
-            Py_DECREF(backends);
-            return NULL;
-        }
-        Py_DECREF(name);
-    }
     /* optimized: built with optimisation, which contracts the C loops'
      * multiply-adds into fused ones as the intrinsic kernels are (an -O0
      * build, ATTNX_DEBUG, rounds each product apart) */
@@ -252,13 +259,16 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
 #else
     const int optimized = 0;
 #endif
-    return Py_BuildValue("{s:s,s:s,s:N,s:s,s:N,s:s,s:s,s:i,s:s,s:N}", "blas", attnx_blas_name(),
-                         "simd", attnx_simd_level(), "amx", PyBool_FromLong(amx), "softmax_backend",
-                         attnx_softmax_backend_name(limit), "softmax_backends", backends,
-                         "bf16_conversion", attnx_bf16_path_name(attnx_bf16_path()),
-                         "bf16_dot", bf16_dot_name(attnx_bf16_dot()),
+    int amx = attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD) == ATTNX_KERNELS_AMX;
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:N,s:N,s:N,s:i,s:s,s:N}", "blas", attnx_blas_name(),
+                         "blas_core", attnx_blas_core(), "simd", attnx_simd_level(), "amx",
+                         PyBool_FromLong(amx), "dispatch",
+                         family_dict(0), "cpu_features", feature_list(attnx_cpu_detected()),
+                         "disabled_cpu_features", feature_list(attnx_dispatch_disabled()),
                          "num_threads", attnx_get_num_threads(), "compiler",
-#ifdef __VERSION__
+#if defined(__clang__)
+                         "clang " __clang_version__,
+#elif defined(__VERSION__)
                          "gcc " __VERSION__,
 #else
                          "unknown",
@@ -403,26 +413,17 @@ static PyMethodDef methods[] = {
      ">>> attnx.get_num_threads()\n"
      "1\n"
      ">>> attnx.set_num_threads(before)"},
-    {"_set_softmax_backend", set_softmax_backend, METH_O,
-     "The most capable softmax backend calls may use, 'plain', 'mk' or 'amx' (for tests); "
-     "returns the previous one."},
-    {"_set_decode_kernel", set_decode_kernel, METH_O,
-     "Whether single-token decoding steps may use the float32 AVX-512 kernel (for tests); "
-     "returns the previous setting."},
-    {"_set_decode_group", set_decode_group, METH_O,
-     "Whether that kernel may take the steps of four heads at once (for tests); returns the "
-     "previous setting."},
-    {"_set_bf16_conversion", set_bf16_conversion, METH_O,
-     "The bfloat16 narrowing, 'avx512_bf16' or 'portable' (for tests); returns the previous one."},
-    {"_set_bf16_dot", set_bf16_dot, METH_O,
-     "The bfloat16 dot products of float32 softmax attention on bfloat16 values, "
-     "'avx512_bf16' or 'off' (for tests); returns the previous setting."},
+    {"_set_dispatch", set_dispatch, METH_VARARGS,
+     "_set_dispatch(disabled, limits=None): every family's kernels chosen again as at import "
+     "with ATTNX_DISABLE_CPU_FEATURES=disabled, families in limits ({family: kernel set}) held "
+     "to that set or a lesser one (for tests); returns (disabled, limits) before."},
     {"_convert_bf16", convert_bf16, METH_VARARGS,
      "_convert_bf16(src, dst): bfloat16 bits (int16/uint16) <-> float32, rounding to nearest even; "
      "returns dst."},
     {"build_info", build_info, METH_NOARGS,
-     "BLAS, SIMD level, AMX in use, softmax backend limit and the backends this CPU has, "
-     "bfloat16 conversion, bfloat16 dot products, threads, compiler, optimized build."},
+     "BLAS, its core (the kernels it chose for this CPU), SIMD level of the compiler's clones, "
+     "AMX in use, each family's kernel set "
+     "(dispatch), the CPU's features and those left out, threads, compiler, optimized build."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -431,14 +432,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "attnx._C", NULL, -1,
 PyMODINIT_FUNC PyInit__C(void)
 {
     import_array();
-    if (attnx_runtime_init() < 0) {
-        PyErr_Format(PyExc_ValueError, "ATTNX_SOFTMAX_BACKEND must be plain, mk or amx, got '%s'",
-                     getenv("ATTNX_SOFTMAX_BACKEND"));
-        return NULL;
-    }
+    attnx_runtime_init();
+    if (dispatch_init() < 0) return NULL;
     if (attnx_linear_names_init() < 0 || attnx_output_cache_init() < 0) return NULL;
     attnx_interrupt_init();
-    /* the fastest bfloat16 narrowing this CPU has (kept portable without) */
-    (void)attnx_set_bf16_path(ATTNX_BF16_AVX512);
     return PyModule_Create(&module);
 }

@@ -3,10 +3,9 @@
  * A large result (dq, dk, dv and out of a training step) freed by the
  * user would go back to the system: glibc returns blocks above its mmap
  * threshold (at most 32 MiB) with munmap, and the next call's result of
- * the same size is faulted in and zeroed page by page anew. Measured on
- * the two-core development VM, causal linear attention forward + backward
- * at (1, 8, 16384, 64) float32: 56.7 ms with fresh results against
- * 37.3 ms writing into reused ones. So results of REUSE_MIN_BYTES or more
+ * the same size is faulted in and zeroed page by page anew, which took a
+ * third of a large causal linear attention forward + backward (docs/performance.md, the C code's choices).
+ * So results of REUSE_MIN_BYTES or more
  * are allocated through a numpy memory handler of attnx's own, whose free
  * keeps the last few blocks (at most `limit` bytes in all, the oldest
  * released first) for the next result of the same size.

@@ -22,15 +22,11 @@ static const flush_kernel flush_kernels[2] = {attnx_linear_flush_f32, attnx_line
 /* Chunk length of the chunk method (and tile of the quadratic one). The
  * masked C x C block costs 2 C (r + e) flops per token beside the state's
  * 4 r e, so shorter chunks do less arithmetic, until the GEMMs get too
- * small to run at speed. Measured on the development machine (AVX-512,
- * float32, 2 threads, causal elu, n = 8192, 8 heads, out= given): d = e =
- * 64 took 10.3, 11.5, 14.5, 19.2 ms at C = 16, 32, 64, 128; d = 32: 4.7,
- * 5.4, 6.8 ms and d = 128: 28.5, 30.2, 40.4 ms at C = 16, 32, 64; but
- * d = 16 13.3 and 4.4 ms at C = 16, 32 (its GEMMs fall under
- * ATTNX_SMALL_GEMM), and FAVOR+ with r = 266, whose feature GEMM wants more
- * rows, 48, 45, 45 ms at C = 16, 32, 64 (one thread). Since then whole
+ * small to run at speed: C = 16 was fastest from d = 32 to 128, C = 32
+ * for d = 16 (its GEMMs fall under ATTNX_SMALL_GEMM) and for FAVOR+'s
+ * many features, whose feature GEMM wants more rows; since then whole
  * float32 chunks of 16 run through a fused AVX-512 kernel (linear.c,
- * fused_chunk): d = e = 64 takes 8.7 ms at C = 16 against 10.8 at 32. */
+ * fused_chunk), which widens 16's lead (docs/performance.md, the C code's choices). */
 static npy_intp default_chunk(int method, npy_intp r)
 {
     return method == ATTNX_METHOD_CHUNK && r >= 32 && r <= 128 ? 16 : 32;
@@ -293,12 +289,9 @@ int attnx_linear_names_init(void)
  * deferred_step) in state._pending, a pair of arrays (..., HELD_KEYS, r)
  * and (..., HELD_KEYS, e), for state._tick steps (attnx.h, attnx_pending).
  * A step of several tokens, or reading state.S, first adds them in.
- * Measured on the development machine (32 heads, d = 64, float32, 2
- * threads, out=), a step took 9.7-10.0, 9.3-9.6 and 9.7-9.8 us holding 4,
- * 8 and 16 keys, against 11.0 us for the RNN step that writes S each time.
- * With the AVX-512 decoding kernel (AMD Zen 5, 2 threads, out=, medians of
- * 7 alternating runs): 3.34, 3.10-3.14, 3.11, 3.52 us holding 2, 4, 6 and
- * 16 keys against 3.20-3.21 us holding 8. */
+ * Holding keys beat the RNN step that writes S each time, and with the
+ * AVX-512 decoding kernel 4 held keys were as fast as any count tried
+ * (docs/performance.md, the C code's choices). */
 #define HELD_KEYS 4
 
 /* initial_state: its S (new references; NULL for None), z and offset;
@@ -802,8 +795,8 @@ static void lean_offsets(ptrdiff_t *offsets, npy_intp heads, npy_intp d, npy_int
 /* The offset table of the last lean steps' shape, kept from step to step:
  * the helper threads that take some of a step's heads (team.c) read it,
  * and a table written anew at each step, the same numbers in lines the
- * caller had just written, reached them as cache misses (a 32-head step
- * on two threads took 2.82-2.89 against 2.75-2.80 us). It changes only
+ * caller had just written, reached them as cache misses (a slower step:
+ * docs/performance.md, the C code's choices). It changes only
  * under the GIL, for another shape, and only while no step uses it: a
  * step counts itself in `users` from before it releases the GIL to after
  * it takes it back. Meanwhile a step of another shape builds a table of
@@ -903,7 +896,7 @@ static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
                PyArray_ISWRITEABLE((PyArrayObject *)last)) {
         /* the last step's output, which nothing but this state holds any
          * more (no name, view or buffer of it is left): the new one takes
-         * its memory (allocating and freeing it took 0.17 us) */
+         * its memory (spares an allocation and a free a step) */
         out = (PyArrayObject *)last;
         Py_INCREF(out);
     } else {
@@ -1224,11 +1217,9 @@ done:
 
 /* Chunk length of the backward's chunk method. Causal, chunks of 16 run
  * through fused AVX-512 kernels in float32 (linear.c, bwd_fused_chunk) and
- * the general steps are no slower there than at 32: CPU time, one thread,
- * 8 heads, n = 4096, d = e = 64, AMD Zen 5: float32 19.6, 39.1, 45.8 ms and
- * float64 71.8, 72.0, 85.5 ms at C = 16, 32, 64. Non-causal there is no
- * C x C block, and longer blocks run the GEMMs faster: 25.3, 21.3, 20.9 ms
- * at C = 32, 128, 256. */
+ * the general steps are no slower there than at 32. Non-causal there is
+ * no C x C block, and longer blocks run the GEMMs faster
+ * (docs/performance.md, the C code's choices). */
 #define DEFAULT_BACKWARD_CHUNK 16
 #define DEFAULT_NONCAUSAL_BACKWARD_CHUNK 128
 

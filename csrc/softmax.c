@@ -125,9 +125,9 @@ static ATTNX_HOT void SFX(finish_scores)(const mk_tile *t, REAL *st, ptrdiff_t s
 /* A bias or mask that depends on the query as well: added to (or hiding)
  * the visible scores of rows [r0, r1) over the keys [lo, hi) their strip
  * computes, then those rows' max taken anew. */
-void SFX(softmax_apply_bias_mask)(const attnx_softmax_args *a, const mk_tile *t,
-                                  SFX(tile_work) *w, const REAL *bias, const unsigned char *mask,
-                                  ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t lo, ptrdiff_t hi)
+void TYPED(softmax_apply_bias_mask_f32, softmax_apply_bias_mask_f64)(
+    const attnx_softmax_args *a, const mk_tile *t, SFX(tile_work) *w, const REAL *bias,
+    const unsigned char *mask, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t lo, ptrdiff_t hi)
 {
     const REAL neg_inf = -(REAL)INFINITY;
     int use_bias = bias && !softmax_bias_per_key(a), use_mask = mask && !softmax_mask_per_key(a);
@@ -198,8 +198,8 @@ ATTNX_HOT void SFX(softmax_online_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdif
 
 /* 1 when the values of the keys [j0, j0 + cols) are all finite; each
  * block of V_BLOCK keys is checked once per head and thread */
-int SFX(softmax_values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *v,
-                               ptrdiff_t j0, ptrdiff_t cols)
+int TYPED(softmax_values_finite_f32, softmax_values_finite_f64)(
+    const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *v, ptrdiff_t j0, ptrdiff_t cols)
 {
     if (w->v_seen != v) {
         memset(w->v_state, 0, (size_t)((a->m + V_BLOCK - 1) / V_BLOCK));
@@ -219,9 +219,9 @@ int SFX(softmax_values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, c
  * value tiles holding inf or NaN, where the product's 0 * NaN would leak a
  * hidden key's NaN into rows that cannot see it. acc's element (r, c) is
  * at acc[r acc_row + c acc_col]. */
-void SFX(softmax_add_visible_values)(const mk_tile *t, REAL *acc, ptrdiff_t acc_row,
-                                     ptrdiff_t acc_col, const REAL *pt, ptrdiff_t pt_ld,
-                                     const REAL *v_tile, ptrdiff_t v_row, ptrdiff_t e)
+void TYPED(softmax_add_visible_values_f32, softmax_add_visible_values_f64)(
+    const mk_tile *t, REAL *acc, ptrdiff_t acc_row, ptrdiff_t acc_col, const REAL *pt,
+    ptrdiff_t pt_ld, const REAL *v_tile, ptrdiff_t v_row, ptrdiff_t e)
 {
     for (ptrdiff_t r = 0; r < t->rows; r++) {
         ptrdiff_t lo, hi;
@@ -345,20 +345,21 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
  * whole groups of a panel's width (the P V kernel's columns) and the tiles
  * have rows enough to pay for packing the keys; AMX on top for float32,
  * where the keys' operands (all of the head's) need not be kept to a
- * window and no dropout (which its walk by blocks does not apply); none
- * past the limit a test or ATTNX_SOFTMAX_BACKEND sets. */
+ * window and no dropout (which its walk by blocks does not apply); each
+ * only where the softmax forward's table chose it (dispatch.h). */
 const SFX(softmax_backend) *SFX(softmax_choose_backend)(const attnx_softmax_args *a)
 {
-    int limit = attnx_softmax_backend_limit();
-    int cpu_width = limit >= ATTNX_BACKEND_MK ? attnx_mk_width() : 0;
+    int set = attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD);
+    int cpu_width = attnx_kernels_width(set);
     if (!cpu_width || a->e % MK_KB(cpu_width) != 0 || a->n < MK_MIN_ROWS)
         return &SFX(softmax_plain);
 #if !REAL_IS_DOUBLE && defined(ATTNX_HAVE_AMX)
-    if (cpu_width == 16 && limit >= ATTNX_BACKEND_AMX && attnx_amx_usable() &&
-        !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
+    if (set == ATTNX_KERNELS_AMX && !(a->band.has_lo && a->band.has_hi) && a->dropout_p == 0)
         return &softmax_amx_f32;
 #endif
-#ifdef MK_HAVE_X86
+#if defined(MK_HAVE_NEON)
+    return &SFX(softmax_mk_neon);
+#elif defined(MK_HAVE_X86)
     return cpu_width == 16 ? &SFX(softmax_mk_avx512) : &SFX(softmax_mk_avx2);
 #else
     return &SFX(softmax_plain);
@@ -437,7 +438,7 @@ static void SFX(item_tile)(const SFX(softmax_backend) *be, const attnx_softmax_a
     SFX(softmax_tile)(be, a, item / plan->q_tiles, i0, ATTNX_MIN(plan->q_tile, a->n - i0), w);
 }
 
-int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
+int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args *a)
 {
     const SFX(softmax_backend) *be = SFX(softmax_choose_backend)(a);
     softmax_plan plan = {.q_tile = be->q_tile};
@@ -490,8 +491,8 @@ int SFX(attnx_softmax_fwd)(const attnx_softmax_args *a)
 
     /* each thread a share of consecutive items, whole heads when they split
      * evenly, then what is left of the others' (softmax_claim_item). One thread
-     * runs on the caller: a parallel region of one costs about 0.2 us, a
-     * tenth of a tiny call. */
+     * runs on the caller: a parallel region of one costs a tenth of a tiny
+     * call. */
     if (threads == 1) {
         for (ptrdiff_t item = 0; item < work && !attnx_interrupted(a->interrupt, 1); item++)
             SFX(item_tile)(be, a, item, &plan, works);

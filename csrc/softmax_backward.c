@@ -27,8 +27,8 @@
  * dQ gets one partial per group, added in group order at the end (with one
  * group, the item adds into dq directly).
  *
- * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot,
- * microkernel.h): the two products whose operands are both inputs, the
+ * float32 on AVX-512 with the bfloat16 dot products (the avx512_bf16 set,
+ * dispatch.h; microkernel.h): the two products whose operands are both inputs, the
  * scores Q K^T and dP = dO V^T, run on pairs of bfloat16 values where a
  * block's operands all are bfloat16 values (as tensors widened from
  * bfloat16 are; the output gradient too, when it was bfloat16); the other
@@ -75,9 +75,8 @@ enum { PAIRED = 1, Q_EXACT = 2, DOUT_EXACT = 4 };
 
 #ifdef MK_HAVE_X86
 /* The five products on AVX-512 without BLAS (whose kernels may be chosen
- * for a lesser CPU: OPENBLAS_CORETYPE), where gcc can target it (the CPU
- * is asked at run time, attnx_mk_width; a backend limit of "plain" from
- * ATTNX_SOFTMAX_BACKEND or a test keeps them on BLAS), as one
+ * for a lesser CPU: OPENBLAS_CORETYPE), where gcc can target it and the
+ * softmax backward's table chose AVX-512 (dispatch.h), as one
  * register-blocked kernel:
  *   c (rows, cols) = alpha a b   (or += when accumulate)
  * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
@@ -134,7 +133,8 @@ static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_blo
         }
 }
 
-static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_gemm_by)(
+static inline __attribute__((always_inline, target("avx512f"))) void
+TYPED(zmm_gemm_by_f32, zmm_gemm_by_f64)(
     ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
     ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row,
     const int pairs)
@@ -339,8 +339,6 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
 #ifdef MK_HAVE_X86
     const int zmm = w->kt != NULL && !nonfinite;
     const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
-#else
-    const int zmm = 0;
 #endif
 
     /* the products of two inputs by the bfloat16 dot products, where both
@@ -357,9 +355,11 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                        w->kt_pairs, BC, w->pt, BC);
     else
 #endif
+#ifdef MK_HAVE_X86
     if (zmm)
         ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
     else
+#endif
         SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
     if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
@@ -367,6 +367,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         return;
     }
+#ifdef MK_HAVE_X86
     if (zmm) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
         ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
@@ -377,7 +378,9 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         else
 #endif
         ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
-    } else if (!nonfinite) {
+    } else
+#endif
+    if (!nonfinite) {
         SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
         SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
     } else {
@@ -400,10 +403,13 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
+#ifdef MK_HAVE_X86
     if (zmm) {
         ZMM_GEMM(cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j, dk_row);
         ZMM_GEMM(rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i, dq_row);
-    } else if (!nonfinite) {
+    } else
+#endif
+    if (!nonfinite) {
         SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
         SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
     } else {
@@ -556,7 +562,7 @@ static SFX(bwd_head) SFX(bwd_position)(const attnx_softmax_bwd_args *b, ptrdiff_
     return h;
 }
 
-int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
+int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_args *b)
 {
     const attnx_softmax_args *a = &b->fwd;
     const ptrdiff_t n = a->n, m = a->m, d = a->d, heads = a->heads;
@@ -587,15 +593,15 @@ int SFX(attnx_softmax_bwd)(const attnx_softmax_bwd_args *b)
     /* AVX-512 products where the CPU has them and d, e are whole vectors */
     int zmm = 0;
 #ifdef MK_HAVE_X86
-    zmm = attnx_softmax_backend_limit() >= ATTNX_BACKEND_MK && attnx_mk_width() == 16 &&
-          d % ZLANES == 0 && a->e % ZLANES == 0;
+    int set = attnx_kernels(ATTNX_FAMILY_SOFTMAX_BWD);
+    zmm = attnx_kernels_width(set) == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
 #endif
     ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
     /* the bfloat16 dot products: the key block's and the item's query
      * blocks' pair rows (float32, so the numbers are the pairs' size) */
     int pairs = 0;
 #ifdef BWD_PAIRS
-    pairs = zmm && attnx_bf16_dot();
+    pairs = zmm && attnx_kernels_bf16_dot(set);
 #endif
     ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (BC + n)) : 0;
     int dropout = a->dropout_p > 0;

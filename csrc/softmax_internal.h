@@ -19,7 +19,13 @@
 
 #include "amx.h"
 #include "attnx.h"
+#include "dispatch.h"
 #include "microkernel.h"
+
+/* this build has micro-kernel backends (softmax_mk.c) */
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+#define SOFTMAX_MK 1
+#endif
 
 /* Tile sizes: a scores tile of Q_TILE x KEY_TILE stays in L2, and tall
  * query tiles amortise the packing of each key tile over many rows. Q_TILE
@@ -123,7 +129,7 @@ typedef struct {
 typedef struct SFX(softmax_backend) SFX(softmax_backend);
 typedef struct SFX(mk_kernels) SFX(mk_kernels);
 struct SFX(softmax_backend) {
-    int width;             /* the micro-kernels' instruction set (attnx_mk_width), 0 none */
+    int width;             /* the micro-kernels' instruction set (attnx_kernels_width), 0 none */
     const SFX(mk_kernels) *mk;  /* the micro-kernels of that width (softmax_mk.c), or NULL */
     ptrdiff_t q_tile;      /* query rows per tile */
     ptrdiff_t row_align;   /* st_ld is the rows rounded up to this (1: the rows) */
@@ -193,9 +199,13 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
 
 /* softmax_mk.c: the micro-kernels' backends, one per instruction set, and
  * the packing and transposes AMX uses too */
-#ifdef MK_HAVE_X86
+#ifdef SOFTMAX_MK
+#ifdef MK_HAVE_NEON
+extern const SFX(softmax_backend) SFX(softmax_mk_neon);
+#else
 extern const SFX(softmax_backend) SFX(softmax_mk_avx512);
 extern const SFX(softmax_backend) SFX(softmax_mk_avx2);
+#endif
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past count 0 */
 void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
                   ptrdiff_t lanes, int width);

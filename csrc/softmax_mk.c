@@ -1,6 +1,6 @@
 /* softmax_mk.c - the softmax backend on the register-blocked micro-kernels
  * of microkernel.h, one table per instruction set: AVX-512 and AVX2+FMA,
- * float32 and float64 from one source (real.h).
+ * NEON on aarch64, float32 and float64 from one source (real.h).
  *
  * Per query tile the queries are packed into strips of Q^T (qt), and the
  * keys (and values, when more than one query tile reads them) of a head
@@ -9,7 +9,8 @@
  * output accumulates transposed in ot and is written out at the tile's
  * end. Legend as in softmax.c; see microkernel.h for qt, kt, vt.
  *
- * float32 on AVX-512 with the bfloat16 dot products (attnx_bf16_dot): the
+ * float32 on AVX-512 with the bfloat16 dot products (dispatch.h: the
+ * avx512_bf16 and amx sets): the
  * query strips and key panels are also put in pair rows (mk_pair_rows),
  * which tells whether their numbers are all bfloat16 values, as they are
  * for tensors widened from bfloat16. A tile whose queries and keys all are
@@ -25,7 +26,7 @@
 #include "blas.h" /* vec_real.h declares the BLAS calls */
 #include "softmax_internal.h"
 
-#ifdef MK_HAVE_X86
+#ifdef SOFTMAX_MK
 /* One thread's keys and values of one head, packed for the micro-kernels; a
  * panel is packed the first time a query tile needs it, and reused by every
  * later tile of the head (and of heads that share them). Panel p lives
@@ -33,7 +34,7 @@
  * any key, or, under a window, a ring over the keys two neighbouring query
  * tiles see, so that memory (and its page faults) does not grow with m. */
 typedef struct {
-    int width;            /* the micro-kernels' instruction set (attnx_mk_width) */
+    int width;            /* the micro-kernels' instruction set (attnx_kernels_width) */
     void *kt;             /* (slots, d, KB) numbers of the call's type, KB = MK_KB(width) */
     void *vt;             /* (slots, e / KB, KB, KB); NULL: the values are read in place */
     ptrdiff_t *owner;     /* per slot: 1 + the panel it holds, 0 for none */
@@ -51,7 +52,7 @@ typedef struct {
 #include "real.h"
 
 #else /* REAL: the body, compiled once per type */
-#ifdef MK_HAVE_X86
+#ifdef SOFTMAX_MK
 #include "softmax_internal.h"
 
 /* The micro-kernels of one instruction set (microkernel.h), named outright. */
@@ -67,6 +68,7 @@ struct SFX(mk_kernels) {
                          const REAL *key_term, REAL *tile_max);
 };
 
+#ifdef MK_HAVE_X86
 /* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
  * by square blocks of `side` numbers, what they leave by blocks half as
  * big, the rest one by one. The blocks: 16 x 16 floats on AVX-512, 8 x 8
@@ -103,18 +105,27 @@ static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, pt
     SFX(mk_transpose_by)(dst + rows, dst_row, x + rows * x_row, x_row, count - rows, d, side / 2);
 }
 
-/* the transpose by the largest blocks this type has on instruction set `width` */
+#endif
+
+/* the transpose by the largest blocks this type has on instruction set
+ * `width` (x86); on NEON number by number, for now */
 static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
                               ptrdiff_t count, ptrdiff_t d, int width)
 {
+#ifdef MK_HAVE_X86
     SFX(mk_transpose_by)(dst, dst_row, x, x_row, count, d,
                          REAL_IS_DOUBLE ? 4 : width == 16 ? 16 : 8);
+#else
+    for (ptrdiff_t r = 0; r < count; r++)
+        for (ptrdiff_t c = 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
+#endif
 }
 
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past `count`
  * 0: a panel of keys or a strip of queries */
-void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
-                  ptrdiff_t lanes, int width)
+void TYPED(mk_pack_f32, mk_pack_f64)(
+    REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d, ptrdiff_t lanes,
+    int width)
 {
     if (count < lanes) memset(block, 0, (size_t)(d * lanes) * sizeof *block);
     SFX(mk_transpose)(block, lanes, x, x_row, count, d, width);
@@ -149,7 +160,7 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
         if (pk->owner[slot] == p + 1) continue;
         SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb,
                      pk->width);
-#if !REAL_IS_DOUBLE
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
         if (pk->kt_pairs)
             pk->exact[slot] = (unsigned char)mk_pair_rows(pk->kt_pairs + slot * kb * ((d + 1) / 2),
                                                           kb, (REAL *)pk->kt + slot * kb * d, kb, d,
@@ -179,7 +190,7 @@ static void SFX(mk_prepare_tile)(const SFX(softmax_backend) *be, const attnx_sof
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += be->strip)
         SFX(mk_pack)(w->qt + r0 * a->d, q + r0 * a->q_row, a->q_row,
                      ATTNX_MIN(be->strip, rows - r0), a->d, be->strip, be->width);
-#if !REAL_IS_DOUBLE
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     if (pk->kt_pairs) {
         /* the padding rows past `rows` are 0, a bfloat16 value */
         pk->q_exact = 1;
@@ -242,8 +253,9 @@ static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_soft
                        w->tile_max);
 }
 
-void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
-                          ptrdiff_t rows, const REAL *inverse_sum, int width)
+void TYPED(mk_write_output_f32, mk_write_output_f64)(
+    const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out, ptrdiff_t rows,
+    const REAL *inverse_sum, int width)
 {
     /* normalised down ot's columns, then copied out: the output rows are
      * written once */
@@ -280,7 +292,8 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     ptrdiff_t packed_v = pack_values ? softmax_lines(slots * kb * a->e, size) : 0;
     ptrdiff_t queries = softmax_lines(st_ld * a->d, size), outputs = softmax_lines(st_ld * a->e, size);
     /* the pair rows of the bfloat16 dot products, where they run */
-    int pairs = be->mk->scores_pairs && attnx_bf16_dot();
+    int pairs = be->mk->scores_pairs &&
+                attnx_kernels_bf16_dot(attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD));
     ptrdiff_t d_pairs = (a->d + 1) / 2;
     ptrdiff_t packed_pairs = pairs ? softmax_lines(slots * kb * d_pairs, size) : 0;
     ptrdiff_t query_pairs = pairs ? softmax_lines(st_ld * d_pairs, size) : 0;
@@ -314,7 +327,31 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
 }
 
 /* The kernels of each instruction set (microkernel.h's suffixes: float32
- * _w16 on AVX-512 and _w8 on AVX2, float64 _d8 and _d4) */
+ * _w16 on AVX-512 and _w8 on AVX2, float64 _d8 and _d4; NEON _n4, _nd2) */
+#ifdef MK_HAVE_NEON
+#if REAL_IS_DOUBLE
+static const mk_kernels_f64 mk_neon_f64 = {mk_scores_nd2, mk_add_pv_nd2, NULL};
+#else
+static const mk_kernels_f32 mk_neon_f32 = {mk_scores_n4, mk_add_pv_n4, NULL};
+#endif
+
+const SFX(softmax_backend) SFX(softmax_mk_neon) = {
+    .width = 4,
+    .mk = &SFX(mk_neon),
+    .q_tile = Q_TILE,
+    .row_align = MK_ROW_ALIGN,
+    .st_pad = 0,
+    .kb = MK_KB(4),
+    .strip = MK_STRIP(MK_LANES(4, sizeof(REAL))),
+    .setup = SFX(mk_setup),
+    .prepare_tile = SFX(mk_prepare_tile),
+    .key_tile = SFX(softmax_strips_key_tile),
+    .scores = SFX(mk_tile_scores),
+    .softmax_strip = SFX(softmax_online_strip),
+    .add_pv = SFX(mk_tile_add_pv),
+    .finish_tile = SFX(mk_finish_tile),
+};
+#else
 #if REAL_IS_DOUBLE
 static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8, NULL};
 static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4, NULL};
@@ -368,5 +405,6 @@ const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
     .add_pv = SFX(mk_tile_add_pv),
     .finish_tile = SFX(mk_finish_tile),
 };
-#endif /* MK_HAVE_X86 */
+#endif /* MK_HAVE_NEON */
+#endif /* SOFTMAX_MK */
 #endif /* REAL */

@@ -1,28 +1,27 @@
 /* team.c - helper threads for work too short for an OpenMP parallel
  * region.
  *
- * A decoding step of 32 heads takes about 2.8 us of arithmetic per core;
- * GNU OpenMP's fork and join around it took another 0.6 us (measured
- * inside the step: its helper started 0.37 us after the region opened,
- * and the join took 0.27 us). Here the caller posts a task by bumping a
- * counter that the helpers watch, runs its own share, and waits for
- * theirs on another counter: each side sees the other's write one cache
- * line transfer later (a round trip took 0.07 us on the same machine).
+ * GNU OpenMP's fork and join around a decoding step of 32 heads took a
+ * fifth of the step's own arithmetic. Here the caller posts a task by
+ * bumping a counter that the helpers watch, runs its own share, and waits
+ * for theirs on another counter: each side sees the other's write one
+ * cache line transfer later, a ninth of OpenMP's fork and join
+ * (docs/performance.md, the C code's choices).
  *
  * A helper spins for SPIN_NS after its last task (a decoding loop's next
  * step comes sooner), then sleeps on a condition variable, so an idle
  * process burns no core. Two pools spinning on two cores would take turns
  * on them: GNU OpenMP's threads spin for milliseconds after a region, and
- * a decoding step alternating with a softmax call took 531 us instead of
- * 5.5 us when each step woke the team. So the team serves only long runs
+ * a decoding step alternating with a softmax call took a hundred times
+ * longer when each step woke the team. So the team serves only long runs
  * of decoding steps: a step runs on it when the RUN_BEFORE_TEAM calls
  * before it that used several threads were decoding steps too (they go to
  * OpenMP, whose threads are awake from the call before the run), and
  * every OpenMP region of more than one thread first sends the helpers to
  * sleep (attnx_omp_threads). Waking them costs the run's first step on
- * the team about 20 us, against 1.5 us saved on each later step: with 16
- * steps on OpenMP first, no run loses more than that once, and runs of up
- * to 16 steps are what they were. One caller at a time: a second thread that finds
+ * the team about what the next dozen steps on it save: with 16 steps on
+ * OpenMP first, no run loses more than that once, and runs of up to 16
+ * steps are what they were. One caller at a time: a second thread that finds
  * the team busy is told so and uses OpenMP instead. A process created by
  * fork() has no helpers, but it never asks for any (runtime.c: a forked
  * child runs on one thread).
@@ -30,13 +29,13 @@
  * Under OpenMP's thread binding (OMP_PROC_BIND, OMP_PLACES) the calling
  * thread is bound to one place, and a thread it creates inherits that
  * mask: every helper would share the caller's core, each spinning while
- * the other works (a 32-head step took 519 us instead of 3 with
+ * the other works (a step a hundred times slower with
  * OMP_PROC_BIND=spread on two cores). So on Linux the helpers run on the
  * CPUs of OpenMP's places that the caller is kept off (helper_cpus). And
  * when caller and helpers would not each have a CPU of their own (a
  * process held to one CPU by taskset, asked for two threads), the team is
- * not used at all: one spinning while the other works took 525 us a step
- * against 15 us through OpenMP, whose threads back off. Helpers are named
+ * not used at all: one spinning while the other works made a step thirty
+ * times slower than through OpenMP, whose threads back off. Helpers are named
  * "attnx-team" (top -H, py-spy, /proc/PID/task/TID/comm). */
 #if defined(__linux__)
 #define _GNU_SOURCE  /* sched_getaffinity, CPU_SET, pthread_setaffinity_np, pthread_setname_np */

@@ -1,18 +1,16 @@
 /* vec_real.h - typed building blocks for the kernels, included by real.h
  * once per REAL. Everything here is static inline, named through SFX().
  *
- * ATTNX_HOT marks the functions holding the elementwise loops: gcc compiles
- * them for AVX-512, AVX2+FMA and baseline x86-64 and picks one at load time,
- * so a wheel built for any x86-64 still runs the wide loops where it can. */
+ * ATTNX_HOT marks the functions holding the elementwise loops: with glibc
+ * on x86-64 the compiler makes copies for AVX-512, AVX2+FMA and baseline
+ * x86-64 and one is picked at load time, so a wheel built for any x86-64
+ * still runs the wide loops where it can (portable.h, ATTNX_CLONES). */
 #ifndef ATTNX_VEC_COMMON
 #define ATTNX_VEC_COMMON
 #include <math.h>
 #include <string.h>
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ATTNX_NO_CLONES)
-#define ATTNX_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ATTNX_HOT
-#endif
+#include "portable.h"
+#define ATTNX_HOT ATTNX_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 #define ATTNX_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define ATTNX_MAX(a, b) ((a) > (b) ? (a) : (b))
 #endif

@@ -1,5 +1,5 @@
 """The bfloat16 dot products of float32 softmax attention
-(attnx._C._set_bf16_dot): where every number of a block of queries and keys
+(the avx512_bf16 kernel sets of csrc/dispatch.c): where every number of a block of queries and keys
 (of output gradients and values, in the backward's dP = dO V^T) is a
 bfloat16 value, as for tensors widened from bfloat16, those products run
 on VDPBF16PS, whose products of bfloat16 numbers are exact and whose sums
@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 import attnx
 import reference as ref
-from helpers import can_switch, hypothesis_settings, switched, tol
+from helpers import dispatched, hypothesis_settings, kernels_here, tol
 from reference_grad import (dropout_keep, gaussian_attention_grads, reduce_to,
                             softmax_attention_grads)
 
 
-DOT = can_switch(attnx._C._set_bf16_dot, "avx512_bf16")
+DOT = "avx512_bf16" in kernels_here("softmax_forward")
 NO_DOT = "this CPU has no avx512_bf16 (or no AVX-512 micro-kernels)"
 SETTINGS = ["off", pytest.param("avx512_bf16", marks=pytest.mark.skipif(not DOT, reason=NO_DOT))]
 needs_dot = pytest.mark.skipif(not DOT, reason=NO_DOT)
@@ -38,7 +38,11 @@ PATH_RTOL = 2e-5
 
 
 def bf16_dot(name):
-    return switched(attnx._C._set_bf16_dot, name)
+    """Both softmax families with the bfloat16 dot products ("avx512_bf16")
+    or held to the float32 AVX-512 kernels ("off")."""
+    if name == "avx512_bf16":
+        return dispatched(softmax_forward="avx512_bf16", softmax_backward="avx512_bf16")
+    return dispatched(softmax_forward="avx512", softmax_backward="avx512")
 
 
 @pytest.fixture(params=SETTINGS)
@@ -263,21 +267,16 @@ def test_one_number_that_is_no_bf16_value_keeps_its_block_on_float32(which):
     assert max(errors) > 100 * GRAD_RTOL
 
 
-def test_setting_and_build_info():
-    info = attnx._C.build_info()
-    assert info["bf16_dot"] in ("avx512_bf16", "off")
-    # on where available, from import
-    assert (info["bf16_dot"] == "avx512_bf16") == DOT
+def test_setting_and_dispatch():
+    info = attnx.cpu_dispatch()
+    # on where available, from import (AMX includes them)
+    assert (info["softmax_forward"] in ("avx512_bf16", "amx")) == DOT
+    assert (info["softmax_backward"] == "avx512_bf16") == DOT
     with bf16_dot("off"):
-        assert attnx._C.build_info()["bf16_dot"] == "off"
-    assert attnx._C.build_info()["bf16_dot"] == info["bf16_dot"]
-    with pytest.raises(ValueError, match="'avx512_bf16' or 'off'"):
-        attnx._C._set_bf16_dot("on")
-    with pytest.raises(ValueError, match="'avx512_bf16' or 'off'"):
-        attnx._C._set_bf16_dot(1)
-    if not DOT:
-        with pytest.raises(ValueError, match="needs a CPU with avx512_bf16"):
-            attnx._C._set_bf16_dot("avx512_bf16")
+        assert attnx.cpu_dispatch()["softmax_forward"] != "avx512_bf16"
+    assert attnx.cpu_dispatch() == info
+    with dispatched("AVX512_BF16") as chosen:
+        assert "avx512_bf16" not in (chosen["softmax_forward"], chosen["softmax_backward"])
 
 
 def test_inputs_are_not_modified():
@@ -332,10 +331,11 @@ def test_torch_bf16_sdpa_is_torch_float32_sdpa_rounded(setting_name, options):
 
 
 def test_show_config_names_the_setting(capsys):
-    with bf16_dot("off"):
+    with bf16_dot("off") as chosen:
         attnx.show_config()
-    assert "bf16 dot: off" in capsys.readouterr().out
+    assert chosen["softmax_forward"] != "avx512_bf16"
+    assert f"softmax_forward {chosen['softmax_forward']}," in capsys.readouterr().out
     if DOT:
         with bf16_dot("avx512_bf16"):
             attnx.show_config()
-        assert "bf16 dot: VDPBF16PS" in capsys.readouterr().out
+        assert "softmax_forward avx512_bf16," in capsys.readouterr().out

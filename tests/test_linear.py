@@ -1021,7 +1021,7 @@ def test_elu_feature_values(dtype, d):
     one-hot keys (psi(0) = 1, psi(-inf) = 0): x + 1 above 0, e^x within 2
     ulps below, down to the underflow edge (float32: -87, float64: -708,
     where the features flush to 0), at every lane of whole and partial
-    vectors (float32 AVX-512 computes them in microkernel.h). Then NaN,
+    vectors (float32 AVX-512 computes them in csrc/mk_decode.h). Then NaN,
     +inf and -inf alone in a row of d = 1."""
     lo = -87.0 if dtype == np.float32 else -708.0
     rng = np.random.default_rng(d)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import attnx
-from helpers import assert_close, f64, qkv, switched, vscale
+from helpers import assert_close, dispatched, f64, kernels_here, qkv, vscale
 
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
@@ -299,9 +299,10 @@ def test_step_is_repeatable_across_threads():
 
 # Single-token steps of float32 states whose r and e are whole AVX-512
 # vectors run through one fused kernel per head on CPUs that have it
-# (microkernel.h, mk_decode_step_w16): S read in one pass, the held keys'
+# (csrc/mk_decode.h, mk_decode_step_w16): S read in one pass, the held keys'
 # terms added in registers, and at a head's turn its held keys added into S
-# in the same pass. attnx._C._set_decode_kernel(False) forces the general
+# in the same pass. The decoding family held to its plain kernel set
+# (dispatched(decode="plain"), csrc/dispatch.c) runs the general
 # path, which must agree, and which every other shape and float64 take.
 # The kernel's multiply-adds are fused; an optimised build contracts the
 # general path's C loops into fused ones too, so both give the same S, z
@@ -317,8 +318,14 @@ def assert_same_sums(got, want):
         assert_close(got, want, np.float32, vscale(want))
 
 
+# the decoding family's kernel sets on this CPU, best first (plain last)
+DECODE_KERNELS = kernels_here("decode")
+
+
 def decode_kernel(enabled):
-    return switched(attnx._C._set_decode_kernel, enabled)
+    """Decoding steps on the best kernel set this CPU has, or on the general
+    plain C path."""
+    return dispatched(decode=DECODE_KERNELS[0] if enabled else "plain")
 
 
 def _decode(front, options, q, k, v, n0, kernel):
@@ -408,7 +415,7 @@ def test_decode_kernel_favor_and_nonfinite_values():
 @pytest.mark.parametrize("d,e", [(64, 64), (32, 80), (16, 128)])
 def test_decode_group_equals_single_heads(d, e):
     """Four heads in a row take their steps together, one of them at its
-    turn (microkernel.h, mk_decode_group_w16): the outputs, S and z of the
+    turn (csrc/mk_decode.h, mk_decode_group_w16): the outputs, S and z of the
     same steps taken one head at a time, bit for bit, over every tick
     phase, both directions of the heads' order (heads 0 and 1 are in a
     group on one step and alone on the next), e past one vector block; a
@@ -421,7 +428,8 @@ def test_decode_group_equals_single_heads(d, e):
     q[2, n0 + 5] = -60   # phi ~ 1e-26: den < eps
     v[3, n0 + 6, 2] = np.nan
     together = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
-    with switched(attnx._C._set_decode_group, False):
+    single = "avx512" if "avx512" in DECODE_KERNELS else DECODE_KERNELS[-1]
+    with dispatched(decode=single):
         alone = _decode(attnx.linear_attention, {}, q, k, v, n0, kernel=True)
     for ours, theirs in zip((together[0],) + together[1] + together[2],
                             (alone[0],) + alone[1] + alone[2]):
@@ -455,7 +463,7 @@ def test_decode_kernel_elu_features_bit_for_bit():
 
 # The functional single-token call (n = m = 1, causal) from a state of
 # float32 whose r and e are whole AVX-512 vectors runs one fused pass per
-# head too (microkernel.h, mk_rnn_step_w16): S = S0 + psi v^T written and
+# head too (csrc/mk_decode.h, mk_rnn_step_w16): S = S0 + psi v^T written and
 # read in the same pass. Its S and z are the general path's bit for bit in
 # an optimised build (one fused multiply-add per entry on both), its
 # outputs agree to float32 rounding (the row's sums run in another order).
@@ -494,8 +502,9 @@ def test_step_kernel_functional_equals_general_path(name, d, e):
     if name in KERNEL_MAPS:
         want = KERNEL_MAPS[name][2](f64(q), f64(k), f64(v))[:, n0:]
         assert_close(got[0], want, np.float32, vscale(v))
-    if name == "elu" and d == 64 and e == 64 and OPTIMIZED:
-        # the kernel ran: its row sums round apart from state_pass's somewhere
+    if name == "elu" and d == 64 and e == 64 and OPTIMIZED and DECODE_KERNELS[0] != "plain":
+        # the table chose a kernel set, and its kernel ran: its row sums
+        # round apart from state_pass's somewhere
         assert not np.array_equal(got[0], general[0])
 
 

@@ -32,7 +32,8 @@ import attnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
-                     mixed_dtype_qkv, qkv, run_isolated, softmax_backend, tol, vscale)
+                     mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
+from helpers import dispatched, kernels_here  # noqa: E402
 
 HYP = hypothesis_settings(60)
 
@@ -1093,19 +1094,17 @@ def test_mask_and_bias_layouts(dtype):
         assert_close(got, want, dtype, vscale(v), err_msg=str(i))
 
 
-AMX_USABLE = attnx._C.build_info()["amx"]
-BACKENDS_HERE = attnx._C.build_info()["softmax_backends"]
+AMX_USABLE = attnx.cpu_dispatch()["softmax_forward"] == "amx"
+KERNELS_HERE = kernels_here("softmax_forward")
 
 
-@pytest.fixture(params=["plain", "mk", "amx"])
-def kernels(request):
-    """Run a test on every softmax backend this CPU has: plain C + BLAS,
-    the AVX-512/AVX2 micro-kernels, and for float32 the AMX products (the
-    default where the CPU has them; float64 runs the micro-kernels there)."""
-    if request.param not in BACKENDS_HERE:
-        pytest.skip(f"this CPU has no {request.param} backend (it has {BACKENDS_HERE})")
-    with softmax_backend(request.param):
-        yield request.param
+@pytest.fixture
+def kernels(softmax_forward_kernels):
+    """Run a test on every kernel set of the softmax forward this CPU has
+    (tests/conftest.py): plain C + BLAS, the AVX2 and AVX-512 micro-kernels
+    (with the bfloat16 dot products where the CPU has them), and for float32
+    the AMX products (float64 runs the micro-kernels there)."""
+    return softmax_forward_kernels
 
 
 # The float32 micro-kernels (at least 48 query rows, e a multiple of the
@@ -1284,82 +1283,51 @@ def test_microkernel_path_nan_in_masked_keys_has_no_effect(kernels):
 
 def test_amx_used_where_the_cpu_has_it():
     """A CPU whose flags list AMX with bfloat16 (Linux) runs float32 softmax
-    on it unless ATTNX_AMX=0 or ATTNX_SOFTMAX_BACKEND says otherwise, and
-    _set_softmax_backend turns it off and on."""
+    on it unless ATTNX_DISABLE_CPU_FEATURES leaves AMX out, and filling the
+    tables again without AMX, or holding the family below it, takes it off."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
     has_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
-    assert ("amx" in BACKENDS_HERE) == has_amx
-    wanted = (os.environ.get("ATTNX_AMX") != "0"
-              and os.environ.get("ATTNX_SOFTMAX_BACKEND", "amx") == "amx")
-    assert attnx._C.build_info()["amx"] == (has_amx and wanted)
-    for limit in ("plain", "mk"):
-        with softmax_backend(limit):
-            assert attnx._C.build_info()["amx"] is False
-            assert attnx._C.build_info()["softmax_backend"] == limit
-    with softmax_backend("amx"):
+    with dispatched(""):
         assert attnx._C.build_info()["amx"] == has_amx
-
-
-def test_softmax_backend_names():
-    """The backend setter takes the names ATTNX_SOFTMAX_BACKEND takes and
-    refuses others, leaving the setting as it was."""
-    before = attnx._C.build_info()["softmax_backend"]
-    for bad in ("avx512", "", "MK", 1, None):
-        with pytest.raises(ValueError, match="'plain', 'mk' or 'amx'"):
-            attnx._C._set_softmax_backend(bad)
-        assert attnx._C.build_info()["softmax_backend"] == before
-    assert "plain" in BACKENDS_HERE
-    cpu = attnx._C.build_info()["simd"]
-    assert ("mk" in BACKENDS_HERE) == (not cpu.startswith("baseline"))
+        assert ("amx" in kernels_here("softmax_forward")) == has_amx
+    with dispatched("AMX"):
+        assert attnx._C.build_info()["amx"] is False
+        assert "AMX_TILE" in attnx._C.build_info()["disabled_cpu_features"]
+    if "avx512" in KERNELS_HERE:
+        with dispatched(softmax_forward="avx512"):
+            assert attnx._C.build_info()["amx"] is False
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_softmax_backend_setting_reaches_the_kernel(dtype):
-    """Each backend this CPU has computes the same call in its own order of
-    operations (BLAS, micro-kernels, AMX products): the results all match
-    the reference but no two are the same bits, so the setting does choose
-    the kernel that runs, and the tests above do run each one."""
+def test_kernel_set_reaches_the_kernel(dtype):
+    """Each kernel set of the softmax forward this CPU has computes the same
+    call in its own order of operations (BLAS, micro-kernels of each width,
+    AMX products): the results all match the reference but no two are the
+    same bits, so the table's choice does choose the kernel that runs, and
+    the tests above do run each one. The bfloat16 dot products take only
+    inputs that are all bfloat16 values, so on these avx512_bf16 is avx512
+    bit for bit."""
     rng = np.random.default_rng(67)
     q, k, v = qkv(rng, (2,), 300, 300, 64, 64, dtype)
     want = ref_softmax(q, k, v, causal=True)
     results = {}
-    for name in BACKENDS_HERE:
+    for name in KERNELS_HERE:
         if name == "amx" and dtype == np.float64:
             continue                                    # float64 has no AMX backend
-        with softmax_backend(name):
+        with dispatched(softmax_forward=name):
             results[name] = attnx.softmax_attention(q, k, v, causal=True)
         assert_close(results[name], want, dtype, vscale(v), err_msg=name)
-    names = sorted(results)
-    for i, first in enumerate(names):
-        for second in names[i + 1:]:
-            assert not np.array_equal(results[first], results[second]), (first, second)
-
-
-@pytest.mark.parametrize("setting,limit", [("ATTNX_SOFTMAX_BACKEND=plain", "plain"),
-                                           ("ATTNX_SOFTMAX_BACKEND=mk", "mk"),
-                                           ("ATTNX_AMX=0", "mk"),
-                                           ("ATTNX_SOFTMAX_BACKEND=", "amx")])
-def test_softmax_backend_from_the_environment(setting, limit):
-    """ATTNX_SOFTMAX_BACKEND (or ATTNX_AMX=0) sets the limit at import, and
-    a name that is no backend fails the import with a message naming it."""
-    name, value = setting.split("=")
-    env = {key: val for key, val in os.environ.items()
-           if key not in ("ATTNX_AMX", "ATTNX_SOFTMAX_BACKEND")}
-    env[name] = value
-    code = "import attnx; print(attnx._C.build_info()['softmax_backend'])"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__))))
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == limit
-    env["ATTNX_SOFTMAX_BACKEND"] = "fast"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__))))
-    assert run.returncode != 0
-    assert "ATTNX_SOFTMAX_BACKEND must be plain, mk or amx, got 'fast'" in run.stderr
+    if "avx512_bf16" in results:
+        np.testing.assert_array_equal(results.pop("avx512_bf16"), results["avx512"])
+    # float64 sums the same numbers in the same order at both widths
+    pairs = [(first, second) for i, first in enumerate(results) for second in list(results)[i + 1:]
+             if dtype == np.float32 or "plain" in (first, second)]
+    for first, second in pairs:
+        assert not np.array_equal(results[first], results[second]), (first, second)
 
 
 @pytest.mark.parametrize("n,m,d,e", [(100, 100, 40, 40), (130, 77, 130, 136), (64, 300, 8, 8),
@@ -1785,7 +1753,15 @@ def test_show_config(capsys):
     assert r is None or isinstance(r, str)
     text = text + (r or "")
     assert "blas" in text.lower(), text
-    assert len(text.strip()) > 0
+    for family, kernels in attnx.cpu_dispatch().items():
+        assert f"{family} {kernels}" in text, text
+    assert "disabled: none" in text or os.environ.get("ATTNX_DISABLE_CPU_FEATURES"), text
+    with dispatched("AVX512F"):
+        attnx.show_config()
+        text = capsys.readouterr().out
+        assert "disabled: AVX512F (ATTNX_DISABLE_CPU_FEATURES)" in text, text
+        for family, kernels in attnx.cpu_dispatch().items():
+            assert f"{family} {kernels}" in text, text
 
 
 def test_out_overlapping_an_input_that_needed_a_copy_raises():

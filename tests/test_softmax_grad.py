@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import attnx
 import reference as ref
-from helpers import (assert_interrupted_quickly, hypothesis_settings, run_isolated, softmax_backend,
-                     traced_peak)
+from helpers import (assert_interrupted_quickly, dispatched, hypothesis_settings, kernels_here,
+                     run_isolated, traced_peak)
 from reference_grad import (dropout_keep, gaussian_attention_grads, philox4x32_10, reduce_to,
                             softmax_attention_grads)
 
@@ -373,11 +373,20 @@ def test_property_masked_keys_get_zero_and_permutations(n, m, seed, causal):
 
 
 # --------------------------------------------------------------------------
-# Both backward product paths: the AVX-512 kernel and BLAS
+# Every kernel set of the backward this CPU has (AVX-512 products, with the
+# bfloat16 dot products where it has them, and BLAS)
 # --------------------------------------------------------------------------
 
-BACKENDS_HERE = [name for name in ("plain", "mk")
-                 if name in attnx._C.build_info()["softmax_backends"]]
+BACKENDS_HERE = kernels_here("softmax_backward")
+
+
+def held_to(backend):
+    """The backward held to kernel set `backend`; for plain, the forward too
+    (its plain C code, with dropout, is then checked here as well)."""
+    limits = {"softmax_backward": backend}
+    if backend == "plain":
+        limits["softmax_forward"] = "plain"
+    return dispatched(**limits)
 
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
@@ -386,7 +395,7 @@ BACKENDS_HERE = [name for name in ("plain", "mk")
 def test_grads_on_every_backend(backend, dtype, causal):
     rng = np.random.default_rng(16)
     q, k, v = inputs(rng, (2, 200, 32), (2, 300, 32), (2, 300, 16), dtype)
-    with softmax_backend(backend):
+    with held_to(backend):
         check_softmax(q, k, v, dtype, rng, causal=causal, mask=rng.random((1, 300)) < 0.8)
 
 
@@ -412,7 +421,7 @@ def test_dropout_forward_and_weights_match_reference(backend, dtype, p):
     seed = 2**40 + 12345
     q, k, v = inputs(rng, (2, 3, 150, 16), (2, 3, 290, 16), (2, 3, 290, 16), dtype)
     keep = dropout_keep(seed, p, (2, 3), 150, 290)
-    with softmax_backend(backend):
+    with held_to(backend):
         for causal in (False, True):
             w = ref.softmax_weights(q, k, causal=causal)
             want = np.matmul(w * keep / (1 - p), v.astype(np.float64))
@@ -433,7 +442,7 @@ def test_dropout_gradients_match_reference(backend, dtype):
     p, seed = 0.25, 7
     q, k, v = inputs(rng, (2, 2, 170, 32), (2, 1, 260, 32), (2, 1, 260, 16), dtype)
     keep = dropout_keep(seed, p, (2, 2), 170, 260)
-    with softmax_backend(backend):
+    with held_to(backend):
         out, lse = attnx.softmax_attention(q, k, v, causal=True, dropout_p=p, seed=seed,
                                            return_lse=True)
         dout = rng.standard_normal(out.shape).astype(dtype)

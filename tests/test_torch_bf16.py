@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-from helpers import can_switch, switched
+from helpers import dispatched, kernels_here
 
 CONVERT = attnx._C._convert_bf16
 
@@ -27,15 +27,14 @@ def _cpu_flags():
     return None
 
 
-AVX512_BF16 = can_switch(attnx._C._set_bf16_conversion, "avx512_bf16")
-PATHS = ["portable", pytest.param("avx512_bf16", marks=pytest.mark.skipif(
-    not AVX512_BF16, reason="this CPU has no avx512_bf16"))]
+AVX512_BF16 = "avx512_bf16" in kernels_here("convert")
 
 
-@pytest.fixture(params=PATHS)
-def path(request):
-    with switched(attnx._C._set_bf16_conversion, request.param):
-        yield request.param
+@pytest.fixture
+def path(convert_kernels):
+    """Each narrowing this CPU has: the portable rounding ("plain") and
+    VCVTNEPS2BF16 ("avx512_bf16"; tests/conftest.py)."""
+    return convert_kernels
 
 
 # ------------------------------------------------------------- references
@@ -120,11 +119,11 @@ def check_narrow(x, got):
 def test_the_instruction_path_is_used_where_the_cpu_has_it():
     flags = _cpu_flags()
     has = {"avx512f", "avx512_bf16"} <= flags
-    assert AVX512_BF16 == has
-    assert attnx._C.build_info()["bf16_conversion"] == ("avx512_bf16" if has else "portable")
-    if not has:
-        with pytest.raises(ValueError, match="needs a CPU with avx512_bf16"):
-            attnx._C._set_bf16_conversion("avx512_bf16")
+    if not attnx._C.build_info()["disabled_cpu_features"]:
+        assert AVX512_BF16 == has
+        assert attnx.cpu_dispatch()["convert"] == ("avx512_bf16" if has else "plain")
+    with dispatched("AVX512_BF16") as chosen:
+        assert chosen["convert"] == "plain"
 
 
 def test_reference_narrow_on_hand_checked_values():
@@ -147,13 +146,13 @@ def test_narrow_random_bit_patterns_both_paths_agree():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
     results = {}
-    for name in ["portable"] + (["avx512_bf16"] if AVX512_BF16 else []):
-        with switched(attnx._C._set_bf16_conversion, name):
+    for name in kernels_here("convert"):
+        with dispatched(convert=name):
             results[name] = narrow(x)
         check_narrow(x, results[name])
     if AVX512_BF16:
         # the same bits, NaN included
-        np.testing.assert_array_equal(results["avx512_bf16"], results["portable"])
+        np.testing.assert_array_equal(results["avx512_bf16"], results["plain"])
 
 
 def test_narrow_denormals_are_kept_by_both_paths(path):
@@ -258,9 +257,6 @@ def test_bad_arguments_raise_clear_errors():
         CONVERT(x.astype(">f4"), np.empty((3, 4), np.uint16))
     with pytest.raises(TypeError):
         CONVERT([1.0], np.empty(1, np.uint16))
-    with pytest.raises(ValueError, match="'avx512_bf16' or 'portable'"):
-        attnx._C._set_bf16_conversion("fast")
-    assert attnx._C.build_info()["bf16_conversion"] in ("avx512_bf16", "portable")
 
 
 def test_inputs_are_not_modified():
