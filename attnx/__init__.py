@@ -215,7 +215,7 @@ def cpu_dispatch():
     dict
         ``{family: kernel set}``: "plain" (C + BLAS), "avx2", "avx512",
         "avx512_bf16" (with bfloat16 dot products), "avx512_group" (decoding
-        four heads at once), "amx", "neon".
+        four heads at once), "amx", "neon" (aarch64's Advanced SIMD).
 
     Raises
     ------
@@ -241,14 +241,6 @@ def cpu_dispatch():
     >>> "softmax_forward" in choice and all(isinstance(v, str) for v in choice.values())
     True
     """
-
-
-    """{family: kernel set} the calls of each family run on this CPU: "plain"
-    (C + BLAS), "avx2", "avx512", "avx512_bf16" (with bfloat16 dot products),
-    "avx512_group" (decoding four heads at once), "amx", "neon" (aarch64's
-    Advanced SIMD). Chosen at import from the CPU's features, less those
-    ATTNX_DISABLE_CPU_FEATURES leaves out; a call whose shape a set's kernels
-    do not take runs the plain code."""
     return dict(_C.build_info()["dispatch"])
 
 
