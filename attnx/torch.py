@@ -48,8 +48,9 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a subpro
     raise ImportError(
         "attnx.torch needs PyTorch, which is not installed. Install a CPU build with\n"
         "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n"
-        "(a plain `pip install torch` on Linux x86-64 brings several GB of CUDA libraries), or "
-        "from an attnx checkout: pip install -e \".[torch]\"") from error
+        "(a plain `pip install torch` on Linux x86-64 brings several GB of CUDA libraries); "
+        "then, from an attnx checkout: pip install -e \".[torch]\" (once attnx is released: "
+        "pip install \"attnx[torch]\")") from error
 
 import attnx
 
