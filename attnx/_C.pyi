@@ -28,13 +28,19 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, variant: str, fea
                      initial_state: Any, return_state: bool, out: NDArray[Any] | None,
                      normalise: bool) -> Any: ...
 def linear_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
-                              kind: int, causal: bool | str, key_mask: ArrayLike | None,
-                              mask: ArrayLike | None, window: Any, method: int, chunk: int,
-                              eps: float, power: float, period: float,
-                              projection: ArrayLike | None, S0: Any, z0: Any, dS: Any, dz: Any,
-                              offset: int, projection_grad: bool,
+                              front: str, feature_map: str, causal: bool | str,
+                              key_mask: ArrayLike | None, mask: ArrayLike | None, window: Any,
+                              method: str | None, chunk_size: int | None, eps: float, p: float,
+                              M: float | None, projection: ArrayLike | None, S0: Any, z0: Any,
+                              dS: Any, dz: Any, offset: int, projection_grad: bool,
                               dq: NDArray[Any] | None = None, dk: NDArray[Any] | None = None,
                               dv: NDArray[Any] | None = None) -> Any: ...
+def linear_variants() -> dict[str, tuple[str, str | None]]: ...
+def linear_resolve(front: str, *, feature_map: Any = None, causal: Any = False,
+                   window: Any = None, method: str | None = None, chunk_size: int | None = None,
+                   eps: float = 1e-6, p: float = 3, M: float | None = None,
+                   projection: Any = None, mask: bool = False, d: int = 0, n: int | None = None,
+                   m: int | None = None, streaming: bool = False) -> dict[str, Any]: ...
 def lsh_attention(q: ArrayLike, v: ArrayLike, rotations: ArrayLike, chunk: int,
                   causal: bool | str, out: NDArray[Any] | None) -> Any: ...
 def lsh_backward(dout: ArrayLike, q: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike,

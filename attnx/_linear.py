@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from . import _C, _dwc
+from ._variants import VARIANTS
 
 
 class LinearAttentionState:
@@ -130,28 +131,17 @@ class LinearAttentionState:
                 f"z: {self.z.dtype}{self.z.shape}, offset={self.offset})")
 
 
-# front end -> (kernel variant, fixed feature map or None for feature_map=)
-_KERNEL = {
-    "linear": ("linear", None),
-    "cosformer": ("cosformer", None),
-    "focused": ("linear", "focused"),
-    "taylor": ("linear", "taylor"),
-    "performer": ("linear", "favor"),
-    "efficient": ("efficient", None),
-}
-
-
 def _attend(front, a, normalise=True):
     """Run the kernel for front end `front` with its arguments `a` (by
     name; options a front end does not have take their defaults).
     normalise=False returns phi(q_i) S undivided (similarities)."""
-    variant, feature_map = _KERNEL[front]
-    if feature_map is None:
-        feature_map = a.get("feature_map", "elu")
+    # the C binding knows each variant by `front` (attnx/_variants.py);
+    # a variant that fixes its feature map ignores feature_map=
+    feature_map = a.get("feature_map", "elu")
     projection = a.get("projection")
     if front == "performer":
         projection = _performer_projection(a["q"], projection, a["num_features"], a["seed"])
-    return _run(variant, feature_map, a["q"], a["k"], a["v"], a.get("causal", False),
+    return _run(front, feature_map, a["q"], a["k"], a["v"], a.get("causal", False),
                 a.get("key_mask"), a.get("mask"), a.get("window"), a.get("method"),
                 a.get("chunk_size"), a.get("eps", 1e-6), projection, a.get("p", 3), a.get("M"),
                 a.get("initial_state"), a.get("return_state", False), a.get("out"), normalise)
@@ -780,11 +770,5 @@ def _check_projection_fits(r, d):
                           f"than this machine's {memory / 2**30:.3g} GiB of memory")
 
 
-FRONT_ENDS = {
-    "linear": linear_attention,
-    "cosformer": cosformer_attention,
-    "focused": focused_linear_attention,
-    "taylor": taylor_attention,
-    "performer": performer_attention,
-    "efficient": efficient_attention,
-}
+# variant name -> its front end, from the variant table
+FRONT_ENDS = {front: globals()[variant.function] for front, variant in VARIANTS.items()}

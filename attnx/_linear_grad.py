@@ -13,7 +13,6 @@ then in reverse (the state's gradient), recomputing features instead of
 storing them: memory O(r e) per thread plus two numbers per query row.
 """
 import math
-import numbers
 
 import numpy as np
 
@@ -29,31 +28,6 @@ from ._linear import (
     taylor_attention,
 )
 
-# the kernel's numbers for the feature maps and methods (csrc/attnx.h)
-_FEATURE_MAPS = {"elu": 0, "relu": 1, "softmax": 2, "taylor": 3, "focused": 4, "favor": 5,
-                 "identity": 6}
-_COSFORMER, _EFFICIENT = 7, 8
-_METHODS = {"chunk": 0, "recurrent": 1, "cumsum": 2, "quadratic": 3}
-
-
-def _choice(value, names, what):
-    if isinstance(value, str) and value in names:
-        return names[value]
-    choices = ", ".join(repr(name) for name in names)
-    error = ValueError if isinstance(value, str) else TypeError
-    raise error(f"unknown {what} {value!r}: expected one of {choices}")
-
-
-def _number(value, name, positive):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return value
-
-
 def _state_arrays(state, name):
     """(S, z) of a LinearAttentionState (or an (S, z) pair for grad_state)"""
     if state is None:
@@ -67,90 +41,34 @@ def _state_arrays(state, name):
 
 
 def _backward(front, dout, q, k, v, a):
-    """The gradients for front end `front` ("linear", "cosformer", ...)
-    with its options `a` (by name)."""
-    feature_map = {"cosformer": "cosformer", "focused": "focused", "taylor": "taylor",
-                   "performer": "favor", "efficient": "efficient"}.get(front)
-    if feature_map is None:
-        feature_map = a.get("feature_map", "elu")
+    """The gradients for variant `front` ("linear", "cosformer", ...)
+    with its options `a` (by name), checked in C as the forward checks them
+    (csrc/py_linear.c)."""
+    feature_map = a.get("feature_map", "elu")
     if callable(feature_map):
         raise TypeError(
             "linear_attention_backward: a callable feature_map has no derivative in C; train "
             "it through the PyTorch front end, attnx.torch, where autograd differentiates the "
             "callable")
-    kind = {"cosformer": _COSFORMER, "efficient": _EFFICIENT}.get(feature_map)
-    if kind is None:
-        kind = _choice(feature_map, _FEATURE_MAPS, "feature_map")
-    causal, mask, window = a.get("causal", False), a.get("mask"), a.get("window")
     initial_state, grad_state = a.get("initial_state"), a.get("grad_state")
-    streaming = initial_state is not None or grad_state is not None
-    general = mask is not None or window is not None
-    method = a.get("method")
-    if general and streaming:
-        raise ValueError("mask= and window= cannot be combined with initial_state or grad_state: "
-                         "a state keeps no key positions")
-    if method is None:
-        method = "quadratic" if general else "chunk"
-    method = _choice(method, _METHODS, "method")
-    if general and method != _METHODS["quadratic"]:
-        raise ValueError(f"mask= and window= need method='quadratic' (or None), got "
-                         f"method={a.get('method')!r}")
-    chunk = a.get("chunk_size")
-    if chunk is None:
-        chunk = 0
-    elif isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk!r}")
-    eps = _number(a.get("eps", 1e-6), "eps", positive=False)
-    power = _number(a.get("p", 3), "p", positive=True) if kind == _FEATURE_MAPS["focused"] else 3.0
-    if kind == _EFFICIENT:
-        if causal:
-            raise ValueError("efficient_attention is non-causal only (causal must be False): its "
-                             "key softmax runs over the whole sequence")
-        eps = 0.0
-
     S0, z0 = _state_arrays(initial_state, "initial_state")
     dS_in, dz_in = _state_arrays(grad_state, "grad_state")
     if initial_state is not None and not hasattr(initial_state, "offset"):
         raise TypeError(f"initial_state must be the LinearAttentionState the forward call "
                         f"started from (with S, z and offset), got {type(initial_state).__name__}")
     offset = 0 if initial_state is None else int(initial_state.offset)
-    # the lengths, for cosFormer's checks; an input of fewer than two axes
-    # is left to the kernel's shape message
-    n, m = (np.shape(x)[-2] if np.ndim(x) >= 2 else 0 for x in (q, k))
-    period = 0.0
-    if kind == _COSFORMER:
-        if causal and n != m:
-            raise ValueError(f"causal cosformer_attention needs as many queries as keys, got "
-                             f"n = {n}, m = {m}")
-        largest = offset + max(n, m)
-        M = a.get("M")
-        if M is None:
-            if streaming:
-                raise ValueError("cosformer_attention needs a fixed M= when streaming")
-            period = float(largest) if largest > 0 else 1.0
-        else:
-            period = _number(M, "M", positive=True)
-            if period < largest:
-                raise ValueError(f"M={period:g} is smaller than the largest position {largest} "
-                                 "(offset + max(n, m)); cos(pi/2 (i - j) / M) must stay positive")
-    if kind == _FEATURE_MAPS["identity"]:
-        for name, x in (("q", q), ("k", k)):
-            if np.size(x) and np.min(x) < 0:
-                raise ValueError(f"feature_map='identity' takes {name} as features, which must be "
-                                 "non-negative; its smallest entry is negative")
     projection = a.get("projection")
-    projection_grad = bool(a.get("projection_grad", False))
-    if projection_grad and kind != _FEATURE_MAPS["favor"]:
-        raise ValueError("projection_grad=True needs feature_map='favor' (performer_attention)")
-
-    key_mask = a.get("key_mask")
+    mask, key_mask = a.get("mask"), a.get("key_mask")
     shapes = [np.shape(x)[:-2] for x in (dout, q, k, v, mask, S0, dS_in) if x is not None]
     shapes += [np.shape(x)[:-1] for x in (key_mask, z0, dz_in) if x is not None]
-    direct = [direct_output(a.get(name), x, (dout, q, k, v), shapes)
-              for name, x in (("dq", q), ("dk", k), ("dv", v))]
+    dq, dk, dv = (direct_output(a.get(name), x, (dout, q, k, v), shapes)
+                  for name, x in (("dq", q), ("dk", k), ("dv", v)))
     dq, dk, dv, dW, dS0, dz0 = _C.linear_attention_backward(
-        dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power,
-        period, projection, S0, z0, dS_in, dz_in, offset, projection_grad, *direct)
+        dout, q, k, v, front=front, feature_map=feature_map, causal=a.get("causal", False),
+        key_mask=key_mask, mask=mask, window=a.get("window"), method=a.get("method"),
+        chunk_size=a.get("chunk_size"), eps=a.get("eps", 1e-6), p=a.get("p", 3), M=a.get("M"),
+        projection=projection, S0=S0, z0=z0, dS=dS_in, dz=dz_in, offset=offset,
+        projection_grad=bool(a.get("projection_grad", False)), dq=dq, dk=dk, dv=dv)
     state = None
     if S0 is not None:
         state = (sum_to_shape(dS0, np.shape(S0)), sum_to_shape(dz0, np.shape(z0)))

@@ -31,6 +31,7 @@ from . import _dwc
 from . import torch as _at
 from ._checks import count
 from ._multihead import _PER_HEAD_OPTIONS
+from ._variants import VARIANTS
 from .torch import (
     _batch_shape,
     _check_inputs,
@@ -623,17 +624,11 @@ def add_depthwise_convolution(out, q, v, dwc_weight, spatial):
 _FRONT_ENDS = {
     "softmax": _at.softmax_attention,
     "gaussian": _at.gaussian_attention,
-    "linear": _at.linear_attention,
-    "cosformer": _at.cosformer_attention,
-    "focused": _at.focused_linear_attention,
-    "taylor": _at.taylor_attention,
-    "performer": _at.performer_attention,
-    "efficient": _at.efficient_attention,
+    **{front: getattr(_at, variant.function) for front, variant in VARIANTS.items()},
     "block_sparse": block_sparse_attention,
     "pooled": pooled_attention,
     "linformer": linformer_attention,
 }
-_KERNELISED = ("linear", "cosformer", "focused", "taylor", "performer", "efficient")
 # array options a layer learns: Linformer's projections, FAVOR's, FLatten's kernel
 _LEARNED = ("E", "F", "projection", "dwc_weight")
 
@@ -811,7 +806,7 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"key_padding_mask must have shape (..., m) with m = {m}, got "
                              f"{tuple(key_padding_mask.shape)}")
         keep = ~key_padding_mask
-        if self.variant in _KERNELISED:
+        if self.variant in VARIANTS:
             name, padding = "key_mask", keep[..., None, None, :]
         elif self.variant in ("pooled", "linformer"):
             raise ValueError(f"key_padding_mask: variant {self.variant!r} attends to pooled or "

@@ -62,6 +62,7 @@ from ._linear import (
     _performer_projection,
     _result_dtype,
 )
+from ._variants import resolve
 
 __all__ = [
     "softmax_attention",
@@ -655,16 +656,14 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
     out_dtype = FRONT_ENDS[front](probe["q"], probe["k"], probe["v"],
                                   key_mask=probe.get("key_mask"),
                                   **_with_mask(probe.get("mask"), options)).dtype
-    if front == "cosformer":
-        largest = max(n, m)
-        if causal and n != m:
-            raise ValueError(f"causal cosformer_attention needs as many queries as keys, "
-                             f"got n = {n}, m = {m}")
-        if options["M"] is None:
-            options["M"] = largest if largest > 0 else 1  # the default, fixed for every block
-        elif options["M"] < largest:
-            raise ValueError(f"M={options['M']} is smaller than the largest position "
-                             f"{largest} (max(n, m)); cos(pi/2 (i - j) / M) must stay positive")
+    # the variant's checks on the whole shapes; cosFormer's M, defaulted
+    # from them, is then fixed for every block
+    feature_map = options.get("feature_map", "elu")
+    resolved = resolve(front, feature_map="identity" if callable(feature_map) else feature_map,
+                       causal=causal,
+                       M=options.get("M"), projection=options.get("projection"), d=d, n=n, m=m)
+    if "M" in options:
+        options["M"] = resolved["M"]
 
     general = mask is not None or window is not None
     if general and front == "cosformer":
@@ -729,7 +728,7 @@ def _linear_graph(front, q, k, v, key_mask, mask, options):
         summary_options = {name: value for name, value in options.items()
                            if name not in ("causal", "method", "chunk_size", "window")}
         apply_options = dict(options)
-        r = 2 * d if front == "cosformer" else None
+        r = resolved["features"] if front == "cosformer" else None
         state_dtype = _compute_dtype(dtypes["q"], dtypes["k"], dtypes["v"])
         k_starts = _starts(ops.chunks["m"])
         summary_name, state_name = f"{front}-summary-{token}", f"{front}-state-{token}"

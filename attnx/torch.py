@@ -55,6 +55,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a subpro
 import attnx
 
 from . import _checks, _linear
+from ._variants import VARIANTS, resolve
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -887,14 +888,6 @@ def _split_heads(mask, heads, kv_heads, groups):
 
 # ------------------------------------------------------- linear family op
 
-_BACKWARD_NAMES = {
-    "linear": "linear_attention_backward",
-    "cosformer": "cosformer_attention_backward",
-    "focused": "focused_linear_attention_backward",
-    "taylor": "taylor_attention_backward",
-    "performer": "performer_attention_backward",
-    "efficient": "efficient_attention_backward",
-}
 _PARAMETERS = {front: set(inspect.signature(fn).parameters)
                for front, fn in _linear.FRONT_ENDS.items()}
 
@@ -949,9 +942,9 @@ def _linear_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask:
                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and dprojection (empty unless projection_grad) of
     sum(dout * out) for the kernelised front end `front`."""
-    backward = getattr(attnx, _BACKWARD_NAMES[front], None)
+    backward = getattr(attnx, VARIANTS[front].backward, None)
     if backward is None:
-        raise NotImplementedError(f"this attnx has no {_BACKWARD_NAMES[front]}")
+        raise NotImplementedError(f"this attnx has no {VARIANTS[front].backward}")
     dtype = _compute_dtype(q.dtype)
     if dout.numel() == 0 or k.shape[-2] == 0:
         dprojection = torch.zeros_like(projection) if projection_grad else q.new_empty((0,))
@@ -1042,15 +1035,6 @@ class LinearAttentionState(NamedTuple):
     offset: int
 
 
-def _feature_count(front, feature_map, d, projection):
-    """r, the features of front end `front` (as the C binding counts them)."""
-    kind = {"cosformer": "cosformer", "taylor": "taylor", "performer": "favor"}.get(
-        front, feature_map)
-    if kind == "favor":
-        return projection.shape[0]
-    return 2 * d if kind == "cosformer" else d + 1 if kind == "taylor" else d
-
-
 def _numpy_state(S0, z0, offset, dtype):
     if S0 is None:
         return None
@@ -1090,7 +1074,7 @@ def _(q, k, v, key_mask, projection, S0, z0, offset, front, feature_map, causal,
       chunk_size, eps, p, M):
     shape = _state_batch_shape(q, k, v, key_mask, S0)
     dtype = _compute_dtype(q.dtype)
-    r = _feature_count(front, feature_map, q.shape[-1], projection)
+    r = resolve(front, feature_map=feature_map, d=q.shape[-1], projection=projection)["features"]
     return (q.new_empty(shape + (q.shape[-2], v.shape[-1]), dtype=dtype),
             q.new_empty(shape + (r, v.shape[-1]), dtype=dtype),
             q.new_empty(shape + (r,), dtype=dtype))
@@ -1107,7 +1091,7 @@ def _linear_state_backward_op(dout: Tensor, dS: Tensor, dz: Tensor, q: Tensor, k
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dprojection (empty unless projection_grad) and dS0, dz0
     (empty without S0) of sum(dout * out) + sum(dS * S) + sum(dz * z)."""
-    backward = getattr(attnx, _BACKWARD_NAMES[front])
+    backward = getattr(attnx, VARIANTS[front].backward)
     dtype = _compute_dtype(q.dtype)
     options = _linear_options(front, feature_map, causal, key_mask, None, None, method,
                               chunk_size, eps, projection, p, M, dtype)
@@ -1210,8 +1194,8 @@ def _linear_call(front, q, k, v, feature_map="elu", causal=False, key_mask=None,
         mask = _key_padding_view(mask, q.shape[-2])
     streaming = initial_state is not None or return_state
     if streaming and (mask is not None or window is not None):
-        raise ValueError("mask= and window= cannot be combined with initial_state or "
-                         "return_state: a state keeps no key positions")
+        # the kernel's own check (a streaming op takes no mask or window)
+        resolve(front, feature_map="elu", mask=mask is not None, window=window, streaming=True)
     if callable(feature_map):
         q, k = _torch_features(feature_map, q, k)
         feature_map = "identity"
@@ -1676,12 +1660,7 @@ def efficient_attention(q, k, v, *, key_mask=None, causal=False):
 _FRONT_ENDS = {
     "softmax": softmax_attention,
     "gaussian": gaussian_attention,
-    "linear": linear_attention,
-    "cosformer": cosformer_attention,
-    "focused": focused_linear_attention,
-    "taylor": taylor_attention,
-    "performer": performer_attention,
-    "efficient": efficient_attention,
+    **{front: globals()[variant.function] for front, variant in VARIANTS.items()},
 }
 _SYSTEM_VARIANTS = ("block_sparse", "pooled", "linformer", "lsh")
 

@@ -52,10 +52,33 @@ static int interruptible(npy_intp heads, npy_intp n, npy_intp m, npy_intp r, npy
  * of one chunk. */
 #define RECURRENT_MAX_ROWS 8
 
+/* The feature maps by name; feature_map= takes the first
+ * FEATURE_MAP_CHOICES, the others only through the variant that fixes them. */
 static const char *const feature_map_names[] = {
     [ATTNX_FM_ELU] = "elu", [ATTNX_FM_RELU] = "relu", [ATTNX_FM_SOFTMAX] = "softmax",
     [ATTNX_FM_TAYLOR] = "taylor", [ATTNX_FM_FOCUSED] = "focused", [ATTNX_FM_FAVOR] = "favor",
-    [ATTNX_FM_IDENTITY] = "identity",
+    [ATTNX_FM_IDENTITY] = "identity", [ATTNX_FM_COSFORMER] = "cosformer",
+    [ATTNX_FM_EFFICIENT] = "efficient",
+};
+#define FEATURE_MAP_CHOICES (ATTNX_FM_IDENTITY + 1)
+
+/* The variants of the kernelised family: the one table of the front ends
+ * (attnx/_linear.py, attnx/_linear_grad.py, attnx.torch, attnx.dask read
+ * it through _C.linear_variants and _C.linear_resolve). A front end passes
+ * its name here; `kind` is the feature map it fixes, or -1 where its
+ * feature_map= chooses. The options each takes are its front end's
+ * keywords (attnx/_linear.py). */
+typedef struct {
+    const char *front, *function;
+    int kind;
+} linear_variant;
+static const linear_variant linear_variants[] = {
+    {"linear", "linear_attention", -1},
+    {"cosformer", "cosformer_attention", ATTNX_FM_COSFORMER},
+    {"focused", "focused_linear_attention", ATTNX_FM_FOCUSED},
+    {"taylor", "taylor_attention", ATTNX_FM_TAYLOR},
+    {"performer", "performer_attention", ATTNX_FM_FAVOR},
+    {"efficient", "efficient_attention", ATTNX_FM_EFFICIENT},
 };
 static const char *const method_names[] = {
     [ATTNX_METHOD_CHUNK] = "chunk", [ATTNX_METHOD_RECURRENT] = "recurrent",
@@ -71,7 +94,8 @@ typedef struct {
     npy_intp left, right;
     npy_intp chunk;             /* 0: the default */
     double eps, power, period;  /* period 0: M not given */
-    int streaming;              /* initial_state given or return_state */
+    int streaming;              /* a state comes in or goes out */
+    int backward;               /* the gradients' call: its state is initial_state, grad_state */
 } linear_options;
 
 /* obj must be one of names[0..count); `what` names the argument, `allowed`
@@ -128,20 +152,39 @@ static int parse_chunk(PyObject *obj, npy_intp *chunk)
     return 0;
 }
 
-static int parse_options(const char *variant, PyObject *feature_map_obj, PyObject *causal_obj,
+/* The variant named `front`, NULL (with ValueError) for an unknown name */
+static const linear_variant *find_variant(const char *front)
+{
+    for (int i = 0; i < COUNT(linear_variants); i++)
+        if (strcmp(linear_variants[i].front, front) == 0) return &linear_variants[i];
+    PyErr_Format(PyExc_ValueError, "unknown linear-family variant '%s'", front);
+    return NULL;
+}
+
+/* The feature map of variant `front` (feature_map_obj where it chooses) */
+static int resolve_kind(const char *front, PyObject *feature_map_obj, int *kind)
+{
+    const linear_variant *variant = find_variant(front);
+    if (!variant) return -1;
+    *kind = variant->kind;
+    return *kind >= 0 ? 0
+                      : parse_choice(feature_map_obj, feature_map_names, FEATURE_MAP_CHOICES,
+                                     "feature_map", "or a callable", kind);
+}
+
+/* The options every path (forward, backward, decoding step) parses alike;
+ * `streaming`: the call starts from or returns a state. */
+static int parse_options(const char *front, PyObject *feature_map_obj, PyObject *causal_obj,
                          PyObject *window_obj, PyObject *method_obj, PyObject *chunk_obj,
-                         PyObject *eps_obj, PyObject *p_obj, PyObject *M_obj,
-                         PyObject *initial_state, int return_state, linear_options *o)
+                         PyObject *eps_obj, PyObject *p_obj, PyObject *M_obj, int streaming,
+                         linear_options *o)
 {
     o->method = -1;
     o->power = 3;
     o->period = 0;
-    o->streaming = initial_state != Py_None || return_state;
-    if (strcmp(variant, "cosformer") == 0) o->kind = ATTNX_FM_COSFORMER;
-    else if (strcmp(variant, "efficient") == 0) o->kind = ATTNX_FM_EFFICIENT;
-    else if (parse_choice(feature_map_obj, feature_map_names, COUNT(feature_map_names),
-                          "feature_map", "or a callable", &o->kind) < 0)
-        return -1;
+    o->streaming = streaming;
+    o->backward = 0;
+    if (resolve_kind(front, feature_map_obj, &o->kind) < 0) return -1;
     if (method_obj != Py_None &&
         parse_choice(method_obj, method_names, COUNT(method_names), "method", "or None",
                      &o->method) < 0)
@@ -180,10 +223,19 @@ static int check_nonnegative(const attnx_operand *op)
     return negative ? -1 : 0;
 }
 
-/* r of every map but favor, whose r is the projection's */
+/* The feature count r = mul d + add of every map but favor (whose r is
+ * its projection's rows): the one statement of the rule r(d). */
+static void feature_rule(int kind, npy_intp *mul, npy_intp *add)
+{
+    *mul = kind == ATTNX_FM_COSFORMER ? 2 : 1;
+    *add = kind == ATTNX_FM_TAYLOR;
+}
+
 static npy_intp fixed_feature_size(int kind, npy_intp d)
 {
-    return kind == ATTNX_FM_TAYLOR ? d + 1 : kind == ATTNX_FM_COSFORMER ? 2 * d : d;
+    npy_intp mul, add;
+    feature_rule(kind, &mul, &add);
+    return mul * d + add;
 }
 
 /* The features r: bound before the arrays are, so that the state's
@@ -196,7 +248,8 @@ static int feature_size(const linear_options *o, PyObject *projection_obj, attnx
             PyErr_SetString(PyExc_ValueError, "projection= is only used by feature_map='favor'");
             return -1;
         }
-        npy_intp mul = o->kind == ATTNX_FM_COSFORMER ? 2 : 1, add = o->kind == ATTNX_FM_TAYLOR;
+        npy_intp mul, add;
+        feature_rule(o->kind, &mul, &add);
         attnx_call_derive(call, 'r', 'd', mul, add);
         return 0;
     }
@@ -432,15 +485,16 @@ static int resolve_method(linear_options *o, int has_mask, npy_intp n)
 {
     int general = has_mask || o->has_left || o->has_right;
     if (general && o->streaming) {
-        PyErr_SetString(PyExc_ValueError,
-                        "mask= and window= cannot be combined with initial_state or return_state: "
-                        "a state keeps no key positions");
+        PyErr_Format(PyExc_ValueError,
+                     "mask= and window= cannot be combined with initial_state or %s: "
+                     "a state keeps no key positions", o->backward ? "grad_state" : "return_state");
         return -1;
     }
+    /* the backward has no recurrent form: its default is the chunked one */
     if (o->method < 0)
         o->method = general ? ATTNX_METHOD_QUADRATIC
-                    : o->causal && n <= RECURRENT_MAX_ROWS ? ATTNX_METHOD_RECURRENT
-                                                           : ATTNX_METHOD_CHUNK;
+                    : o->causal && n <= RECURRENT_MAX_ROWS && !o->backward ? ATTNX_METHOD_RECURRENT
+                                                                           : ATTNX_METHOD_CHUNK;
     if (general && o->method != ATTNX_METHOD_QUADRATIC) {
         PyErr_Format(PyExc_ValueError,
                      "mask= and window= need method='quadratic' (or None), got method='%s'",
@@ -468,9 +522,10 @@ static int check_period(linear_options *o, npy_intp n, npy_intp m, npy_intp offs
     npy_intp largest = offset + (n > m ? n : m);
     if (o->period == 0) {
         if (o->streaming) {
-            PyErr_SetString(PyExc_ValueError,
-                            "cosformer_attention needs a fixed M= when streaming (initial_state= "
-                            "or return_state=True): the default max(n, m) changes between calls");
+            PyErr_Format(PyExc_ValueError,
+                         "cosformer_attention needs a fixed M= when streaming (initial_state= or "
+                         "%s): the default max(n, m) changes between calls",
+                         o->backward ? "grad_state=" : "return_state=True");
             return -1;
         }
         o->period = largest > 0 ? (double)largest : 1;
@@ -571,7 +626,7 @@ static PyObject *run_linear(const linear_call *c)
                     "demr");
     call.legend = "r: the features of this feature map";
     if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
-                      c->eps, c->p, c->M, initial_state, c->return_state, &o) < 0 ||
+                      c->eps, c->p, c->M, initial_state != Py_None || c->return_state, &o) < 0 ||
         check_cumsum_size(&o, c->q, c->k, c->v, c->projection) < 0 ||
         feature_size(&o, c->projection, &call) < 0 ||
         state_get(initial_state, c->in_place, &S_obj, &z_obj, &offset) < 0)
@@ -837,8 +892,7 @@ static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
      * and not that when the output of the last step is free (below) */
     ptrdiff_t table[LEAN_HEADS * ATTNX_LIN_NOPS];
     const ptrdiff_t *offsets = NULL, *kept = NULL;
-    if (Py_TYPE(state) != state_type || strcmp(c->variant, "linear") != 0 ||
-        c->projection != Py_None)
+    if (Py_TYPE(state) != state_type || c->projection != Py_None)
         return 0;
     PyObject *S_obj = slot_get(state, SLOT_S), *z_obj = slot_get(state, SLOT_Z);
     PyObject *offset_obj = slot_get(state, SLOT_OFFSET), *tick_obj = slot_get(state, SLOT_TICK);
@@ -855,9 +909,10 @@ static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
         o = lean_options;
     } else {
         if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method,
-                          c->chunk_size, c->eps, c->p, c->M, state, 1, &o) < 0)
+                          c->chunk_size, c->eps, c->p, c->M, 1, &o) < 0)
             return -1;
         if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY ||
+            o.kind == ATTNX_FM_COSFORMER || o.kind == ATTNX_FM_EFFICIENT ||
             resolve_method(&o, 0, 1) < 0 || o.method != ATTNX_METHOD_RECURRENT) {
             PyErr_Clear();
             return 0;
@@ -1247,23 +1302,28 @@ static const attnx_param backward_params[B_NPARAMS] = {
     [B_DZ0] = {"dz", "r", ATTNX_OUTPUT, ATTNX_LINB_DZ0},
 };
 
-PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
+PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *objs[B_NPARAMS] = {NULL}, *causal_obj, *window_obj, *projection_obj, *ret = NULL;
+    static char *keywords[] = {
+        "dout", "q", "k", "v", "front", "feature_map", "causal", "key_mask", "mask", "window",
+        "method", "chunk_size", "eps", "p", "M", "projection", "S0", "z0", "dS", "dz", "offset",
+        "projection_grad", "dq", "dk", "dv", NULL};
+    PyObject *objs[B_NPARAMS] = {NULL}, *feature_map_obj, *causal_obj, *window_obj, *method_obj,
+             *chunk_obj, *eps_obj, *p_obj, *M_obj, *projection_obj, *ret = NULL;
+    const char *front;
     int projection_grad;
-    Py_ssize_t chunk, offset;
+    Py_ssize_t offset;
     linear_options o = {0};
     objs[B_DQ] = objs[B_DK] = objs[B_DV] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOiOOOOindddOOOOOnp|OOO:linear_attention_backward", &objs[B_DOUT],
-                          &objs[B_Q], &objs[B_K], &objs[B_V], &o.kind, &causal_obj,
-                          &objs[B_KEY_MASK], &objs[B_MASK], &window_obj, &o.method, &chunk, &o.eps,
-                          &o.power, &o.period, &projection_obj, &objs[B_S0], &objs[B_Z0],
-                          &objs[B_DS_IN], &objs[B_DZ_IN], &offset, &projection_grad, &objs[B_DQ],
-                          &objs[B_DK], &objs[B_DV]))
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "OOOOsOOOOOOOOOOOOOOOnp|OOO:linear_attention_backward", keywords,
+            &objs[B_DOUT], &objs[B_Q], &objs[B_K], &objs[B_V], &front, &feature_map_obj,
+            &causal_obj, &objs[B_KEY_MASK], &objs[B_MASK], &window_obj, &method_obj, &chunk_obj,
+            &eps_obj, &p_obj, &M_obj, &projection_obj, &objs[B_S0], &objs[B_Z0], &objs[B_DS_IN],
+            &objs[B_DZ_IN], &offset, &projection_grad, &objs[B_DQ], &objs[B_DK], &objs[B_DV]))
         return NULL;
-    if (o.kind < ATTNX_FM_ELU || o.kind > ATTNX_FM_EFFICIENT || o.method < ATTNX_METHOD_CHUNK ||
-        o.method > ATTNX_METHOD_QUADRATIC || chunk < 0 || offset < 0 || !(o.eps >= 0)) {
-        PyErr_SetString(PyExc_ValueError, "linear_attention_backward: option out of range");
+    if (offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "linear_attention_backward: offset must be >= 0");
         return NULL;
     }
     if ((objs[B_S0] == Py_None) != (objs[B_Z0] == Py_None) ||
@@ -1271,13 +1331,16 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "a state needs both S and z");
         return NULL;
     }
+    if (parse_options(front, feature_map_obj, causal_obj, window_obj, method_obj, chunk_obj,
+                      eps_obj, p_obj, M_obj,
+                      objs[B_S0] != Py_None || objs[B_DS_IN] != Py_None, &o) < 0)
+        return NULL;
+    o.backward = 1;
     if (projection_grad && o.kind != ATTNX_FM_FAVOR) {
-        PyErr_SetString(PyExc_ValueError, "projection_grad=True needs feature_map='favor'");
+        PyErr_SetString(PyExc_ValueError,
+                        "projection_grad=True needs feature_map='favor' (performer_attention)");
         return NULL;
     }
-    if (attnx_parse_causal(causal_obj, &o.causal) < 0 ||
-        attnx_parse_window(window_obj, &o.has_left, &o.left, &o.has_right, &o.right) < 0)
-        return NULL;
 
     PyArrayObject *projection = NULL, *dW = NULL;
     attnx_call call;
@@ -1295,6 +1358,13 @@ PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args)
     int typenum = call.dtypes.compute;
     if (o.kind == ATTNX_FM_FAVOR && projection_convert(projection_obj, &call, &projection) < 0)
         goto done;
+    if (o.kind == ATTNX_FM_IDENTITY &&
+        (check_nonnegative(&call.ops[B_Q]) < 0 || check_nonnegative(&call.ops[B_K]) < 0))
+        goto done;
+    if (resolve_method(&o, call.ops[B_MASK].array != NULL, n) < 0 ||
+        check_period(&o, n, m, offset) < 0)
+        goto done;
+    npy_intp chunk = o.chunk;
     if (projection_grad) {
         npy_intp W_shape[2] = {r, d};
         if (!(dW = (PyArrayObject *)PyArray_ZEROS(2, W_shape, typenum, 0))) goto done;
@@ -1353,6 +1423,90 @@ done:
     return ret;
 }
 
+/* _C.linear_variants(): {front: (function, the feature map it fixes or
+ * None)} from the variant table */
+PyObject *attnx_py_linear_variants(PyObject *self, PyObject *unused)
+{
+    PyObject *table = PyDict_New();
+    for (int i = 0; table && i < COUNT(linear_variants); i++) {
+        const linear_variant *variant = &linear_variants[i];
+        PyObject *row = variant->kind < 0
+                            ? Py_BuildValue("(sO)", variant->function, Py_None)
+                            : Py_BuildValue("(ss)", variant->function,
+                                            feature_map_names[variant->kind]);
+        if (!row || PyDict_SetItemString(table, variant->front, row) < 0) Py_CLEAR(table);
+        Py_XDECREF(row);
+    }
+    return table;
+}
+
+/* the first axis of `obj`'s shape (an array or a tensor, a fake one too) */
+static int leading_size(PyObject *obj, npy_intp *size)
+{
+    PyObject *shape = PyObject_GetAttrString(obj, "shape");
+    PyObject *first = shape && PySequence_Check(shape) && PySequence_Size(shape) == 2
+                          ? PySequence_GetItem(shape, 0) : NULL;
+    if (!first && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "projection must have shape (r, d)");
+    Py_XDECREF(shape);
+    if (!first) return -1;
+    *size = PyNumber_AsSsize_t(first, PyExc_OverflowError);
+    Py_DECREF(first);
+    return *size == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* _C.linear_resolve: the checks of a call's options that need no arrays,
+ * for the front ends that build the call elsewhere (attnx.torch,
+ * attnx.dask) */
+PyObject *attnx_py_linear_resolve(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"front", "feature_map", "causal", "window", "method",
+                               "chunk_size", "eps", "p", "M", "projection", "mask", "d", "n", "m",
+                               "streaming", NULL};
+    const char *front;
+    PyObject *feature_map = Py_None, *causal = Py_False, *window = Py_None, *method = Py_None,
+             *chunk = Py_None, *eps = NULL, *p = NULL, *M = Py_None, *projection = Py_None,
+             *n_obj = Py_None, *m_obj = Py_None;
+    int has_mask = 0, streaming = 0;
+    Py_ssize_t d = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$OOOOOOOOOpnOOp:linear_resolve", keywords,
+                                     &front, &feature_map, &causal, &window, &method, &chunk, &eps,
+                                     &p, &M, &projection, &has_mask, &d, &n_obj, &m_obj,
+                                     &streaming))
+        return NULL;
+    PyObject *default_eps = eps ? NULL : PyFloat_FromDouble(1e-6);
+    PyObject *default_p = p ? NULL : PyLong_FromLong(3);
+    linear_options o;
+    int status = (eps || default_eps) && (p || default_p)
+                     ? parse_options(front, feature_map, causal, window, method, chunk,
+                                     eps ? eps : default_eps, p ? p : default_p, M, streaming, &o)
+                     : -1;
+    Py_XDECREF(default_eps);
+    Py_XDECREF(default_p);
+    if (status < 0) return NULL;
+    npy_intp features = 0, n = 0, m = 0;
+    if (o.kind == ATTNX_FM_FAVOR ? projection != Py_None && leading_size(projection, &features) < 0
+                                 : (features = fixed_feature_size(o.kind, d), 0))
+        return NULL;
+    if ((n_obj != Py_None && (n = PyNumber_AsSsize_t(n_obj, PyExc_OverflowError)) == -1 &&
+         PyErr_Occurred()) ||
+        (m_obj != Py_None && (m = PyNumber_AsSsize_t(m_obj, PyExc_OverflowError)) == -1 &&
+         PyErr_Occurred()))
+        return NULL;
+    if (resolve_method(&o, has_mask, n_obj == Py_None ? RECURRENT_MAX_ROWS + 1 : n) < 0 ||
+        (n_obj != Py_None && m_obj != Py_None && check_period(&o, n, m, 0) < 0))
+        return NULL;
+    PyObject *period = o.kind == ATTNX_FM_COSFORMER && o.period > 0 ? PyFloat_FromDouble(o.period)
+                                                                    : (Py_INCREF(Py_None), Py_None);
+    PyObject *result = period ? Py_BuildValue("{s:s,s:n,s:s,s:O}", "feature_map",
+                                              feature_map_names[o.kind], "features",
+                                              (Py_ssize_t)features, "method",
+                                              method_names[o.method], "M", period)
+                              : NULL;
+    Py_XDECREF(period);
+    return result;
+}
+
 const char attnx_linear_attention_doc[] = (
 "linear_attention(q, k, v, variant, feature_map, causal, key_mask, mask, window, method, chunk_size, eps, projection, p, M, initial_state, return_state, out, normalise)\n"
 "--\n\n"
@@ -1374,8 +1528,23 @@ const char attnx_linear_flush_doc[] = (
 "attnx.LinearAttentionState.S property).");
 
 const char attnx_linear_attention_backward_doc[] = (
-"linear_attention_backward(dout, q, k, v, kind, causal, key_mask, mask, window, method, chunk, eps, power, period, projection, S0, z0, dS, dz, offset, projection_grad, dq=None, dk=None, dv=None)\n"
+"linear_attention_backward(dout, q, k, v, front, feature_map, causal, key_mask, mask, window, method, chunk_size, eps, p, M, projection, S0, z0, dS, dz, offset, projection_grad, dq=None, dk=None, dv=None)\n"
 "--\n\n"
 "The kernel behind attnx.linear_attention_backward and the other kernelised\n"
-"backward functions (options already resolved; use those). Returns\n"
-"(dq, dk, dv, dW, dS0, dz0) on the broadcast batch shape.");
+"backward functions (options checked as the forward checks them; use those).\n"
+"Returns (dq, dk, dv, dW, dS0, dz0) on the broadcast batch shape.");
+
+const char attnx_linear_variants_doc[] = (
+"linear_variants()\n"
+"--\n\n"
+"The kernelised family's variants: {front end name: (function name, the\n"
+"feature map it fixes, or None where feature_map= chooses)}.");
+
+const char attnx_linear_resolve_doc[] = (
+"linear_resolve(front, *, feature_map=None, causal=False, window=None, method=None, chunk_size=None, eps=1e-6, p=3, M=None, projection=None, mask=False, d=0, n=None, m=None, streaming=False)\n"
+"--\n\n"
+"Checks the options of variant `front` as its kernel call would, without\n"
+"arrays: {'feature_map': its name, 'features': r for d inputs (favor: the\n"
+"projection's rows), 'method': the method it runs (n unknown: as for many\n"
+"rows), 'M': cosFormer's period (checked against n and m when both are\n"
+"given), else None}.");

@@ -7,8 +7,6 @@ and that call is itself checked here against the numpy float64 reference
 run on dask's synchronous scheduler; a few run on a LocalCluster of two
 worker processes.
 """
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +19,6 @@ import dask  # noqa: E402
 import attnx  # noqa: E402
 import attnx.dask as ad  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import assert_close, hypothesis_settings, make, qkv  # noqa: E402
 

@@ -14,7 +14,6 @@ import attnx
 from helpers import dispatched, kernels_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 import conftest  # noqa: E402
 import levels  # noqa: E402
 

@@ -27,7 +27,6 @@ accuracy, well inside 2e-5.
 import concurrent.futures
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -36,7 +35,6 @@ from hypothesis import strategies as st
 
 import attnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
                      mixed_dtype_qkv, qkv, run_isolated, tol, vscale)

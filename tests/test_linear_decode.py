@@ -4,9 +4,7 @@ step() must give what the functional streaming call gives (exactly, but
 for the rounding of single-token steps, which hold their keys back from S),
 update the state's own arrays, and refuse states it cannot update in place."""
 
-import os
 import threading
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +12,6 @@ import pytest
 import attnx
 from helpers import assert_close, dispatched, f64, kernels_here, qkv, vscale
 
-sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
 D = 8

@@ -2,8 +2,6 @@
 reference written from the definition (the union of the rounds' visibility,
 then plain softmax), against full attention where the definition reduces to
 it, and its gradients against torch float64 autograd of that reference."""
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ from hypothesis import strategies as st
 
 import attnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import assert_close, assert_interrupted_quickly, hypothesis_settings, run_isolated, vscale  # noqa: E402
 
 HYP = hypothesis_settings(60)

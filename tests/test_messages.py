@@ -5,14 +5,12 @@ with the sizes filled in; sizes the kernels cannot take are refused before
 anything is copied."""
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
 
 import attnx
 
-sys.path.insert(0, os.path.dirname(__file__))
 from helpers import run_isolated  # noqa: E402
 
 SOFTMAX_FAMILY = [attnx.softmax_attention, attnx.gaussian_attention]

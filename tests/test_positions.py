@@ -1,7 +1,5 @@
 """Position encodings: attnx.sinusoidal_positions, attnx.rotary and its
 backward, against literal float64 references (loops, complex numbers)."""
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -10,7 +8,6 @@ from hypothesis import strategies as st
 
 import attnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import assert_close, hypothesis_settings  # noqa: E402
 
 HYP = hypothesis_settings(40)

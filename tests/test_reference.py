@@ -2,13 +2,10 @@
 attnx tests can trust it. Nothing here imports attnx."""
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 
 EXACT = dict(rtol=1e-10, atol=1e-12)

@@ -1,7 +1,5 @@
 """Block-sparse, Linformer, pooled and multi-head attention against plain
 numpy float64 references (and torch.nn.MultiheadAttention)."""
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ from hypothesis import strategies as st
 import attnx
 from attnx import _systems
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 from helpers import assert_close, hypothesis_settings, vscale  # noqa: E402
 from reference_grad import reduce_to  # noqa: E402
