@@ -24,31 +24,116 @@ from ._grad import grad_dtype, register_vjp, sum_to_shape
 
 DeltaRuleGradients = namedtuple("DeltaRuleGradients", "q k v beta g state",
                                 defaults=(None, None, None, None, None, None))
-DeltaRuleGradients.__doc__ = """Gradients of sum(dout * out) (plus sum(grad_state * final
-state) when a grad_state is given) with respect to a delta rule call's inputs.
+DeltaRuleGradients.__doc__ = """Gradients of a delta rule call (`delta_rule_attention_backward`).
 
-Each field has the shape and dtype of its input (summed over the axes along
-which that input was broadcast); ``g`` is None without a gate, ``state``
-None without an ``initial_state``."""
+A named tuple, returned by `delta_rule_attention_backward` and by the
+pullback of ``vjp(delta_rule_attention, ...)``.
+
+Parameters
+----------
+q, k, v, beta : ndarray
+    The gradients of the queries, keys, values and write strengths.
+g : ndarray or None
+    Of the gate; None for a call without one.
+state : ndarray or None
+    Of the ``initial_state`` (its ``S`` for a `DeltaRuleState`); None
+    without one.
+
+Raises
+------
+TypeError
+    When built with unknown fields (as any named tuple).
+
+See Also
+--------
+delta_rule_attention_backward : Returns these.
+vjp : Pairs the forward with its pullback.
+
+Notes
+-----
+The gradients of ``sum(dout * out)``, plus ``sum(grad_state * S)`` for
+the final state S when a ``grad_state`` is given. Each field has the
+shape and dtype of its input, summed over the axes along which that input
+was broadcast.
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((2, 6, 4)) for _ in range(3))
+>>> beta = np.full((2, 6), 0.5)
+>>> grads = attnx.delta_rule_attention_backward(np.ones((2, 6, 4)), q, k, v, beta)
+>>> grads._fields
+('q', 'k', 'v', 'beta', 'g', 'state')
+>>> grads.beta.shape, grads.g is None
+((2, 6), True)
+"""
 
 _METHODS = ("chunk", "recurrent")
 
 
 class DeltaRuleState:
-    """The state the delta rule carries between calls, returned by
-    ``return_state=True`` and taken back by ``initial_state=`` (which never
-    writes it).
+    """The state the delta rule carries between calls.
 
-    * ``S``: array (..., H_v, d_k, d_v), the state after the tokens seen,
-      in the dtype the calls compute in (float32 for float16 inputs).
+    Returned by ``delta_rule_attention(..., return_state=True)`` and taken
+    back by ``initial_state=`` (which never writes it), or advanced in place
+    by `step`.
 
-    ``state.step(q, k, v, beta, g=None, out=None)`` decodes in place: it
-    returns what ``delta_rule_attention(q, k, v, beta, g, initial_state=state,
-    method="recurrent", ...)`` returns, with the options of the call that
-    made the state (``scale``, ``qk_l2norm``), and updates ``S`` where it
-    lies, allocating nothing but the output. ``S`` must stay a writeable
-    C-contiguous array of the computing dtype with the step's batch shape
-    (ValueError otherwise; TypeError for another dtype)."""
+    Parameters
+    ----------
+    S : ndarray, shape (..., H_v, d_k, d_v)
+        The state after the tokens seen, in the dtype the calls compute in
+        (float32 for float16 inputs).
+    scale : float, optional
+        The query scale of the call that made the state (default
+        ``1/sqrt(d_k)``), which `step` repeats.
+    qk_l2norm : bool, default False
+        Whether that call L2-normalised q and k, which `step` repeats.
+
+    Methods
+    -------
+    step(q, k, v, beta, g=None, out=None)
+        Decode in place: the outputs of new tokens, the state advanced
+        over them.
+
+    Raises
+    ------
+    ValueError
+        From `step`, when ``S`` is no longer a writeable C-contiguous array
+        with the batch shape of the step's inputs, or the inputs' shapes
+        do not match it.
+    TypeError
+        From `step`, when ``S`` is not of the computing dtype.
+
+    See Also
+    --------
+    delta_rule_attention : Returns a state with ``return_state=True``.
+
+    Notes
+    -----
+    ``state.step(q, k, v, beta, g)`` returns what ``delta_rule_attention(q,
+    k, v, beta, g, initial_state=state, method="recurrent")`` returns, with
+    the options of the call that made the state, and updates ``S`` where it
+    lies, allocating nothing but the output (nothing with ``out=``). One
+    token reads and writes each head's state once, the heads spread over
+    attnx's threads.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 8, 4)) for _ in range(3))
+    >>> beta, g = rng.uniform(0, 1, (2, 8)), -rng.uniform(0, 0.5, (2, 8))
+    >>> whole = attnx.delta_rule_attention(q, k, v, beta, g, qk_l2norm=True)
+    >>> o, state = attnx.delta_rule_attention(q[:, :6], k[:, :6], v[:, :6], beta[:, :6],
+    ...                                       g[:, :6], qk_l2norm=True, return_state=True)
+    >>> state
+    DeltaRuleState(S: shape (2, 4, 4), dtype float64)
+    >>> steps = [state.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], beta[:, t:t + 1],
+    ...                     g[:, t:t + 1]) for t in (6, 7)]
+    >>> np.allclose(np.concatenate([o] + steps, axis=1), whole)
+    True
+    """
 
     __slots__ = ("S", "_scale", "_qk_l2norm")
 
@@ -61,6 +146,60 @@ class DeltaRuleState:
         return f"DeltaRuleState(S: shape {self.S.shape}, dtype {self.S.dtype})"
 
     def step(self, q, k, v, beta, g=None, *, out=None):
+        """Decode in place: the outputs of new tokens, the state advanced over them.
+
+        Parameters
+        ----------
+        q, k : array_like, shape (..., t, d_k)
+            The new tokens' queries and keys (t tokens, usually 1).
+        v : array_like, shape (..., t, d_v)
+            Their values.
+        beta : array_like, shape (..., t)
+            Their write strengths.
+        g : array_like, shape (..., t) or (..., t, d_k), optional
+            Their log decays, of the kind the sequence used.
+        out : ndarray, shape (..., t, d_v), optional
+            Receives the result.
+
+        Returns
+        -------
+        ndarray, shape (..., t, d_v)
+            What ``delta_rule_attention(q, k, v, beta, g, initial_state=self,
+            method="recurrent")`` with the options of the call that made
+            the state returns.
+
+        Raises
+        ------
+        ValueError
+            Shapes that do not match ``S``, or ``S`` no longer a writeable
+            C-contiguous array.
+        TypeError
+            ``S`` not of the computing dtype.
+
+        See Also
+        --------
+        delta_rule_attention : The call with ``initial_state=``, which
+            leaves the state as it is.
+
+        Notes
+        -----
+        ``S`` is updated where it lies; nothing but the output is
+        allocated.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> rng = np.random.default_rng(1)
+        >>> q, k, v = (rng.standard_normal((3, 4)) for _ in range(3))
+        >>> beta = np.full(3, 0.5)
+        >>> _, state = attnx.delta_rule_attention(q[:2], k[:2], v[:2], beta[:2],
+        ...                                       return_state=True)
+        >>> before = state.S.copy()
+        >>> o = state.step(q[2:], k[2:], v[2:], beta[2:])
+        >>> np.allclose(o, attnx.delta_rule_attention(q[2:], k[2:], v[2:], beta[2:],
+        ...                                           initial_state=before))
+        True
+        """
         call = _Call(q, k, v, beta, g, self.S, self._scale)
         S = call.split(self.S, 3)
         result = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel, S,
@@ -186,27 +325,93 @@ def _state_array(initial_state):
 
 def delta_rule_attention(q, k, v, beta, g=None, *, scale=None, qk_l2norm=False, method="chunk",
                          chunk=64, initial_state=None, return_state=False, out=None):
-    """The delta rule (DeltaNet; Gated DeltaNet with a scalar gate g; Kimi
-    Delta Attention with a gate per key channel).
+    """The delta rule: DeltaNet, Gated DeltaNet and Kimi Delta Attention.
 
-    q, k: (..., n, d_k); v: (..., n, d_v); beta: (..., n); g: None, (..., n)
-    (the shape of beta: one log decay per token) or (..., n, d_k) (beta's
-    shape plus d_k: one per key channel); exp(g) multiplies the state, so
-    g <= 0 decays it. Leading axes broadcast; value heads may also be a
-    multiple G of the key heads (axis -3: q, k (..., H_k, n, d_k), v
-    (..., G H_k, n, d_v)), each key head serving G consecutive value heads
-    as transformers' models do. Per token, after the optional L2
-    normalisation of q and k (``qk_l2norm``, x / sqrt(|x|^2 + 1e-6)) and q
-    times ``scale`` (default 1/sqrt(d_k))::
+    Parameters
+    ----------
+    q, k : array_like, shape (..., n, d_k)
+        Queries and keys.
+    v : array_like, shape (..., n, d_v)
+        Values. Leading axes of all inputs broadcast; value heads may also
+        be a multiple G of the key heads (axis -3: q, k ``(..., H_k, n,
+        d_k)``, v ``(..., G H_k, n, d_v)``), each key head serving G
+        consecutive value heads, as transformers' models do.
+    beta : array_like, shape (..., n)
+        The write strength of each token (usually in (0, 1)).
+    g : array_like, shape (..., n) or (..., n, d_k), optional
+        The log decay: one per token (beta's shape: Gated DeltaNet) or one
+        per token and key channel (Kimi Delta Attention); ``exp(g)``
+        multiplies the state, so g <= 0 decays it. None: DeltaNet.
+    scale : float, optional
+        Multiplies q; default ``1/sqrt(d_k)``.
+    qk_l2norm : bool, default False
+        L2-normalise q and k first, ``x / sqrt(|x|^2 + 1e-6)`` (transformers'
+        ``use_qk_l2norm_in_kernel``).
+    method : {"chunk", "recurrent"}, default "chunk"
+        "chunk": chunks of ``chunk`` tokens in the WY representation, GEMMs;
+        "recurrent": the token loop. They agree to rounding.
+    chunk : int, default 64
+        The chunk length of the "chunk" method.
+    initial_state : DeltaRuleState or array_like, shape (..., H_v, d_k, d_v), optional
+        The state to start from (never written); zeros by default.
+    return_state : bool, default False
+        Also return the state after this call.
+    out : ndarray, optional
+        Receives the result (shape (..., n, d_v), the result's dtype).
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, d_v)
+        The output.
+    state : DeltaRuleState
+        Only with ``return_state=True``: continues the sequence exactly and
+        decodes with `DeltaRuleState.step`.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match or broadcast, value heads not a multiple
+        of the key heads, a g of neither shape, an unknown method, a chunk
+        below 1, a scale that is not positive and finite.
+    TypeError
+        A missing input, complex, object or string inputs, a non-integer
+        chunk, flags that are not booleans.
+
+    See Also
+    --------
+    delta_rule_attention_backward : The gradients.
+    DeltaRuleState : The streaming and decoding state.
+    attnx.torch.chunk_gated_delta_rule : The same as a PyTorch operator.
+
+    Notes
+    -----
+    Per head, a state S (d_k, d_v) and per token t, after the optional
+    normalisation and q times ``scale``::
 
         S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 
-    from S = ``initial_state`` (an array (..., H_v, d_k, d_v) or a
-    DeltaRuleState) or zeros. ``method="chunk"`` (chunks of ``chunk``
-    tokens in the WY representation, GEMMs) and ``"recurrent"`` (the token
-    loop) agree to rounding. Returns out (..., n, d_v), or (out, state)
-    with ``return_state=True``: a DeltaRuleState that continues the
-    sequence exactly and decodes with ``state.step``.
+    with ``exp(g_t)`` a scalar, a diagonal over the d_k channels, or 1.
+    Calls over pieces of a sequence, each continuing the state of the one
+    before, give what one call over the whole sequence gives. dtypes,
+    strided inputs and errors follow attnx's conventions
+    (docs/delta_rule.md).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((6, 3)) for _ in range(3))
+    >>> beta, g = rng.uniform(0, 1, 6), -rng.uniform(0, 1, 6)
+    >>> o = attnx.delta_rule_attention(q, k, v, beta, g, scale=1.0)
+    >>> S, rows = np.zeros((3, 3)), []
+    >>> for t in range(6):                       # the recurrence, token by token
+    ...     S = np.exp(g[t]) * S
+    ...     S = S + np.outer(k[t], beta[t] * (v[t] - S.T @ k[t]))
+    ...     rows.append(S.T @ q[t])
+    >>> np.allclose(o, rows)
+    True
+    >>> np.allclose(o, attnx.delta_rule_attention(q, k, v, beta, g, scale=1.0, chunk=4))
+    True
     """
     recurrent = _check_method(method)
     chunk = _check_chunk(chunk)
@@ -235,16 +440,60 @@ def _deliver(grad, x, call, axis, key=False):
 
 def delta_rule_attention_backward(dout, q, k, v, beta, g=None, *, scale=None, qk_l2norm=False,
                                   method="chunk", chunk=64, initial_state=None, grad_state=None):
-    """Gradients of ``sum(dout * out)`` (plus ``sum(grad_state * S)`` for
-    the final state S, when given) with respect to the inputs of
-    ``delta_rule_attention(q, k, v, beta, g, ...)`` with the same options.
-    Returns :class:`DeltaRuleGradients` (q, k, v, beta, g, state).
+    """Gradients of a `delta_rule_attention` call.
 
-    Computed chunk by chunk whatever ``method`` (which only must be valid):
-    the chunks run forward once keeping the state at each chunk border, then
-    in reverse. ``grad_state`` (..., H_v, d_k, d_v) is the gradient arriving
-    at the returned state, so backpropagation through pieces (each piece's
-    ``state`` gradient the previous piece's ``grad_state``) equals one call.
+    Parameters
+    ----------
+    dout : array_like, shape (..., n, d_v)
+        The gradient arriving at the output.
+    q, k, v, beta, g, scale, qk_l2norm, chunk, initial_state
+        As given to `delta_rule_attention`.
+    method : {"chunk", "recurrent"}, default "chunk"
+        Must be valid; the backward is chunked whatever the forward's
+        method.
+    grad_state : array_like, shape (..., H_v, d_k, d_v), optional
+        The gradient arriving at the returned final state.
+
+    Returns
+    -------
+    DeltaRuleGradients
+        The gradients of ``sum(dout * out)`` (plus ``sum(grad_state * S)``
+        for the final state S) with respect to q, k, v, beta, g and the
+        initial state.
+
+    Raises
+    ------
+    ValueError
+        As `delta_rule_attention`, and a dout or grad_state of the wrong
+        shape.
+    TypeError
+        As `delta_rule_attention`, and a missing dout.
+
+    See Also
+    --------
+    delta_rule_attention : The forward.
+    vjp : The forward and this as a pullback.
+
+    Notes
+    -----
+    The chunks run forward once, keeping the state at each chunk border
+    and each chunk's small products, then in reverse, carrying the state's
+    gradient. With ``grad_state``, backpropagation through pieces (each
+    piece's ``state`` gradient the previous piece's ``grad_state``) equals
+    one call.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 3)) for _ in range(3))
+    >>> beta, g = rng.uniform(0, 1, 5), -rng.uniform(0, 1, 5)
+    >>> dout = rng.standard_normal((5, 3))
+    >>> grads = attnx.delta_rule_attention_backward(dout, q, k, v, beta, g)
+    >>> loss = lambda b: np.sum(dout * attnx.delta_rule_attention(q, k, v, b, g))
+    >>> e = 1e-6 * np.eye(5)[2]                  # a central difference in beta[2]
+    >>> bool(np.isclose((loss(beta + e) - loss(beta - e)) / 2e-6, grads.beta[2]))
+    True
     """
     _check_method(method)
     chunk = _check_chunk(chunk)

@@ -126,12 +126,79 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' ``torch_chunk_gated_delta_rule`` (and fla's
-    ``chunk_gated_delta_rule``) on attnx: query, key [B, n, H_k, d_k],
-    value [B, n, H_v, d_v], g, beta [B, n, H_v] (g may be None: DeltaNet),
-    initial_state [B, H_v, d_k, d_v]; ``scale=`` (default d_k ** -0.5) may
-    be given by keyword as in fla. Returns (out [B, n, H_v, d_v] in query's
-    dtype, final state in the compute dtype or None)."""
+    """transformers' ``torch_chunk_gated_delta_rule`` (fla's ``chunk_gated_delta_rule``) on attnx.
+
+    Parameters
+    ----------
+    query, key : Tensor, [B, n, H_k, d_k]
+        Queries and keys.
+    value : Tensor, [B, n, H_v, d_v]
+        Values; H_v a multiple of H_k, each key head serving consecutive
+        value heads.
+    g : Tensor, [B, n, H_v], or None
+        The log decay of each token and head (g <= 0 decays); None: DeltaNet.
+    beta : Tensor, [B, n, H_v]
+        The write strengths.
+    chunk_size : int, default 64
+        The chunk length.
+    initial_state : Tensor, [B, H_v, d_k, d_v], optional
+        The state to start from; zeros by default.
+    output_final_state : bool, default False
+        Also return the final state.
+    use_qk_l2norm_in_kernel : bool, default False
+        L2-normalise query and key first.
+    **kwargs
+        ``scale=`` (default ``d_k ** -0.5``), as in fla; ``cu_seqlens``
+        must be None.
+
+    Returns
+    -------
+    out : Tensor, [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        In the compute dtype (float32 for bfloat16 and float16), None
+        unless ``output_final_state``.
+
+    Raises
+    ------
+    ValueError
+        Tensors of the wrong rank or mismatched shapes.
+    TypeError
+        query, key and value of different dtypes, non-tensor inputs.
+    NotImplementedError
+        A ``cu_seqlens`` (packed sequences): pass a padded batch.
+
+    See Also
+    --------
+    fused_recurrent_gated_delta_rule : The token loop, for decoding.
+    chunk_kda : The gate per key channel.
+    attnx.delta_rule_attention : The numpy function this runs.
+
+    Notes
+    -----
+    A ``torch.library.custom_op`` (``attnx::delta_rule``) with a fake kernel
+    and autograd for every input but the options: torch.compile traces it
+    whole. bfloat16 and float16 compute in float32. The tensors are read in
+    place through transposed views ([B, n, H, d] as [B, H, n, d]).
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> from transformers.models.qwen3_next.modeling_qwen3_next import (
+    ...     torch_chunk_gated_delta_rule)
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k = torch.randn(2, 1, 10, 2, 8).unbind(0)
+    >>> v = torch.randn(1, 10, 4, 8)                # 4 value heads, 2 key heads
+    >>> g, beta = -torch.rand(1, 10, 4), torch.rand(1, 10, 4)
+    >>> out, state = attnx.torch.chunk_gated_delta_rule(
+    ...     q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    >>> ref, ref_state = torch_chunk_gated_delta_rule(
+    ...     q, k, v, g, beta, initial_state=None, output_final_state=True,
+    ...     use_qk_l2norm_in_kernel=True)
+    >>> torch.allclose(out, ref, atol=1e-5), torch.allclose(state, ref_state, atol=1e-5)
+    (True, True)
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, False, chunk_size, kwargs,
                 "chunk_gated_delta_rule")
@@ -140,9 +207,53 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
 def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      **kwargs):
-    """transformers' ``torch_recurrent_gated_delta_rule`` (fla's
-    ``fused_recurrent_gated_delta_rule``) on attnx: the token loop, the
-    form for decoding; arguments as chunk_gated_delta_rule."""
+    """transformers' ``torch_recurrent_gated_delta_rule`` (fla's ``fused_recurrent_gated_delta_rule``) on attnx.
+
+    Parameters
+    ----------
+    query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, **kwargs
+        As in `chunk_gated_delta_rule`.
+
+    Returns
+    -------
+    out : Tensor, [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        As in `chunk_gated_delta_rule`.
+
+    Raises
+    ------
+    ValueError, TypeError, NotImplementedError
+        As in `chunk_gated_delta_rule`.
+
+    See Also
+    --------
+    chunk_gated_delta_rule : The chunked form, for prefill and training.
+    attnx.DeltaRuleState.step : Decoding in place, in numpy.
+
+    Notes
+    -----
+    The token loop: the form for decoding with a cache (one token and a
+    state), where it reads and writes each head's state once. The result
+    equals `chunk_gated_delta_rule`'s to rounding; gradients are computed
+    by the same chunked backward.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = torch.randn(3, 1, 9, 2, 8).unbind(0)
+    >>> g, beta = -torch.rand(1, 9, 2), torch.rand(1, 9, 2)
+    >>> whole, _ = attnx.torch.chunk_gated_delta_rule(q, k, v, g, beta)
+    >>> head, state = attnx.torch.chunk_gated_delta_rule(
+    ...     q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], output_final_state=True)
+    >>> last, state = attnx.torch.fused_recurrent_gated_delta_rule(    # one decoding step
+    ...     q[:, 8:], k[:, 8:], v[:, 8:], g[:, 8:], beta[:, 8:], initial_state=state,
+    ...     output_final_state=True)
+    >>> torch.allclose(torch.cat([head, last], 1), whole, atol=1e-6)
+    True
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
                 "fused_recurrent_gated_delta_rule")
@@ -150,9 +261,52 @@ def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=N
 
 def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention (transformers' ``chunk_kimi_delta_attention``,
-    fla's ``chunk_kda``) on attnx: as chunk_gated_delta_rule with g
-    [B, n, H, d_k], a log decay per key channel."""
+    """Kimi Delta Attention (transformers' ``chunk_kimi_delta_attention``, fla's ``chunk_kda``) on attnx.
+
+    Parameters
+    ----------
+    query, key, value, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel
+        As in `chunk_gated_delta_rule`.
+    g : Tensor, [B, n, H_v, d_k]
+        The log decay per token, head and key channel.
+    **kwargs
+        ``scale=``, ``chunk_size=`` (default 64); ``cu_seqlens`` must be None.
+
+    Returns
+    -------
+    out : Tensor, [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        As in `chunk_gated_delta_rule`.
+
+    Raises
+    ------
+    ValueError, TypeError, NotImplementedError
+        As in `chunk_gated_delta_rule`; also a g whose last axis is not d_k.
+
+    See Also
+    --------
+    fused_recurrent_kda : The token loop, for decoding.
+    chunk_gated_delta_rule : One gate per token and head.
+
+    Notes
+    -----
+    The state decays per key channel, ``S <- diag(exp(g_t)) S``, before the
+    delta-rule write. The chunked form handles the gate in sub-blocks of 16
+    tokens so that no decay factor it forms exceeds 1 for g <= 0.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> q, k, v = torch.randn(3, 1, 12, 2, 8).unbind(0)
+    >>> g, beta = -torch.rand(1, 12, 2, 8), torch.rand(1, 12, 2)
+    >>> out, _ = attnx.torch.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> loop, _ = attnx.torch.fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> out.shape, torch.allclose(out, loop, atol=1e-5)
+    (torch.Size([1, 12, 2, 8]), True)
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, False,
                 kwargs.get("chunk_size", 64), kwargs, "chunk_kda")
@@ -160,8 +314,44 @@ def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state
 
 def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention's token loop (transformers'
-    ``recurrent_kimi_delta_attention``, fla's ``fused_recurrent_kda``)."""
+    """Kimi Delta Attention's token loop (transformers' ``recurrent_kimi_delta_attention``, fla's ``fused_recurrent_kda``).
+
+    Parameters
+    ----------
+    query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, **kwargs
+        As in `chunk_kda`.
+
+    Returns
+    -------
+    out : Tensor, [B, n, H_v, d_v]
+        In query's dtype.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        As in `chunk_gated_delta_rule`.
+
+    Raises
+    ------
+    ValueError, TypeError, NotImplementedError
+        As in `chunk_kda`.
+
+    See Also
+    --------
+    chunk_kda : The chunked form.
+
+    Notes
+    -----
+    The form for decoding with a cache; equals `chunk_kda` to rounding.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> q, k, v = torch.randn(3, 1, 1, 2, 8).unbind(0)     # one token
+    >>> g, beta = -torch.rand(1, 1, 2, 8), torch.rand(1, 1, 2)
+    >>> state = torch.randn(1, 2, 8, 8)
+    >>> out, new_state = attnx.torch.fused_recurrent_kda(
+    ...     q, k, v, g, beta, initial_state=state, output_final_state=True)
+    >>> out.shape, new_state.shape
+    (torch.Size([1, 1, 2, 8]), torch.Size([1, 2, 8, 8]))
+    """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
                 "fused_recurrent_kda")
@@ -183,16 +373,53 @@ _replaced: dict = {}  # (module, name) -> the function attnx replaced
 
 
 def register_delta_rule():
-    """Make the linear-attention layers of transformers' Qwen3-Next,
-    Qwen3.5 (dense and MoE), OLMo hybrid and Kimi Linear models run on
-    attnx: the module-level functions their layers call
+    """Run the linear-attention layers of transformers' hybrid models on attnx.
+
+    Returns
+    -------
+    list of str
+        The names of the modeling modules changed (those the installed
+        transformers has).
+
+    Raises
+    ------
+    ImportError
+        When transformers is not installed.
+
+    See Also
+    --------
+    unregister_delta_rule : Puts transformers' functions back.
+    chunk_gated_delta_rule : One of the operators that take their place.
+
+    Notes
+    -----
+    The module-level functions that the layers of Qwen3-Next, Qwen3.5
+    (dense and MoE), OLMo hybrid and Kimi Linear call
     (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
     ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``) are
-    replaced by attnx.torch's operators, in prefill, decoding with the
-    cache and training alike. Models built before or after the call are
-    affected; ``unregister_delta_rule()`` puts the originals back. Returns
-    the names of the modeling modules changed (those the installed
-    transformers has)."""
+    replaced by `chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`,
+    `chunk_kda` and `fused_recurrent_kda`: prefill, decoding with the cache
+    and training run on attnx. Models built before or after the call are
+    affected alike. The causal conv1d of these layers stays torch's.
+
+    Examples
+    --------
+    >>> import torch, attnx.torch
+    >>> from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    >>> attnx.torch.register_delta_rule()
+    ['transformers.models.qwen3_next.modeling_qwen3_next', ...]
+    >>> config = Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+    ...     moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+    ...     num_experts_per_tok=1, num_hidden_layers=2,
+    ...     layer_types=["linear_attention", "full_attention"],
+    ...     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    ...     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+    ...     linear_value_head_dim=8)
+    >>> model = Qwen3NextForCausalLM(config)
+    >>> model(torch.randint(0, 64, (1, 5))).logits.shape
+    torch.Size([1, 5, 64])
+    >>> attnx.torch.unregister_delta_rule()
+    """
     import importlib
 
     changed = []
@@ -210,7 +437,37 @@ def register_delta_rule():
 
 
 def unregister_delta_rule():
-    """Undo register_delta_rule(): transformers' own functions again."""
+    """Undo `register_delta_rule`: transformers' own functions again.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    None
+        This function does not raise.
+
+    See Also
+    --------
+    register_delta_rule : What this undoes.
+
+    Notes
+    -----
+    Calling it without a registration in place does nothing.
+
+    Examples
+    --------
+    >>> import attnx.torch
+    >>> from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    >>> original = qwen3_next.torch_chunk_gated_delta_rule
+    >>> _ = attnx.torch.register_delta_rule()
+    >>> qwen3_next.torch_chunk_gated_delta_rule is attnx.torch.chunk_gated_delta_rule
+    True
+    >>> attnx.torch.unregister_delta_rule()
+    >>> qwen3_next.torch_chunk_gated_delta_rule is original
+    True
+    """
     import sys
 
     for (module_name, name), original in list(_replaced.items()):

@@ -55,7 +55,8 @@ def _skip_if_missing(obj):
 PUBLIC = list(_public())
 SECTIONS = ["Parameters", "Returns", "Raises", "See Also", "Notes", "Examples"]
 # what has no parameters
-NO_PARAMETERS = {"attnx.get_num_threads", "attnx.show_config"}
+NO_PARAMETERS = {"attnx.get_num_threads", "attnx.show_config", "attnx.torch.register_delta_rule",
+                 "attnx.torch.unregister_delta_rule"}
 
 
 def _sections(doc):
