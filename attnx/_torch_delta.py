@@ -10,6 +10,7 @@ them whole; bfloat16 and float16 compute in float32.
 """
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,21 +28,29 @@ def _empty():
     return torch.empty(0)
 
 
+def _delta_forward(q, k, v, beta, g, initial_state, scale, l2norm, recurrent, chunk):
+    """out [B, n, H_v, d_v] and the final state [B, H_v, d_k, d_v]: the
+    operator's computation, which calls that need no graph (decoding) run
+    directly (_run)"""
+    B, n, Hv, dv = v.shape
+    # numpy views, their axes swapped by numpy (a tenth of torch's cost)
+    q_, k_, v_, beta_, g_ = (None if t is None else _np(t, q.dtype).swapaxes(1, 2)
+                             for t in (q, k, v, beta, g))
+    out = np.empty((B, n, Hv, dv), dtype=q_.dtype)
+    S0 = None if initial_state is None else _np(initial_state, q.dtype)
+    call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
+    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
+                         call.split(S0, 3), call.split(out.swapaxes(1, 2), 3), True, False,
+                         call.scale, l2norm, recurrent, chunk)
+    return torch.from_numpy(out), torch.from_numpy(call.merge(S, 3))
+
+
 @torch.library.custom_op("attnx::delta_rule", mutates_args=(), device_types="cpu")
 def _delta_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
               initial_state: Optional[Tensor], scale: float, l2norm: bool, recurrent: bool,
               chunk: int) -> Tuple[Tensor, Tensor]:
     """out [B, n, H_v, d_v] and the final state [B, H_v, d_k, d_v]"""
-    B, n, Hv, dv = v.shape
-    out = torch.empty((B, n, Hv, dv), dtype=q.dtype)
-    q_, k_, v_, beta_, g_ = (_np(_heads(t), q.dtype) if t is not None else None
-                             for t in (q, k, v, beta, g))
-    S0 = None if initial_state is None else _np(initial_state, q.dtype)
-    call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
-    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
-                         call.split(S0, 3), call.split(_np(_heads(out)), 3), True, False,
-                         call.scale, l2norm, recurrent, chunk)
-    return out, torch.from_numpy(call.merge(S, 3))
+    return _delta_forward(q, k, v, beta, g, initial_state, scale, l2norm, recurrent, chunk)
 
 
 @_delta_op.register_fake
@@ -113,14 +122,22 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
     dtype = query.dtype
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     q, k, v = _in_compute_dtype(query, key, value)
-    beta = beta.to(compute)
-    g = None if g is None else g.to(compute)
-    state = None if initial_state is None else initial_state.to(compute)
+    beta = beta if beta.dtype == compute else beta.to(compute)
+    g = g if g is None or g.dtype == compute else g.to(compute)
+    state = (initial_state if initial_state is None or initial_state.dtype == compute
+             else initial_state.to(compute))
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    out, final = torch.ops.attnx.delta_rule(q, k, v, beta, g, state, float(scale),
-                                            bool(use_qk_l2norm_in_kernel), recurrent,
-                                            int(chunk_size))
+    args = (q, k, v, beta, g, state, float(scale), bool(use_qk_l2norm_in_kernel), recurrent,
+            int(chunk_size))
+    # the operator's dispatch (autograd, the fake kernel) costs some 40 us a
+    # call, several times a decoding step's arithmetic: a call that builds
+    # no graph and is not being traced runs the computation itself
+    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6])) \
+            or torch.compiler.is_compiling():
+        out, final = torch.ops.attnx.delta_rule(*args)
+    else:
+        out, final = _delta_forward(*args)
     return _in_dtype(out, dtype), (final if output_final_state else None)
 
 
