@@ -145,7 +145,7 @@ static inline const char *SFX(head)(const attnx_delta_args *a, const void *base,
 }
 
 /* 1 / sqrt(|x|^2 + eps): transformers' l2norm (x * rsqrt(sum x^2 + 1e-6)) */
-static inline REAL SFX(inv_norm)(const REAL *x, ptrdiff_t K)
+static inline __attribute__((always_inline)) REAL SFX(inv_norm)(const REAL *x, ptrdiff_t K)
 {
     REAL sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -616,7 +616,7 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
 
 /* dx of x (normalised by inv, times f) from dy, the gradient of y = f inv x:
  * dx = f (inv dy - inv^3 (x . dy) x); without the norm dx = f dy. */
-static void SFX(norm_bwd)(const WS *w, const REAL *x, REAL inv, REAL f, const REAL *dy,
+static inline __attribute__((always_inline)) void SFX(norm_bwd)(const WS *w, const REAL *x, REAL inv, REAL f, const REAL *dy,
                           REAL *dx)
 {
     const ptrdiff_t K = w->K;
@@ -716,15 +716,26 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
         const REAL *dQg_t = w->dQg + t * K, *dKg_t = w->dKg + t * K, *dKd_t = w->dKd + t * K;
         REAL *dG_t = w->dG + t * K;
         const REAL *G_t = SFX(G_row)(w, t);
+        /* the row's decays: per channel, or one number (then no exp per channel) */
+        REAL *eg = w->xs, *ed = w->xs2;
+        if (w->channel) {
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < K; c++) {
+                eg[c] = SFX(vexp)(G_t[c]);
+                ed[c] = SFX(vexp)(Gend[c] - G_t[c]);
+            }
+        } else {
+            REAL eg0 = SFX(vexp)(G_t[0]), ed0 = SFX(vexp)(Gend[0] - G_t[0]);
+            for (ptrdiff_t c = 0; c < K; c++) eg[c] = eg0, ed[c] = ed0;
+        }
+#pragma omp simd
         for (ptrdiff_t c = 0; c < K; c++) {
-            REAL Gc = w->channel ? G_t[c] : G_t[0], Ge = w->channel ? Gend[c] : Gend[0];
-            REAL eg = SFX(vexp)(Gc), ed = SFX(vexp)(Ge - Gc);
             REAL kd = dKd_t[c] * Kd_t[c];
             dG_t[c] += Kn_t[c] * (R1_t[c] - C1_t[c]) + Q_t[c] * R2_t[c] + dKg_t[c] * Kg_t[c] +
                        dQg_t[c] * Qg_t[c] - kd;
             dG_end[c] += kd;
-            R2_t[c] += dQg_t[c] * eg;                                  /* dQ */
-            R1_t[c] += C1_t[c] + dKg_t[c] * eg + dKd_t[c] * ed;        /* dKn */
+            R2_t[c] += dQg_t[c] * eg[c];                               /* dQ */
+            R1_t[c] += C1_t[c] + dKg_t[c] * eg[c] + dKd_t[c] * ed[c];  /* dKn */
         }
         SFX(norm_bwd)(w, (const REAL *)q + (t0 + t) * a->q_row, w->inv_q[t],
                       (REAL)a->scale, R2_t, dq + t * K);
