@@ -143,7 +143,7 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' ``torch_chunk_gated_delta_rule`` (fla's ``chunk_gated_delta_rule``) on attnx.
+    """The gated delta rule on attnx, chunked: transformers' and fla's signature.
 
     Parameters
     ----------
@@ -193,10 +193,14 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
 
     Notes
     -----
-    A ``torch.library.custom_op`` (``attnx::delta_rule``) with a fake kernel
-    and autograd for every input but the options: torch.compile traces it
-    whole. bfloat16 and float16 compute in float32. The tensors are read in
-    place through transposed views ([B, n, H, d] as [B, H, n, d]).
+    transformers' ``torch_chunk_gated_delta_rule`` and fla's
+    ``chunk_gated_delta_rule``, same signature. A ``torch.library.custom_op``
+    (``attnx::delta_rule``) with a fake kernel and autograd for every input
+    but the options: torch.compile traces it whole. A call that builds no
+    autograd graph (no input requires grad, or grad mode is off) outside a
+    trace skips the operator's dispatch. bfloat16 and float16 compute in
+    float32. The tensors are read in place through transposed views
+    ([B, n, H, d] as [B, H, n, d]).
 
     Examples
     --------
@@ -224,7 +228,7 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
 def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      **kwargs):
-    """transformers' ``torch_recurrent_gated_delta_rule`` (fla's ``fused_recurrent_gated_delta_rule``) on attnx.
+    """The gated delta rule's token loop on attnx, for decoding.
 
     Parameters
     ----------
@@ -250,7 +254,9 @@ def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=N
 
     Notes
     -----
-    The token loop: the form for decoding with a cache (one token and a
+    transformers' ``torch_recurrent_gated_delta_rule`` and fla's
+    ``fused_recurrent_gated_delta_rule``, same signature. The token loop:
+    the form for decoding with a cache (one token and a
     state), where it reads and writes each head's state once. The result
     equals `chunk_gated_delta_rule`'s to rounding; gradients are computed
     by the same chunked backward.
@@ -278,7 +284,7 @@ def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=N
 
 def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention (transformers' ``chunk_kimi_delta_attention``, fla's ``chunk_kda``) on attnx.
+    """Kimi Delta Attention on attnx, chunked.
 
     Parameters
     ----------
@@ -308,7 +314,8 @@ def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state
 
     Notes
     -----
-    The state decays per key channel, ``S <- diag(exp(g_t)) S``, before the
+    transformers' ``chunk_kimi_delta_attention`` and fla's ``chunk_kda``,
+    same signature. The state decays per key channel, ``S <- diag(exp(g_t)) S``, before the
     delta-rule write. The chunked form handles the gate in sub-blocks of 16
     tokens so that no decay factor it forms exceeds 1 for g <= 0.
 
@@ -331,7 +338,7 @@ def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state
 
 def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention's token loop (transformers' ``recurrent_kimi_delta_attention``, fla's ``fused_recurrent_kda``).
+    """Kimi Delta Attention's token loop on attnx, for decoding.
 
     Parameters
     ----------
@@ -356,7 +363,9 @@ def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_f
 
     Notes
     -----
-    The form for decoding with a cache; equals `chunk_kda` to rounding.
+    transformers' ``recurrent_kimi_delta_attention`` and fla's
+    ``fused_recurrent_kda``, same signature. The form for decoding with a
+    cache; equals `chunk_kda` to rounding.
 
     Examples
     --------
