@@ -395,6 +395,37 @@ _HF_FUNCTIONS = {
     "recurrent_kimi_delta_attention": fused_recurrent_kda,
 }
 _HF_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+_SILU = (None, "silu", "swish")
+
+
+def _conv1d_update_for(original):
+    """transformers' ``causal_conv1d_update(hidden_states, conv_state,
+    weight, bias=None, activation=None)`` (the depthwise causal conv1d's
+    decoding step, conv_state updated in place) on attnx's kernel
+    (_C.causal_conv1d_update): one pass over the channels, where torch's
+    conv1d call costs several times the delta rule's step. Calls it cannot
+    take (autograd, a trace, other devices or dtypes, another activation)
+    go to `original`."""
+
+    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None,
+                             *args, **kwargs):
+        tensors = [t for t in (hidden_states, conv_state, weight, bias) if t is not None]
+        if (args or kwargs or activation not in _SILU or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+                or any(t.device.type != "cpu" or t.dtype != weight.dtype for t in tensors)
+                or weight.dtype not in (torch.float32, torch.float64)
+                or hidden_states.dim() != 3 or weight.dim() != 2
+                or not conv_state.is_contiguous()):
+            return original(hidden_states, conv_state, weight, bias, activation, *args, **kwargs)
+        out = _C.causal_conv1d_update(
+            hidden_states.detach().resolve_neg().numpy(), conv_state.detach().numpy(),
+            weight.detach().contiguous().resolve_neg().numpy(),
+            None if bias is None else bias.detach().contiguous().resolve_neg().numpy(),
+            activation is not None)
+        return torch.from_numpy(out)
+
+    causal_conv1d_update.attnx_replaces = original
+    return causal_conv1d_update
 _replaced: dict = {}  # (module, name) -> the function attnx replaced
 
 
@@ -426,7 +457,10 @@ def register_delta_rule():
     replaced by `chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`,
     `chunk_kda` and `fused_recurrent_kda`: prefill, decoding with the cache
     and training run on attnx. Models built before or after the call are
-    affected alike. The causal conv1d of these layers stays torch's.
+    affected alike. The decoding step of these layers' depthwise causal
+    conv1d (``causal_conv1d_update``) runs on attnx's kernel too, when no
+    autograd graph is built (float32 and float64; other calls go to
+    transformers' function); its prefill form stays torch's.
 
     Examples
     --------
@@ -458,6 +492,10 @@ def register_delta_rule():
             if hasattr(module, name) and (module.__name__, name) not in _replaced:
                 _replaced[(module.__name__, name)] = getattr(module, name)
                 setattr(module, name, replacement)
+        name = "causal_conv1d_update"
+        if hasattr(module, name) and (module.__name__, name) not in _replaced:
+            _replaced[(module.__name__, name)] = getattr(module, name)
+            setattr(module, name, _conv1d_update_for(getattr(module, name)))
         changed.append(module.__name__)
     return changed
 

@@ -24,6 +24,7 @@ import torch
 
 import attnx
 import attnx.torch as at
+from attnx import _torch_delta
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen
 
 
@@ -47,9 +48,14 @@ def main():
                         help="longest n at which torch's own autograd is timed")
     parser.add_argument("--layer-length", type=int, default=4096,
                         help="the prefill length of the conv1d share measurement")
+    parser.add_argument("--layer-only", action="store_true",
+                        help="only the conv1d share measurement")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     attnx.set_num_threads(args.threads)
+    if args.layer_only:
+        conv_share(args)
+        return
     H, d, C = args.heads, args.dim, 64
     rng = np.random.default_rng(0)
     print(f"float32, {args.threads} threads, (1, n, {H} heads, {d}), g <= 0, qk l2norm; "
@@ -175,14 +181,18 @@ def conv_share(args):
     v1 = torch.randn(1, 1, 32, 128)
     b1, g1 = torch.rand(1, 1, 32), -torch.rand(1, 1, 32) * 0.2
     S = torch.randn(1, 32, 128, 128) * 0.1
+    ours = _torch_delta._conv1d_update_for(qwen.causal_conv1d_update)
     with torch.no_grad():
         t_conv = best(lambda: qwen.causal_conv1d_update(token, conv_state, weight, bias, "silu"),
                       50 * args.repeats)
+        t_conv_ours = best(lambda: ours(token, conv_state, weight, bias, "silu"),
+                           50 * args.repeats)
         t_step = best(lambda: at.fused_recurrent_gated_delta_rule(
             q1, k1, v1, g1, b1, initial_state=S, output_final_state=True,
             use_qk_l2norm_in_kernel=True), 50 * args.repeats)
-    print(f"one decoding step of that layer: causal_conv1d_update {t_conv * 1e6:.1f} us, "
-          f"the delta rule (attnx.torch, 32 value heads) {t_step * 1e6:.1f} us")
+    print(f"one decoding step of that layer: causal_conv1d_update {t_conv * 1e6:.1f} us "
+          f"(transformers'), {t_conv_ours * 1e6:.1f} us (attnx's, as register_delta_rule "
+          f"installs it), the delta rule (attnx.torch, 32 value heads) {t_step * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

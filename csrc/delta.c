@@ -828,6 +828,40 @@ int SFX(attnx_delta_bwd)(const attnx_delta_args *a)
     return status;
 }
 
+/* ============================================== the layers' causal conv1d */
+
+/* One channel after another: a decoding step reads each channel's W state
+ * values and weights once (a few hundred KiB for a whole layer), where
+ * torch's conv1d call around the same arithmetic costs some 100 us; then
+ * the activation over the whole output, vectorised. */
+ATTNX_HOT void SFX(attnx_conv1d_update)(ptrdiff_t B, ptrdiff_t D, ptrdiff_t L, ptrdiff_t W,
+                                        const REAL *x, const ptrdiff_t x_stride[3], REAL *state,
+                                        const REAL *weight, const REAL *bias, int silu, REAL *out)
+{
+    for (ptrdiff_t b = 0; b < B; b++)
+        for (ptrdiff_t c = 0; c < D; c++) {
+            REAL *window = state + (b * D + c) * W;
+            const REAL *w = weight + c * W, *x_c = x + b * x_stride[0] + c * x_stride[1];
+            REAL *o = out + (b * D + c) * L;
+            for (ptrdiff_t t = 0; t < L; t++) {
+                REAL sum = bias ? bias[c] : 0;
+                for (ptrdiff_t j = 0; j + 1 < W; j++) {
+                    window[j] = window[j + 1];
+                    sum += w[j] * window[j];
+                }
+                if (W > 0) {
+                    window[W - 1] = x_c[t * x_stride[2]];
+                    sum += w[W - 1] * window[W - 1];
+                }
+                o[t] = sum;
+            }
+        }
+    if (!silu) return;
+    const ptrdiff_t size = B * D * L;
+#pragma omp simd
+    for (ptrdiff_t i = 0; i < size; i++) out[i] = out[i] / (1 + SFX(vexp)(-out[i]));
+}
+
 #undef TRSM
 #undef WS
 #endif /* REAL */
