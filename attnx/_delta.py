@@ -24,21 +24,20 @@ from ._grad import grad_dtype, register_vjp, sum_to_shape
 
 DeltaRuleGradients = namedtuple("DeltaRuleGradients", "q k v beta g state",
                                 defaults=(None, None, None, None, None, None))
-DeltaRuleGradients.__doc__ = """Gradients of a delta rule call with respect to its inputs.
+DeltaRuleGradients.__doc__ = """Gradients of a delta rule call (`delta_rule_attention_backward`).
 
-Of ``sum(dout * out)``, plus ``sum(grad_state * S)`` for the final state S
-when a ``grad_state`` is given. A named tuple, returned by
-`delta_rule_attention_backward` and by the pullback of
-``vjp(delta_rule_attention, ...)``.
+A named tuple, returned by `delta_rule_attention_backward` and by the
+pullback of ``vjp(delta_rule_attention, ...)``.
 
 Parameters
 ----------
 q, k, v, beta : ndarray
     The gradients of the queries, keys, values and write strengths.
 g : ndarray or None
-    Of the gate; None without a gate.
+    Of the gate; None for a call without one.
 state : ndarray or None
-    Of the ``initial_state``; None without one.
+    Of the ``initial_state`` (its ``S`` for a `DeltaRuleState`); None
+    without one.
 
 Raises
 ------
@@ -48,22 +47,26 @@ TypeError
 See Also
 --------
 delta_rule_attention_backward : Returns these.
-Gradients : The gradients of the attention functions.
+vjp : Pairs the forward with its pullback.
 
 Notes
 -----
-Each field has the shape and dtype of its input, summed over the axes along
-which that input was broadcast.
+The gradients of ``sum(dout * out)``, plus ``sum(grad_state * S)`` for
+the final state S when a ``grad_state`` is given. Each field has the
+shape and dtype of its input, summed over the axes along which that input
+was broadcast.
 
 Examples
 --------
 >>> import numpy as np, attnx
 >>> rng = np.random.default_rng(0)
->>> q, k, v = (rng.standard_normal((5, 3)) for _ in range(3))
->>> out, pullback = attnx.vjp(attnx.delta_rule_attention, q, k, v, np.full(5, 0.5))
->>> g = pullback(np.ones_like(out))
->>> g._fields, g.beta.shape, g.g is None
-(('q', 'k', 'v', 'beta', 'g', 'state'), (5,), True)
+>>> q, k, v = (rng.standard_normal((2, 6, 4)) for _ in range(3))
+>>> beta = np.full((2, 6), 0.5)
+>>> grads = attnx.delta_rule_attention_backward(np.ones((2, 6, 4)), q, k, v, beta)
+>>> grads._fields
+('q', 'k', 'v', 'beta', 'g', 'state')
+>>> grads.beta.shape, grads.g is None
+((2, 6), True)
 """
 
 _METHODS = ("chunk", "recurrent")
@@ -72,8 +75,9 @@ _METHODS = ("chunk", "recurrent")
 class DeltaRuleState:
     """The state the delta rule carries between calls.
 
-    Returned by ``return_state=True`` and taken back by ``initial_state=``
-    (which never writes it), or advanced in place by `step`.
+    Returned by ``delta_rule_attention(..., return_state=True)`` and taken
+    back by ``initial_state=`` (which never writes it), or advanced in place
+    by `step`.
 
     Parameters
     ----------
@@ -81,20 +85,25 @@ class DeltaRuleState:
         The state after the tokens seen, in the dtype the calls compute in
         (float32 for float16 inputs).
     scale : float, optional
-        The query scale of the call that made the state.
+        The query scale of the call that made the state (default
+        ``1/sqrt(d_k)``), which `step` repeats.
     qk_l2norm : bool, default False
-        Whether that call normalised q and k.
+        Whether that call L2-normalised q and k, which `step` repeats.
 
     Methods
     -------
     step(q, k, v, beta, g=None, out=None)
-        Decode in place.
+        Decode in place: the outputs of new tokens, the state advanced
+        over them.
 
     Raises
     ------
     ValueError
-        From `step`, when S is no longer a writeable C-contiguous array of
-        the computing dtype with the step's batch shape.
+        From `step`, when ``S`` is no longer a writeable C-contiguous array
+        with the batch shape of the step's inputs, or the inputs' shapes
+        do not match it.
+    TypeError
+        From `step`, when ``S`` is not of the computing dtype.
 
     See Also
     --------
@@ -102,23 +111,27 @@ class DeltaRuleState:
 
     Notes
     -----
-    Calls over pieces of a sequence, each continuing the state of the one
-    before, give what one call over the whole sequence gives.
+    ``state.step(q, k, v, beta, g)`` returns what ``delta_rule_attention(q,
+    k, v, beta, g, initial_state=state, method="recurrent")`` returns, with
+    the options of the call that made the state, and updates ``S`` where it
+    lies, allocating nothing but the output (nothing with ``out=``). One
+    token reads and writes each head's state once, the heads spread over
+    attnx's threads.
 
     Examples
     --------
     >>> import numpy as np, attnx
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((2, 8, 4)) for _ in range(3))
-    >>> beta = np.full((2, 8), 0.5)
-    >>> o1, state = attnx.delta_rule_attention(q[:, :5], k[:, :5], v[:, :5], beta[:, :5],
-    ...                                        return_state=True)
-    >>> state.S.shape
-    (2, 4, 4)
-    >>> o2 = attnx.delta_rule_attention(q[:, 5:], k[:, 5:], v[:, 5:], beta[:, 5:],
-    ...                                 initial_state=state)
-    >>> whole = attnx.delta_rule_attention(q, k, v, beta)
-    >>> np.allclose(np.concatenate([o1, o2], axis=1), whole)
+    >>> beta, g = rng.uniform(0, 1, (2, 8)), -rng.uniform(0, 0.5, (2, 8))
+    >>> whole = attnx.delta_rule_attention(q, k, v, beta, g, qk_l2norm=True)
+    >>> o, state = attnx.delta_rule_attention(q[:, :6], k[:, :6], v[:, :6], beta[:, :6],
+    ...                                       g[:, :6], qk_l2norm=True, return_state=True)
+    >>> state
+    DeltaRuleState(S: shape (2, 4, 4), dtype float64)
+    >>> steps = [state.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], beta[:, t:t + 1],
+    ...                     g[:, t:t + 1]) for t in (6, 7)]
+    >>> np.allclose(np.concatenate([o] + steps, axis=1), whole)
     True
     """
 
@@ -133,55 +146,58 @@ class DeltaRuleState:
         return f"DeltaRuleState(S: shape {self.S.shape}, dtype {self.S.dtype})"
 
     def step(self, q, k, v, beta, g=None, *, out=None):
-        """Decode in place: the outputs of new tokens, the state updated.
+        """Decode in place: the outputs of new tokens, the state advanced over them.
 
         Parameters
         ----------
         q, k : array_like, shape (..., t, d_k)
-            The new queries and keys (any number t of new tokens).
+            The new tokens' queries and keys (t tokens, usually 1).
         v : array_like, shape (..., t, d_v)
-            The new values.
+            Their values.
         beta : array_like, shape (..., t)
             Their write strengths.
-        g : array_like, optional
-            Their gates, as in `delta_rule_attention`.
-        out : ndarray, optional
-            Receives the output.
+        g : array_like, shape (..., t) or (..., t, d_k), optional
+            Their log decays, of the kind the sequence used.
+        out : ndarray, shape (..., t, d_v), optional
+            Receives the result.
 
         Returns
         -------
         ndarray, shape (..., t, d_v)
-            What ``delta_rule_attention(q, k, v, beta, g,
-            initial_state=state, method="recurrent")`` returns, with the
-            options of the call that made the state.
+            What ``delta_rule_attention(q, k, v, beta, g, initial_state=self,
+            method="recurrent")`` with the options of the call that made
+            the state returns.
 
         Raises
         ------
         ValueError
-            Shapes that do not match the state, or an S that is no longer
-            a writeable C-contiguous array of the computing dtype.
+            Shapes that do not match ``S``, or ``S`` no longer a writeable
+            C-contiguous array.
         TypeError
-            Inputs of another dtype than the state's.
+            ``S`` not of the computing dtype.
 
         See Also
         --------
-        delta_rule_attention : The call that makes a state.
+        delta_rule_attention : The call with ``initial_state=``, which
+            leaves the state as it is.
 
         Notes
         -----
-        ``S`` is updated where it lies; nothing is allocated but the
-        output.
+        ``S`` is updated where it lies; nothing but the output is
+        allocated.
 
         Examples
         --------
         >>> import numpy as np, attnx
-        >>> rng = np.random.default_rng(0)
-        >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
-        >>> beta = np.full(6, 0.5)
-        >>> _, state = attnx.delta_rule_attention(q[:5], k[:5], v[:5], beta[:5],
+        >>> rng = np.random.default_rng(1)
+        >>> q, k, v = (rng.standard_normal((3, 4)) for _ in range(3))
+        >>> beta = np.full(3, 0.5)
+        >>> _, state = attnx.delta_rule_attention(q[:2], k[:2], v[:2], beta[:2],
         ...                                       return_state=True)
-        >>> last = state.step(q[5:], k[5:], v[5:], beta[5:])
-        >>> np.allclose(last, attnx.delta_rule_attention(q, k, v, beta)[5:])
+        >>> before = state.S.copy()
+        >>> o = state.step(q[2:], k[2:], v[2:], beta[2:])
+        >>> np.allclose(o, attnx.delta_rule_attention(q[2:], k[2:], v[2:], beta[2:],
+        ...                                           initial_state=before))
         True
         """
         call = _Call(q, k, v, beta, g, self.S, self._scale)
@@ -309,87 +325,92 @@ def _state_array(initial_state):
 
 def delta_rule_attention(q, k, v, beta, g=None, *, scale=None, qk_l2norm=False, method="chunk",
                          chunk=64, initial_state=None, return_state=False, out=None):
-    """The delta rule: DeltaNet, Gated DeltaNet, Kimi Delta Attention.
+    """The delta rule: DeltaNet, Gated DeltaNet and Kimi Delta Attention.
 
     Parameters
     ----------
     q, k : array_like, shape (..., n, d_k)
         Queries and keys.
     v : array_like, shape (..., n, d_v)
-        Values. Leading axes broadcast; value heads may also be a multiple
-        G of the key heads (axis -3: q, k (..., H_k, n, d_k), v (..., G
-        H_k, n, d_v)), each key head serving G consecutive value heads as
-        transformers' models do.
+        Values. Leading axes of all inputs broadcast; value heads may also
+        be a multiple G of the key heads (axis -3: q, k ``(..., H_k, n,
+        d_k)``, v ``(..., G H_k, n, d_v)``), each key head serving G
+        consecutive value heads, as transformers' models do.
     beta : array_like, shape (..., n)
-        The write strength of each token.
-    g : array_like, optional
-        The log decay: (..., n) (one per token: Gated DeltaNet) or (..., n,
-        d_k) (one per key channel: Kimi Delta Attention); ``exp(g)``
-        multiplies the state, so ``g <= 0`` decays it. None: DeltaNet.
+        The write strength of each token (usually in (0, 1)).
+    g : array_like, shape (..., n) or (..., n, d_k), optional
+        The log decay: one per token (beta's shape: Gated DeltaNet) or one
+        per token and key channel (Kimi Delta Attention); ``exp(g)``
+        multiplies the state, so g <= 0 decays it. None: DeltaNet.
     scale : float, optional
-        Multiplies q; default ``1 / sqrt(d_k)``.
+        Multiplies q; default ``1/sqrt(d_k)``.
     qk_l2norm : bool, default False
-        L2-normalise q and k first (``x / sqrt(|x|^2 + 1e-6)``).
+        L2-normalise q and k first, ``x / sqrt(|x|^2 + 1e-6)`` (transformers'
+        ``use_qk_l2norm_in_kernel``).
     method : {"chunk", "recurrent"}, default "chunk"
-        Chunks of ``chunk`` tokens in the WY representation (GEMMs), or the
-        token loop; they agree to rounding.
+        "chunk": chunks of ``chunk`` tokens in the WY representation, GEMMs;
+        "recurrent": the token loop. They agree to rounding.
     chunk : int, default 64
-        The chunk length.
-    initial_state : array_like or DeltaRuleState, optional
-        S (..., H_v, d_k, d_v) to start from; default zeros.
+        The chunk length of the "chunk" method.
+    initial_state : DeltaRuleState or array_like, shape (..., H_v, d_k, d_v), optional
+        The state to start from (never written); zeros by default.
     return_state : bool, default False
         Also return the state after this call.
     out : ndarray, optional
-        Receives the result.
+        Receives the result (shape (..., n, d_v), the result's dtype).
 
     Returns
     -------
     out : ndarray, shape (..., n, d_v)
         The output.
     state : DeltaRuleState
-        Only with ``return_state=True``: continues the sequence exactly
-        and decodes with ``state.step``.
+        Only with ``return_state=True``: continues the sequence exactly and
+        decodes with `DeltaRuleState.step`.
 
     Raises
     ------
     ValueError
-        Shapes that do not fit (a gate neither beta's shape nor beta's plus
-        d_k, value heads not a multiple of key heads), an unknown method, a
-        chunk below 1.
+        Shapes that do not match or broadcast, value heads not a multiple
+        of the key heads, a g of neither shape, an unknown method, a chunk
+        below 1, a scale that is not positive and finite.
     TypeError
-        Complex, object or string inputs, an ``out`` that is not an array,
-        flags that are not booleans.
+        A missing input, complex, object or string inputs, a non-integer
+        chunk, flags that are not booleans.
 
     See Also
     --------
     delta_rule_attention_backward : The gradients.
-    DeltaRuleState : The streaming state.
-    attnx.torch.chunk_gated_delta_rule : The PyTorch operator.
+    DeltaRuleState : The streaming and decoding state.
+    attnx.torch.chunk_gated_delta_rule : The same as a PyTorch operator.
 
     Notes
     -----
-    Per head, a state S (d_k, d_v) and per token t::
+    Per head, a state S (d_k, d_v) and per token t, after the optional
+    normalisation and q times ``scale``::
 
-        S <- exp(g_t) S
-        S <- S + k_t (beta_t (v_t - S^T k_t))^T
-        o_t = S^T q_t
+        S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 
-    from S = ``initial_state`` or zeros (Schlag et al. 2021; Yang et al.
-    2024 for the gated and chunked forms; docs/delta_rule.md).
+    with ``exp(g_t)`` a scalar, a diagonal over the d_k channels, or 1.
+    Calls over pieces of a sequence, each continuing the state of the one
+    before, give what one call over the whole sequence gives. dtypes,
+    strided inputs and errors follow attnx's conventions
+    (docs/delta_rule.md).
 
     Examples
     --------
     >>> import numpy as np, attnx
     >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
-    >>> beta, g = np.full(6, 0.5), np.full(6, -0.1)
-    >>> o = attnx.delta_rule_attention(q, k, v, beta, g, chunk=4)
-    >>> S, expected = np.zeros((4, 4)), []
-    >>> for t in range(6):
+    >>> q, k, v = (rng.standard_normal((6, 3)) for _ in range(3))
+    >>> beta, g = rng.uniform(0, 1, 6), -rng.uniform(0, 1, 6)
+    >>> o = attnx.delta_rule_attention(q, k, v, beta, g, scale=1.0)
+    >>> S, rows = np.zeros((3, 3)), []
+    >>> for t in range(6):                       # the recurrence, token by token
     ...     S = np.exp(g[t]) * S
     ...     S = S + np.outer(k[t], beta[t] * (v[t] - S.T @ k[t]))
-    ...     expected.append(S.T @ q[t] / 2)            # scale 1 / sqrt(4)
-    >>> np.allclose(o, expected)
+    ...     rows.append(S.T @ q[t])
+    >>> np.allclose(o, rows)
+    True
+    >>> np.allclose(o, attnx.delta_rule_attention(q, k, v, beta, g, scale=1.0, chunk=4))
     True
     """
     recurrent = _check_method(method)
@@ -421,58 +442,58 @@ def delta_rule_attention_backward(dout, q, k, v, beta, g=None, *, scale=None, qk
                                   method="chunk", chunk=64, initial_state=None, grad_state=None):
     """Gradients of a `delta_rule_attention` call.
 
-    Of ``sum(dout * out)``, plus ``sum(grad_state * S)`` for the final state
-    S when ``grad_state`` is given, with respect to the inputs of
-    ``delta_rule_attention(q, k, v, beta, g, ...)`` with the same options.
-
     Parameters
     ----------
     dout : array_like, shape (..., n, d_v)
         The gradient arriving at the output.
-    q, k, v, beta, g
-        The forward's inputs.
-    scale, qk_l2norm, method, chunk, initial_state
-        The forward's options (``method`` must only be valid: the backward
-        is chunked whatever it is).
+    q, k, v, beta, g, scale, qk_l2norm, chunk, initial_state
+        As given to `delta_rule_attention`.
+    method : {"chunk", "recurrent"}, default "chunk"
+        Must be valid; the backward is chunked whatever the forward's
+        method.
     grad_state : array_like, shape (..., H_v, d_k, d_v), optional
-        The gradient arriving at the returned state, so backpropagation
-        through pieces (each piece's ``state`` gradient the previous
-        piece's ``grad_state``) equals one call.
+        The gradient arriving at the returned final state.
 
     Returns
     -------
     DeltaRuleGradients
-        ``q``, ``k``, ``v``, ``beta``, ``g`` (None without a gate) and
-        ``state`` (None without an initial state), each of its input's
-        shape and dtype.
+        The gradients of ``sum(dout * out)`` (plus ``sum(grad_state * S)``
+        for the final state S) with respect to q, k, v, beta, g and the
+        initial state.
 
     Raises
     ------
     ValueError
-        As in `delta_rule_attention`.
+        As `delta_rule_attention`, and a dout or grad_state of the wrong
+        shape.
     TypeError
-        As in `delta_rule_attention`, or dout None.
+        As `delta_rule_attention`, and a missing dout.
 
     See Also
     --------
     delta_rule_attention : The forward.
-    vjp : The forward and this backward in one call.
+    vjp : The forward and this as a pullback.
 
     Notes
     -----
-    The chunks run forward once keeping the state at each chunk border,
-    then in reverse.
+    The chunks run forward once, keeping the state at each chunk border
+    and each chunk's small products, then in reverse, carrying the state's
+    gradient. With ``grad_state``, backpropagation through pieces (each
+    piece's ``state`` gradient the previous piece's ``grad_state``) equals
+    one call.
 
     Examples
     --------
     >>> import numpy as np, attnx
     >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((6, 4)) for _ in range(3))
-    >>> beta, g = np.full(6, 0.5), np.full(6, -0.1)
-    >>> out = attnx.delta_rule_attention(q, k, v, beta, g)
-    >>> grads = attnx.delta_rule_attention_backward(np.ones_like(out), q, k, v, beta, g)
-    >>> grads.q.shape, grads.beta.shape, grads.g.shape
-    ((6, 4), (6,), (6,))
+    >>> q, k, v = (rng.standard_normal((5, 3)) for _ in range(3))
+    >>> beta, g = rng.uniform(0, 1, 5), -rng.uniform(0, 1, 5)
+    >>> dout = rng.standard_normal((5, 3))
+    >>> grads = attnx.delta_rule_attention_backward(dout, q, k, v, beta, g)
+    >>> loss = lambda b: np.sum(dout * attnx.delta_rule_attention(q, k, v, b, g))
+    >>> e = 1e-6 * np.eye(5)[2]                  # a central difference in beta[2]
+    >>> bool(np.isclose((loss(beta + e) - loss(beta - e)) / 2e-6, grads.beta[2]))
+    True
     """
     _check_method(method)
     chunk = _check_chunk(chunk)

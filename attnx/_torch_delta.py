@@ -10,6 +10,7 @@ them whole; bfloat16 and float16 compute in float32.
 """
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,21 +28,29 @@ def _empty():
     return torch.empty(0)
 
 
+def _delta_forward(q, k, v, beta, g, initial_state, scale, l2norm, recurrent, chunk):
+    """out [B, n, H_v, d_v] and the final state [B, H_v, d_k, d_v]: the
+    operator's computation, which calls that need no graph (decoding) run
+    directly (_run)"""
+    B, n, Hv, dv = v.shape
+    # numpy views, their axes swapped by numpy (a tenth of torch's cost)
+    q_, k_, v_, beta_, g_ = (None if t is None else _np(t, q.dtype).swapaxes(1, 2)
+                             for t in (q, k, v, beta, g))
+    out = np.empty((B, n, Hv, dv), dtype=q_.dtype)
+    S0 = None if initial_state is None else _np(initial_state, q.dtype)
+    call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
+    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
+                         call.split(S0, 3), call.split(out.swapaxes(1, 2), 3), True, False,
+                         call.scale, l2norm, recurrent, chunk)
+    return torch.from_numpy(out), torch.from_numpy(call.merge(S, 3))
+
+
 @torch.library.custom_op("attnx::delta_rule", mutates_args=(), device_types="cpu")
 def _delta_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
               initial_state: Optional[Tensor], scale: float, l2norm: bool, recurrent: bool,
               chunk: int) -> Tuple[Tensor, Tensor]:
     """out [B, n, H_v, d_v] and the final state [B, H_v, d_k, d_v]"""
-    B, n, Hv, dv = v.shape
-    out = torch.empty((B, n, Hv, dv), dtype=q.dtype)
-    q_, k_, v_, beta_, g_ = (_np(_heads(t), q.dtype) if t is not None else None
-                             for t in (q, k, v, beta, g))
-    S0 = None if initial_state is None else _np(initial_state, q.dtype)
-    call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
-    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
-                         call.split(S0, 3), call.split(_np(_heads(out)), 3), True, False,
-                         call.scale, l2norm, recurrent, chunk)
-    return out, torch.from_numpy(call.merge(S, 3))
+    return _delta_forward(q, k, v, beta, g, initial_state, scale, l2norm, recurrent, chunk)
 
 
 @_delta_op.register_fake
@@ -113,87 +122,103 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
     dtype = query.dtype
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     q, k, v = _in_compute_dtype(query, key, value)
-    beta = beta.to(compute)
-    g = None if g is None else g.to(compute)
-    state = None if initial_state is None else initial_state.to(compute)
+    beta = beta if beta.dtype == compute else beta.to(compute)
+    g = g if g is None or g.dtype == compute else g.to(compute)
+    state = (initial_state if initial_state is None or initial_state.dtype == compute
+             else initial_state.to(compute))
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    out, final = torch.ops.attnx.delta_rule(q, k, v, beta, g, state, float(scale),
-                                            bool(use_qk_l2norm_in_kernel), recurrent,
-                                            int(chunk_size))
+    args = (q, k, v, beta, g, state, float(scale), bool(use_qk_l2norm_in_kernel), recurrent,
+            int(chunk_size))
+    # the operator's dispatch (autograd, the fake kernel) costs some 40 us a
+    # call, several times a decoding step's arithmetic: a call that builds
+    # no graph and is not being traced runs the computation itself
+    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6])) \
+            or torch.compiler.is_compiling():
+        out, final = torch.ops.attnx.delta_rule(*args)
+    else:
+        out, final = _delta_forward(*args)
     return _in_dtype(out, dtype), (final if output_final_state else None)
 
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """Gated DeltaNet's chunked delta rule on attnx, in transformers' layout.
+    """The gated delta rule on attnx, chunked: transformers' and fla's signature.
 
     Parameters
     ----------
-    query, key : torch.Tensor, shape [B, n, H_k, d_k]
+    query, key : Tensor, [B, n, H_k, d_k]
         Queries and keys.
-    value : torch.Tensor, shape [B, n, H_v, d_v]
-        Values; H_v a multiple of H_k.
-    g : torch.Tensor or None
-        The log decay, [B, n, H_v] (one per token), or None (DeltaNet).
-    beta : torch.Tensor, shape [B, n, H_v]
+    value : Tensor, [B, n, H_v, d_v]
+        Values; H_v a multiple of H_k, each key head serving consecutive
+        value heads.
+    g : Tensor, [B, n, H_v], or None
+        The log decay of each token and head (g <= 0 decays); None: DeltaNet.
+    beta : Tensor, [B, n, H_v]
         The write strengths.
     chunk_size : int, default 64
         The chunk length.
-    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
-        The state to start from.
+    initial_state : Tensor, [B, H_v, d_k, d_v], optional
+        The state to start from; zeros by default.
     output_final_state : bool, default False
         Also return the final state.
     use_qk_l2norm_in_kernel : bool, default False
-        L2-normalise q and k first.
+        L2-normalise query and key first.
     **kwargs
-        ``scale=`` (default ``d_k ** -0.5``) as in fla; ``cu_seqlens``
-        (packed sequences) raises NotImplementedError.
+        ``scale=`` (default ``d_k ** -0.5``), as in fla; ``cu_seqlens``
+        must be None.
 
     Returns
     -------
-    out : torch.Tensor, shape [B, n, H_v, d_v]
+    out : Tensor, [B, n, H_v, d_v]
         In query's dtype.
-    final_state : torch.Tensor or None
-        [B, H_v, d_k, d_v] in the compute dtype with
-        ``output_final_state=True``, else None.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        In the compute dtype (float32 for bfloat16 and float16), None
+        unless ``output_final_state``.
 
     Raises
     ------
-    TypeError
-        Arguments that are not tensors, or query, key, value of different
-        dtypes.
     ValueError
-        Tensors of the wrong rank or on another device than the CPU.
+        Tensors of the wrong rank or mismatched shapes.
+    TypeError
+        query, key and value of different dtypes, non-tensor inputs.
     NotImplementedError
-        ``cu_seqlens`` given.
+        A ``cu_seqlens`` (packed sequences): pass a padded batch.
 
     See Also
     --------
-    attnx.delta_rule_attention : The numpy function, heads before positions.
     fused_recurrent_gated_delta_rule : The token loop, for decoding.
+    chunk_kda : The gate per key channel.
+    attnx.delta_rule_attention : The numpy function this runs.
 
     Notes
     -----
-    Takes the place of transformers' ``torch_chunk_gated_delta_rule`` and fla's
-    ``chunk_gated_delta_rule``, differentiable (a custom op with autograd). The
-    formula is `attnx.delta_rule_attention`'s.
+    transformers' ``torch_chunk_gated_delta_rule`` and fla's
+    ``chunk_gated_delta_rule``, same signature. A ``torch.library.custom_op``
+    (``attnx::delta_rule``) with a fake kernel and autograd for every input
+    but the options: torch.compile traces it whole. A call that builds no
+    autograd graph (no input requires grad, or grad mode is off) outside a
+    trace skips the operator's dispatch. bfloat16 and float16 compute in
+    float32. The tensors are read in place through transposed views
+    ([B, n, H, d] as [B, H, n, d]).
 
     Examples
     --------
-    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> import torch, attnx.torch
+    >>> from transformers.models.qwen3_next.modeling_qwen3_next import (
+    ...     torch_chunk_gated_delta_rule)
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <torch._C.Generator object at ...>
-    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
-    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
-    >>> g = -torch.rand(1, 5, 2, dtype=torch.float64)
-    >>> out, state = attnx.torch.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-    >>> out.shape, state.shape
-    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
-    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
-    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
-    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
-    True
+    >>> q, k = torch.randn(2, 1, 10, 2, 8).unbind(0)
+    >>> v = torch.randn(1, 10, 4, 8)                # 4 value heads, 2 key heads
+    >>> g, beta = -torch.rand(1, 10, 4), torch.rand(1, 10, 4)
+    >>> out, state = attnx.torch.chunk_gated_delta_rule(
+    ...     q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    >>> ref, ref_state = torch_chunk_gated_delta_rule(
+    ...     q, k, v, g, beta, initial_state=None, output_final_state=True,
+    ...     use_qk_l2norm_in_kernel=True)
+    >>> torch.allclose(out, ref, atol=1e-5), torch.allclose(state, ref_state, atol=1e-5)
+    (True, True)
     """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, False, chunk_size, kwargs,
@@ -203,71 +228,53 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
 def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      **kwargs):
-    """Gated DeltaNet's token loop on attnx, the form for decoding.
+    """The gated delta rule's token loop on attnx, for decoding.
 
     Parameters
     ----------
-    query, key : torch.Tensor, shape [B, n, H_k, d_k]
-        Queries and keys.
-    value : torch.Tensor, shape [B, n, H_v, d_v]
-        Values; H_v a multiple of H_k.
-    g : torch.Tensor or None
-        The log decay, [B, n, H_v] (one per token), or None (DeltaNet).
-    beta : torch.Tensor, shape [B, n, H_v]
-        The write strengths.
-    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
-        The state to start from.
-    output_final_state : bool, default False
-        Also return the final state.
-    use_qk_l2norm_in_kernel : bool, default False
-        L2-normalise q and k first.
-    **kwargs
-        ``scale=`` (default ``d_k ** -0.5``) as in fla; ``cu_seqlens``
-        (packed sequences) raises NotImplementedError.
+    query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, **kwargs
+        As in `chunk_gated_delta_rule`.
 
     Returns
     -------
-    out : torch.Tensor, shape [B, n, H_v, d_v]
+    out : Tensor, [B, n, H_v, d_v]
         In query's dtype.
-    final_state : torch.Tensor or None
-        [B, H_v, d_k, d_v] in the compute dtype with
-        ``output_final_state=True``, else None.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        As in `chunk_gated_delta_rule`.
 
     Raises
     ------
-    TypeError
-        Arguments that are not tensors, or query, key, value of different
-        dtypes.
-    ValueError
-        Tensors of the wrong rank or on another device than the CPU.
-    NotImplementedError
-        ``cu_seqlens`` given.
+    ValueError, TypeError, NotImplementedError
+        As in `chunk_gated_delta_rule`.
 
     See Also
     --------
-    attnx.delta_rule_attention : The numpy function, heads before positions.
-    chunk_gated_delta_rule : The chunked form.
+    chunk_gated_delta_rule : The chunked form, for prefill and training.
+    attnx.DeltaRuleState.step : Decoding in place, in numpy.
 
     Notes
     -----
-    Takes the place of transformers' ``torch_recurrent_gated_delta_rule`` and fla's
-    ``fused_recurrent_gated_delta_rule``. The
-    formula is `attnx.delta_rule_attention`'s.
+    transformers' ``torch_recurrent_gated_delta_rule`` and fla's
+    ``fused_recurrent_gated_delta_rule``, same signature. The token loop:
+    the form for decoding with a cache (one token and a
+    state), where it reads and writes each head's state once. The result
+    equals `chunk_gated_delta_rule`'s to rounding; gradients are computed
+    by the same chunked backward.
 
     Examples
     --------
-    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> import torch, attnx.torch
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <torch._C.Generator object at ...>
-    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
-    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
-    >>> g = -torch.rand(1, 5, 2, dtype=torch.float64)
-    >>> out, state = attnx.torch.fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-    >>> out.shape, state.shape
-    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
-    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
-    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
-    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
+    >>> q, k, v = torch.randn(3, 1, 9, 2, 8).unbind(0)
+    >>> g, beta = -torch.rand(1, 9, 2), torch.rand(1, 9, 2)
+    >>> whole, _ = attnx.torch.chunk_gated_delta_rule(q, k, v, g, beta)
+    >>> head, state = attnx.torch.chunk_gated_delta_rule(
+    ...     q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], output_final_state=True)
+    >>> last, state = attnx.torch.fused_recurrent_gated_delta_rule(    # one decoding step
+    ...     q[:, 8:], k[:, 8:], v[:, 8:], g[:, 8:], beta[:, 8:], initial_state=state,
+    ...     output_final_state=True)
+    >>> torch.allclose(torch.cat([head, last], 1), whole, atol=1e-6)
     True
     """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
@@ -277,71 +284,52 @@ def fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=N
 
 def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention, chunked, on attnx.
+    """Kimi Delta Attention on attnx, chunked.
 
     Parameters
     ----------
-    query, key : torch.Tensor, shape [B, n, H_k, d_k]
-        Queries and keys.
-    value : torch.Tensor, shape [B, n, H_v, d_v]
-        Values; H_v a multiple of H_k.
-    g : torch.Tensor or None
-        The log decay, [B, n, H_v, d_k] (one per key channel).
-    beta : torch.Tensor, shape [B, n, H_v]
-        The write strengths.
-    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
-        The state to start from.
-    output_final_state : bool, default False
-        Also return the final state.
-    use_qk_l2norm_in_kernel : bool, default False
-        L2-normalise q and k first.
+    query, key, value, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel
+        As in `chunk_gated_delta_rule`.
+    g : Tensor, [B, n, H_v, d_k]
+        The log decay per token, head and key channel.
     **kwargs
-        ``scale=`` (default ``d_k ** -0.5``) as in fla and ``chunk_size=``; ``cu_seqlens``
-        (packed sequences) raises NotImplementedError.
+        ``scale=``, ``chunk_size=`` (default 64); ``cu_seqlens`` must be None.
 
     Returns
     -------
-    out : torch.Tensor, shape [B, n, H_v, d_v]
+    out : Tensor, [B, n, H_v, d_v]
         In query's dtype.
-    final_state : torch.Tensor or None
-        [B, H_v, d_k, d_v] in the compute dtype with
-        ``output_final_state=True``, else None.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        As in `chunk_gated_delta_rule`.
 
     Raises
     ------
-    TypeError
-        Arguments that are not tensors, or query, key, value of different
-        dtypes.
-    ValueError
-        Tensors of the wrong rank or on another device than the CPU.
-    NotImplementedError
-        ``cu_seqlens`` given.
+    ValueError, TypeError, NotImplementedError
+        As in `chunk_gated_delta_rule`; also a g whose last axis is not d_k.
 
     See Also
     --------
-    attnx.delta_rule_attention : The numpy function, heads before positions.
-    fused_recurrent_kda : The token loop.
+    fused_recurrent_kda : The token loop, for decoding.
+    chunk_gated_delta_rule : One gate per token and head.
 
     Notes
     -----
-    Takes the place of transformers' ``chunk_kimi_delta_attention`` and fla's ``chunk_kda``. The
-    formula is `attnx.delta_rule_attention`'s.
+    transformers' ``chunk_kimi_delta_attention`` and fla's ``chunk_kda``,
+    same signature. The state decays per key channel, ``S <- diag(exp(g_t)) S``, before the
+    delta-rule write. The chunked form handles the gate in sub-blocks of 16
+    tokens so that no decay factor it forms exceeds 1 for g <= 0.
 
     Examples
     --------
-    >>> import numpy as np, torch, attnx, attnx.torch
+    >>> import torch, attnx.torch
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <torch._C.Generator object at ...>
-    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
-    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
-    >>> g = -torch.rand(1, 5, 2, 4, dtype=torch.float64)
-    >>> out, state = attnx.torch.chunk_kda(q, k, v, g, beta, output_final_state=True)
-    >>> out.shape, state.shape
-    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
-    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
-    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
-    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
-    True
+    >>> q, k, v = torch.randn(3, 1, 12, 2, 8).unbind(0)
+    >>> g, beta = -torch.rand(1, 12, 2, 8), torch.rand(1, 12, 2)
+    >>> out, _ = attnx.torch.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> loop, _ = attnx.torch.fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> out.shape, torch.allclose(out, loop, atol=1e-5)
+    (torch.Size([1, 12, 2, 8]), True)
     """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, False,
@@ -350,72 +338,45 @@ def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state
 
 def fused_recurrent_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, **kwargs):
-    """Kimi Delta Attention's token loop on attnx.
+    """Kimi Delta Attention's token loop on attnx, for decoding.
 
     Parameters
     ----------
-    query, key : torch.Tensor, shape [B, n, H_k, d_k]
-        Queries and keys.
-    value : torch.Tensor, shape [B, n, H_v, d_v]
-        Values; H_v a multiple of H_k.
-    g : torch.Tensor or None
-        The log decay, [B, n, H_v, d_k] (one per key channel).
-    beta : torch.Tensor, shape [B, n, H_v]
-        The write strengths.
-    initial_state : torch.Tensor, shape [B, H_v, d_k, d_v], optional
-        The state to start from.
-    output_final_state : bool, default False
-        Also return the final state.
-    use_qk_l2norm_in_kernel : bool, default False
-        L2-normalise q and k first.
-    **kwargs
-        ``scale=`` (default ``d_k ** -0.5``) as in fla; ``cu_seqlens``
-        (packed sequences) raises NotImplementedError.
+    query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, **kwargs
+        As in `chunk_kda`.
 
     Returns
     -------
-    out : torch.Tensor, shape [B, n, H_v, d_v]
+    out : Tensor, [B, n, H_v, d_v]
         In query's dtype.
-    final_state : torch.Tensor or None
-        [B, H_v, d_k, d_v] in the compute dtype with
-        ``output_final_state=True``, else None.
+    final_state : Tensor, [B, H_v, d_k, d_v], or None
+        As in `chunk_gated_delta_rule`.
 
     Raises
     ------
-    TypeError
-        Arguments that are not tensors, or query, key, value of different
-        dtypes.
-    ValueError
-        Tensors of the wrong rank or on another device than the CPU.
-    NotImplementedError
-        ``cu_seqlens`` given.
+    ValueError, TypeError, NotImplementedError
+        As in `chunk_kda`.
 
     See Also
     --------
-    attnx.delta_rule_attention : The numpy function, heads before positions.
     chunk_kda : The chunked form.
 
     Notes
     -----
-    Takes the place of transformers' ``recurrent_kimi_delta_attention`` and fla's
-    ``fused_recurrent_kda``. The
-    formula is `attnx.delta_rule_attention`'s.
+    transformers' ``recurrent_kimi_delta_attention`` and fla's
+    ``fused_recurrent_kda``, same signature. The form for decoding with a
+    cache; equals `chunk_kda` to rounding.
 
     Examples
     --------
-    >>> import numpy as np, torch, attnx, attnx.torch
-    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-    <torch._C.Generator object at ...>
-    >>> q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64) for _ in range(3))  # [B, n, H, d]
-    >>> beta = torch.full((1, 5, 2), 0.5, dtype=torch.float64)
-    >>> g = -torch.rand(1, 5, 2, 4, dtype=torch.float64)
-    >>> out, state = attnx.torch.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True)
-    >>> out.shape, state.shape
-    (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
-    >>> heads = lambda t: t.transpose(1, 2).numpy()                 # [B, H, n, ...]
-    >>> expected = attnx.delta_rule_attention(heads(q), heads(k), heads(v), heads(beta), heads(g))
-    >>> np.allclose(out.transpose(1, 2).numpy(), expected)
-    True
+    >>> import torch, attnx.torch
+    >>> q, k, v = torch.randn(3, 1, 1, 2, 8).unbind(0)     # one token
+    >>> g, beta = -torch.rand(1, 1, 2, 8), torch.rand(1, 1, 2)
+    >>> state = torch.randn(1, 2, 8, 8)
+    >>> out, new_state = attnx.torch.fused_recurrent_kda(
+    ...     q, k, v, g, beta, initial_state=state, output_final_state=True)
+    >>> out.shape, new_state.shape
+    (torch.Size([1, 1, 2, 8]), torch.Size([1, 2, 8, 8]))
     """
     return _run(query, key, value, g, beta, kwargs.get("scale"), initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, True, 64, kwargs,
@@ -434,11 +395,42 @@ _HF_FUNCTIONS = {
     "recurrent_kimi_delta_attention": fused_recurrent_kda,
 }
 _HF_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+_SILU = (None, "silu", "swish")
+
+
+def _conv1d_update_for(original):
+    """transformers' ``causal_conv1d_update(hidden_states, conv_state,
+    weight, bias=None, activation=None)`` (the depthwise causal conv1d's
+    decoding step, conv_state updated in place) on attnx's kernel
+    (_C.causal_conv1d_update): one pass over the channels, where torch's
+    conv1d call costs several times the delta rule's step. Calls it cannot
+    take (autograd, a trace, other devices or dtypes, another activation)
+    go to `original`."""
+
+    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None,
+                             *args, **kwargs):
+        tensors = [t for t in (hidden_states, conv_state, weight, bias) if t is not None]
+        if (args or kwargs or activation not in _SILU or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+                or any(t.device.type != "cpu" or t.dtype != weight.dtype for t in tensors)
+                or weight.dtype not in (torch.float32, torch.float64)
+                or hidden_states.dim() != 3 or weight.dim() != 2
+                or not conv_state.is_contiguous()):
+            return original(hidden_states, conv_state, weight, bias, activation, *args, **kwargs)
+        out = _C.causal_conv1d_update(
+            hidden_states.detach().resolve_neg().numpy(), conv_state.detach().numpy(),
+            weight.detach().contiguous().resolve_neg().numpy(),
+            None if bias is None else bias.detach().contiguous().resolve_neg().numpy(),
+            activation is not None)
+        return torch.from_numpy(out)
+
+    causal_conv1d_update.attnx_replaces = original
+    return causal_conv1d_update
 _replaced: dict = {}  # (module, name) -> the function attnx replaced
 
 
 def register_delta_rule():
-    """Run transformers' delta-rule attention layers on attnx.
+    """Run the linear-attention layers of transformers' hybrid models on attnx.
 
     Returns
     -------
@@ -448,36 +440,45 @@ def register_delta_rule():
 
     Raises
     ------
-    None
-        Modules the installed transformers lacks are passed over.
+    ImportError
+        When transformers is not installed.
 
     See Also
     --------
     unregister_delta_rule : Puts transformers' functions back.
-    register_transformers : The same for softmax attention layers.
+    chunk_gated_delta_rule : One of the operators that take their place.
 
     Notes
     -----
-    The linear-attention layers of transformers' Qwen3-Next, Qwen3.5 (dense
-    and MoE), OLMo hybrid and Kimi Linear models call module-level
-    functions (``torch_chunk_gated_delta_rule``,
-    ``torch_recurrent_gated_delta_rule``, ``chunk_kimi_delta_attention``,
-    ``recurrent_kimi_delta_attention``); they are replaced by attnx.torch's
-    operators, in prefill, decoding with the cache and training alike.
-    Models built before or after the call are affected.
+    The module-level functions that the layers of Qwen3-Next, Qwen3.5
+    (dense and MoE), OLMo hybrid and Kimi Linear call
+    (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
+    ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``) are
+    replaced by `chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`,
+    `chunk_kda` and `fused_recurrent_kda`: prefill, decoding with the cache
+    and training run on attnx. Models built before or after the call are
+    affected alike. The decoding step of these layers' depthwise causal
+    conv1d (``causal_conv1d_update``) runs on attnx's kernel too, when no
+    autograd graph is built (float32 and float64; other calls go to
+    transformers' function); its prefill form stays torch's.
 
     Examples
     --------
-    >>> import attnx.torch
-    >>> import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
-    >>> changed = attnx.torch.register_delta_rule()
-    >>> qwen3_next.__name__ in changed
-    True
-    >>> qwen3_next.torch_chunk_gated_delta_rule is attnx.torch.chunk_gated_delta_rule
-    True
+    >>> import torch, attnx.torch
+    >>> from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    >>> attnx.torch.register_delta_rule()
+    ['transformers.models.qwen3_next.modeling_qwen3_next', ...]
+    >>> config = Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+    ...     moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+    ...     num_experts_per_tok=1, num_hidden_layers=2,
+    ...     layer_types=["linear_attention", "full_attention"],
+    ...     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    ...     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+    ...     linear_value_head_dim=8)
+    >>> model = Qwen3NextForCausalLM(config)
+    >>> model(torch.randint(0, 64, (1, 5))).logits.shape
+    torch.Size([1, 5, 64])
     >>> attnx.torch.unregister_delta_rule()
-    >>> qwen3_next.torch_chunk_gated_delta_rule is attnx.torch.chunk_gated_delta_rule
-    False
     """
     import importlib
 
@@ -491,6 +492,10 @@ def register_delta_rule():
             if hasattr(module, name) and (module.__name__, name) not in _replaced:
                 _replaced[(module.__name__, name)] = getattr(module, name)
                 setattr(module, name, replacement)
+        name = "causal_conv1d_update"
+        if hasattr(module, name) and (module.__name__, name) not in _replaced:
+            _replaced[(module.__name__, name)] = getattr(module, name)
+            setattr(module, name, _conv1d_update_for(getattr(module, name)))
         changed.append(module.__name__)
     return changed
 
@@ -505,7 +510,7 @@ def unregister_delta_rule():
     Raises
     ------
     None
-        Nothing registered: nothing to undo.
+        This function does not raise.
 
     See Also
     --------
@@ -513,12 +518,19 @@ def unregister_delta_rule():
 
     Notes
     -----
-    Each function attnx replaced is put back in its modeling module.
+    Calling it without a registration in place does nothing.
 
     Examples
     --------
     >>> import attnx.torch
-    >>> attnx.torch.unregister_delta_rule()             # nothing registered: no change
+    >>> from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    >>> original = qwen3_next.torch_chunk_gated_delta_rule
+    >>> _ = attnx.torch.register_delta_rule()
+    >>> qwen3_next.torch_chunk_gated_delta_rule is attnx.torch.chunk_gated_delta_rule
+    True
+    >>> attnx.torch.unregister_delta_rule()
+    >>> qwen3_next.torch_chunk_gated_delta_rule is original
+    True
     """
     import sys
 

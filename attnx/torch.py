@@ -662,6 +662,9 @@ class SDPAValueError(RuntimeError, ValueError):
     SDPAValueError True scale must be finite, got nan
     """
 
+    def __init__(self, message):  # the signature the documentation shows
+        super().__init__(message)
+
 
 class SDPATypeError(RuntimeError, TypeError):
     """A wrong dtype given to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
@@ -695,6 +698,9 @@ class SDPATypeError(RuntimeError, TypeError):
     ...     print(type(error).__name__, isinstance(error, TypeError))
     SDPATypeError True
     """
+
+    def __init__(self, message):  # the signature the documentation shows
+        super().__init__(message)
 
 
 def _as_sdpa_error(error):

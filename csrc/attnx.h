@@ -408,6 +408,18 @@ int attnx_delta_fwd_f64(const attnx_delta_args *args);
 /* gradients of sum(dout * out) + sum(dS1 * S1): chunked, whatever args->recurrent */
 int attnx_delta_bwd_f32(const attnx_delta_args *args);
 int attnx_delta_bwd_f64(const attnx_delta_args *args);
+/* The depthwise causal conv1d step of the delta-rule layers (transformers'
+ * causal_conv1d_update): per batch entry b and channel c, for each of the L
+ * new tokens in turn, the window state[b, c, :] (W values, C order) shifts
+ * left by one and takes x[b, c, t] (element strides x_stride), and
+ * out[b, c, t] = act(sum_j weight[c, j] window[j] + bias[c]) (out C order
+ * (B, D, L); bias may be NULL; act: identity, or silu when silu is set). */
+void attnx_conv1d_update_f32(ptrdiff_t B, ptrdiff_t D, ptrdiff_t L, ptrdiff_t W, const float *x,
+                             const ptrdiff_t x_stride[3], float *state, const float *weight,
+                             const float *bias, int silu, float *out);
+void attnx_conv1d_update_f64(ptrdiff_t B, ptrdiff_t D, ptrdiff_t L, ptrdiff_t W, const double *x,
+                             const ptrdiff_t x_stride[3], double *state, const double *weight,
+                             const double *bias, int silu, double *out);
 
 /* Threads: one pool size for every kernel (set from Python). */
 int attnx_get_num_threads(void);

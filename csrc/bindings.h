@@ -15,6 +15,7 @@ PyObject *attnx_py_linear_resolve(PyObject *self, PyObject *args, PyObject *kwar
 PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
 PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args);
 PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args);
+PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args);
 PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
@@ -37,6 +38,7 @@ extern const char attnx_linear_resolve_doc[];
 extern const char attnx_lsh_attention_doc[];
 extern const char attnx_delta_rule_doc[];
 extern const char attnx_delta_rule_backward_doc[];
+extern const char attnx_causal_conv1d_update_doc[];
 extern const char attnx_lsh_backward_doc[];
 extern const char attnx_lsh_buckets_doc[];
 

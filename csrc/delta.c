@@ -42,7 +42,8 @@
  * sqrt(n) checkpoints); keeping them costs K V / C = 256 numbers per token
  * at K = V = 128, C = 64, about as much as the token's q, k, v and out.
  *
- * Threads: OpenMP over heads, BLAS single-threaded inside.
+ * Threads: OpenMP over heads, BLAS single-threaded inside; a decoding step
+ * (one token) splits its heads over attnx's own team (team.c) instead.
  */
 #ifndef REAL
 #include <math.h>
@@ -144,7 +145,7 @@ static inline const char *SFX(head)(const attnx_delta_args *a, const void *base,
 }
 
 /* 1 / sqrt(|x|^2 + eps): transformers' l2norm (x * rsqrt(sum x^2 + 1e-6)) */
-static inline REAL SFX(inv_norm)(const REAL *x, ptrdiff_t K)
+static inline __attribute__((always_inline)) REAL SFX(inv_norm)(const REAL *x, ptrdiff_t K)
 {
     REAL sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -153,7 +154,7 @@ static inline REAL SFX(inv_norm)(const REAL *x, ptrdiff_t K)
 }
 
 /* The chunk's rows [t0, t0 + L) of head h: Q, Kn, beta, G, inv norms. */
-static void SFX(load_rows)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L)
+static ATTNX_HOT void SFX(load_rows)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L)
 {
     const attnx_delta_args *a = w->a;
     const ptrdiff_t K = w->K;
@@ -191,7 +192,7 @@ static void SFX(load_rows)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L)
 
 /* dst (L, K) = X . e^{sign (G_t - ref)}: row t of X scaled by e^{G_t - ref}
  * (sign 1) or e^{ref - G_t} (sign -1), ref a row of G (NULL: zeros). */
-static void SFX(decay_rows)(const WS *w, ptrdiff_t L, const REAL *X, const REAL *G,
+static ATTNX_HOT void SFX(decay_rows)(const WS *w, ptrdiff_t L, const REAL *X, const REAL *G,
                             const REAL *ref, REAL sign, REAL *dst)
 {
     const ptrdiff_t K = w->K;
@@ -218,7 +219,7 @@ static inline const REAL *SFX(G_row)(const WS *w, ptrdiff_t t)
 }
 
 /* E_ts = e^{G_t - G_s} for s <= t (scalar gate), 0 above */
-static void SFX(scalar_decays)(WS *w, ptrdiff_t L)
+static ATTNX_HOT void SFX(scalar_decays)(WS *w, ptrdiff_t L)
 {
     const ptrdiff_t C = w->C;
     for (ptrdiff_t t = 0; t < L; t++) {
@@ -229,7 +230,7 @@ static void SFX(scalar_decays)(WS *w, ptrdiff_t L)
 }
 
 /* M (strictly lower) and, with want_P, P (lower) of the chunk's L rows. */
-static void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
+static ATTNX_HOT void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
 {
     const ptrdiff_t C = w->C, K = w->K;
     REAL *M = w->M, *P = w->P;
@@ -283,7 +284,7 @@ static void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
 
 /* One chunk forward from the state S (K, V), updated in place; out rows (ld
  * out_row) unless NULL; with keep, the chunk's S0, M, P, U, Vn stored there. */
-static void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v, ptrdiff_t v_row,
+static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v, ptrdiff_t v_row,
                            REAL *out, ptrdiff_t out_row, REAL *keep)
 {
     const ptrdiff_t C = w->C, K = w->K, V = w->V;
@@ -324,43 +325,96 @@ static void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v, ptrdiff_t
     SFX(gemm)(1, 0, K, V, L, 1, w->Kd, K, w->U, V, 1, S, V);
 }
 
-/* The token loop on one head from S (K, V), in place: two passes over S per
- * token (decay while reading S^T k; add k u^T while reading S^T q). */
-static void SFX(recurrent_fwd)(WS *w, ptrdiff_t h, REAL *S)
+/* One token of one head: S1 = D S0 + k u^T, u = beta (v - (D S0)^T k),
+ * o = S1^T q = (D S0)^T q + u (k . q), with q, k normalised and scaled and
+ * D = diag(exp(g)). S0 (row stride S0_row) is read once for both products
+ * (four rows at a time, the two sums staying in L1), then once more (from
+ * the cache) as S1 is written; S1 may be S0 itself. A decoding step is
+ * memory-bound on the state: this reads it once from memory and writes it
+ * once, where a step as the recurrence reads (decay, S^T k, then the
+ * update and S^T q) makes two passes over it. scratch: 3 K + 3 V numbers. */
+static ATTNX_HOT void SFX(token_step)(const attnx_delta_args *a, ptrdiff_t h, ptrdiff_t t,
+                                      const REAL *S0, ptrdiff_t S0_row, REAL *S1, REAL *scratch)
 {
-    const attnx_delta_args *a = w->a;
-    const ptrdiff_t K = w->K, V = w->V;
-    const char *v = SFX(head)(a, a->v, h, ATTNX_DR_V);
-    REAL *out = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT);
-    REAL *kv = w->U, *u = w->Vn;
-    for (ptrdiff_t t = 0; t < a->n; t++) {
-        SFX(load_rows)(w, h, t, 1);  /* G holds g_t itself: one row's cumulative gate */
-        const REAL *v_t = (const REAL *)v + t * a->v_row;
-        REAL *o_t = out + t * a->out_row;
-        for (ptrdiff_t j = 0; j < V; j++) kv[j] = 0;
-        for (ptrdiff_t c = 0; c < K; c++) {
-            REAL f = a->gate == ATTNX_GATE_NONE ? 1 : SFX(vexp)(w->channel ? w->G[c] : w->G[0]);
-            REAL kc = w->Kn[c], *S_c = S + c * V;
+    const ptrdiff_t K = a->dk, V = a->dv;
+    const REAL *q = (const REAL *)SFX(head)(a, a->q, h, ATTNX_DR_Q) + t * a->q_row;
+    const REAL *k = (const REAL *)SFX(head)(a, a->k, h, ATTNX_DR_K) + t * a->k_row;
+    const REAL *v = (const REAL *)SFX(head)(a, a->v, h, ATTNX_DR_V) + t * a->v_row;
+    REAL *o = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT) + t * a->out_row;
+    const char *g = SFX(head)(a, a->g, h, ATTNX_DR_G);
+    const REAL beta = *(const REAL *)(SFX(head)(a, a->beta, h, ATTNX_DR_BETA) + t * a->beta_step);
+    REAL *kn = scratch, *dec = kn + K, *qd = dec + K, *kv = qd + K, *qs = kv + V, *u = qs + V;
+    REAL iq = a->l2norm ? SFX(inv_norm)(q, K) : 1, ik = a->l2norm ? SFX(inv_norm)(k, K) : 1;
+    REAL fq = iq * (REAL)a->scale, kq = 0;
+    if (a->gate == ATTNX_GATE_CHANNEL) {
+        const REAL *g_t = (const REAL *)g + t * a->g_row;
 #pragma omp simd
-            for (ptrdiff_t j = 0; j < V; j++) {
-                S_c[j] *= f;
-                kv[j] += kc * S_c[j];
-            }
-        }
-        REAL b = w->beta[0];
+        for (ptrdiff_t c = 0; c < K; c++) dec[c] = SFX(vexp)(g_t[c]);
+    } else {
+        REAL e = a->gate == ATTNX_GATE_SCALAR ? SFX(vexp)(*(const REAL *)(g + t * a->g_step)) : 1;
+        for (ptrdiff_t c = 0; c < K; c++) dec[c] = e;
+    }
+    /* kn = k normalised, qd = D q (normalised, scaled), kq = k . q */
+#pragma omp simd reduction(+ : kq)
+    for (ptrdiff_t c = 0; c < K; c++) {
+        REAL kc = k[c] * ik, qc = q[c] * fq;
+        kq += kc * qc;
+        kn[c] = kc;
+        qd[c] = qc * dec[c];
+    }
+    /* kv = (D S0)^T k, qs = (D S0)^T q */
+    for (ptrdiff_t j = 0; j < V; j++) kv[j] = qs[j] = 0;
+    ptrdiff_t c = 0;
+    for (; c + 4 <= K; c += 4) {
+        const REAL *r0 = S0 + c * S0_row, *r1 = r0 + S0_row, *r2 = r1 + S0_row, *r3 = r2 + S0_row;
+        REAL k0 = kn[c] * dec[c], k1 = kn[c + 1] * dec[c + 1], k2 = kn[c + 2] * dec[c + 2];
+        REAL k3 = kn[c + 3] * dec[c + 3];
+        REAL q0 = qd[c], q1 = qd[c + 1], q2 = qd[c + 2], q3 = qd[c + 3];
 #pragma omp simd
         for (ptrdiff_t j = 0; j < V; j++) {
-            u[j] = b * (v_t[j] - kv[j]);
-            o_t[j] = 0;
+            kv[j] += k0 * r0[j] + k1 * r1[j] + k2 * r2[j] + k3 * r3[j];
+            qs[j] += q0 * r0[j] + q1 * r1[j] + q2 * r2[j] + q3 * r3[j];
         }
-        for (ptrdiff_t c = 0; c < K; c++) {
-            REAL kc = w->Kn[c], qc = w->Q[c], *S_c = S + c * V;
+    }
+    for (; c < K; c++) {
+        const REAL *r0 = S0 + c * S0_row;
+        REAL k0 = kn[c] * dec[c], q0 = qd[c];
 #pragma omp simd
-            for (ptrdiff_t j = 0; j < V; j++) {
-                S_c[j] += kc * u[j];
-                o_t[j] += qc * S_c[j];
-            }
+        for (ptrdiff_t j = 0; j < V; j++) {
+            kv[j] += k0 * r0[j];
+            qs[j] += q0 * r0[j];
         }
+    }
+#pragma omp simd
+    for (ptrdiff_t j = 0; j < V; j++) {
+        u[j] = beta * (v[j] - kv[j]);
+        o[j] = qs[j] + kq * u[j];
+    }
+    /* S1 = D S0 + k u^T */
+    for (c = 0; c < K; c++) {
+        REAL e = dec[c], kc = kn[c];
+        const REAL *r0 = S0 + c * S0_row;
+        REAL *w0 = S1 + c * V;
+#pragma omp simd
+        for (ptrdiff_t j = 0; j < V; j++) w0[j] = e * r0[j] + kc * u[j];
+    }
+}
+
+/* The token loop on head h: from S0 (or zeros) into S1 (C order) */
+static void SFX(recurrent_head)(const attnx_delta_args *a, ptrdiff_t h, REAL *S1, REAL *scratch)
+{
+    const REAL *S0 = (const REAL *)SFX(head)(a, a->S0, h, ATTNX_DR_S0);
+    ptrdiff_t S0_row = a->S0_row;
+    if (!S0) {
+        memset(S1, 0, (size_t)(a->dk * a->dv) * sizeof(REAL));
+        S0 = S1, S0_row = a->dv;
+    } else if (a->n == 0 && S0 != S1) {
+        for (ptrdiff_t c = 0; c < a->dk; c++)
+            memmove(S1 + c * a->dv, S0 + c * S0_row, (size_t)a->dv * sizeof(REAL));
+    }
+    for (ptrdiff_t t = 0; t < a->n; t++) {
+        SFX(token_step)(a, h, t, S0, S0_row, S1, scratch);
+        S0 = S1, S0_row = a->dv;
     }
 }
 
@@ -396,11 +450,58 @@ static int SFX(plan_threads)(const attnx_delta_args *a)
     return threads;
 }
 
+/* the token loop's heads split into fixed runs, one per thread: from one
+ * decoding step to the next a head's state stays in the same core's cache */
+typedef struct {
+    const attnx_delta_args *a;
+    REAL *scratch;
+    size_t per_thread;
+} SFX(recurrent_task);
+
+static void SFX(recurrent_share)(void *context, int me, int members)
+{
+    const SFX(recurrent_task) *task = context;
+    const attnx_delta_args *a = task->a;
+    const ptrdiff_t K = a->dk, V = a->dv;
+    REAL *scratch = task->scratch + task->per_thread * (size_t)me;
+    for (ptrdiff_t h = a->heads * me / members, end = a->heads * (me + 1) / members; h < end; h++) {
+        if (a->interrupt && attnx_interrupted(a->interrupt, me == 0)) break;
+        REAL *S1 = a->S1 ? (REAL *)SFX(head)(a, a->S1, h, ATTNX_DR_S1) : scratch + 3 * (K + V);
+        SFX(recurrent_head)(a, h, S1, scratch);
+    }
+}
+
+static int SFX(recurrent_fwd)(const attnx_delta_args *a)
+{
+    const ptrdiff_t K = a->dk, V = a->dv;
+    const int threads = SFX(plan_threads)(a);
+    /* per thread: the token's vectors, the state when the caller keeps
+     * none; whole cache lines, so threads never share one */
+    size_t per_thread = (size_t)(3 * (K + V) + (a->S1 ? 0 : K * V));
+    per_thread = (per_thread + CACHE_LINE / sizeof(REAL) - 1) / (CACHE_LINE / sizeof(REAL)) *
+                 (CACHE_LINE / sizeof(REAL));
+    REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    if (!scratch) return ATTNX_ENOMEM;
+    SFX(recurrent_task) task = {a, scratch, per_thread};
+    /* a decoding step splits over attnx's own team (team.c), which starts
+     * and joins far sooner than a parallel region, when the team is free */
+    int decoding = a->n <= 1;
+    if (threads == 1) {
+        SFX(recurrent_share)(&task, 0, 1);
+    } else if (!decoding || !attnx_team_run(threads, SFX(recurrent_share), &task)) {
+#pragma omp parallel num_threads(decoding ? threads : attnx_omp_threads(threads))
+        SFX(recurrent_share)(&task, omp_get_thread_num(), omp_get_num_threads());
+    }
+    free(scratch);
+    return a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
+}
+
 int TYPED(attnx_delta_fwd_f32, attnx_delta_fwd_f64)(const attnx_delta_args *a)
 {
     if (a->heads == 0) return ATTNX_OK;
+    if (a->recurrent) return SFX(recurrent_fwd)(a);
     const ptrdiff_t K = a->dk, V = a->dv;
-    const ptrdiff_t C = a->recurrent ? 1 : ATTNX_MAX(1, ATTNX_MIN(a->chunk, ATTNX_MAX(a->n, 1)));
+    const ptrdiff_t C = ATTNX_MAX(1, ATTNX_MIN(a->chunk, ATTNX_MAX(a->n, 1)));
     const int threads = SFX(plan_threads)(a);
     const size_t per_thread = SFX(ws_size)(C, K, V, a->n, 0) + 1;
     int status = ATTNX_OK;
@@ -421,17 +522,13 @@ int TYPED(attnx_delta_fwd_f32, attnx_delta_fwd_f64)(const attnx_delta_args *a)
             current = status;
             if (current != ATTNX_OK || !mem) continue;
             REAL *S = SFX(start_state)(&w, h);
-            if (a->recurrent) {
-                SFX(recurrent_fwd)(&w, h, S);
-            } else {
-                const REAL *v = (const REAL *)SFX(head)(a, a->v, h, ATTNX_DR_V);
-                REAL *out = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT);
-                for (ptrdiff_t t0 = 0; t0 < a->n; t0 += C) {
-                    ptrdiff_t L = ATTNX_MIN(C, a->n - t0);
-                    SFX(load_rows)(&w, h, t0, L);
-                    SFX(chunk_fwd)(&w, L, S, v + t0 * a->v_row, a->v_row, out + t0 * a->out_row,
-                                   a->out_row, NULL);
-                }
+            const REAL *v = (const REAL *)SFX(head)(a, a->v, h, ATTNX_DR_V);
+            REAL *out = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT);
+            for (ptrdiff_t t0 = 0; t0 < a->n; t0 += C) {
+                ptrdiff_t L = ATTNX_MIN(C, a->n - t0);
+                SFX(load_rows)(&w, h, t0, L);
+                SFX(chunk_fwd)(&w, L, S, v + t0 * a->v_row, a->v_row, out + t0 * a->out_row,
+                               a->out_row, NULL);
             }
             if (SFX(stopped)(a)) {
 #pragma omp atomic write
@@ -448,7 +545,7 @@ int TYPED(attnx_delta_fwd_f32, attnx_delta_fwd_f64)(const attnx_delta_args *a)
 /* R1 += W1 (Kn . e^{G_t - G_s}) rows t, R2 += W2 (same), C1 += W1^T (Kn . e^{..})
  * + W2^T (Q . e^{..}) columns s: the gradients through M (weights W1 = dM,
  * strictly lower) and P (W2 = dP, lower) to the rows and columns' vectors. */
-static void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL *W2)
+static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL *W2)
 {
     const ptrdiff_t C = w->C, K = w->K;
     memset(w->R1, 0, (size_t)(L * K) * sizeof(REAL));
@@ -519,7 +616,7 @@ static void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL *W2)
 
 /* dx of x (normalised by inv, times f) from dy, the gradient of y = f inv x:
  * dx = f (inv dy - inv^3 (x . dy) x); without the norm dx = f dy. */
-static void SFX(norm_bwd)(const WS *w, const REAL *x, REAL inv, REAL f, const REAL *dy,
+static inline __attribute__((always_inline)) void SFX(norm_bwd)(const WS *w, const REAL *x, REAL inv, REAL f, const REAL *dy,
                           REAL *dx)
 {
     const ptrdiff_t K = w->K;
@@ -538,7 +635,7 @@ static void SFX(norm_bwd)(const WS *w, const REAL *x, REAL inv, REAL f, const RE
 
 /* One chunk backward: dS (K, V) holds the gradient at the chunk's end state
  * and leaves with the one at its start state. */
-static void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L, const REAL *keep)
+static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L, const REAL *keep)
 {
     const attnx_delta_args *a = w->a;
     const ptrdiff_t C = w->C, K = w->K, V = w->V;
@@ -619,15 +716,26 @@ static void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t L, const 
         const REAL *dQg_t = w->dQg + t * K, *dKg_t = w->dKg + t * K, *dKd_t = w->dKd + t * K;
         REAL *dG_t = w->dG + t * K;
         const REAL *G_t = SFX(G_row)(w, t);
+        /* the row's decays: per channel, or one number (then no exp per channel) */
+        REAL *eg = w->xs, *ed = w->xs2;
+        if (w->channel) {
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < K; c++) {
+                eg[c] = SFX(vexp)(G_t[c]);
+                ed[c] = SFX(vexp)(Gend[c] - G_t[c]);
+            }
+        } else {
+            REAL eg0 = SFX(vexp)(G_t[0]), ed0 = SFX(vexp)(Gend[0] - G_t[0]);
+            for (ptrdiff_t c = 0; c < K; c++) eg[c] = eg0, ed[c] = ed0;
+        }
+#pragma omp simd
         for (ptrdiff_t c = 0; c < K; c++) {
-            REAL Gc = w->channel ? G_t[c] : G_t[0], Ge = w->channel ? Gend[c] : Gend[0];
-            REAL eg = SFX(vexp)(Gc), ed = SFX(vexp)(Ge - Gc);
             REAL kd = dKd_t[c] * Kd_t[c];
             dG_t[c] += Kn_t[c] * (R1_t[c] - C1_t[c]) + Q_t[c] * R2_t[c] + dKg_t[c] * Kg_t[c] +
                        dQg_t[c] * Qg_t[c] - kd;
             dG_end[c] += kd;
-            R2_t[c] += dQg_t[c] * eg;                                  /* dQ */
-            R1_t[c] += C1_t[c] + dKg_t[c] * eg + dKd_t[c] * ed;        /* dKn */
+            R2_t[c] += dQg_t[c] * eg[c];                               /* dQ */
+            R1_t[c] += C1_t[c] + dKg_t[c] * eg[c] + dKd_t[c] * ed[c];  /* dKn */
         }
         SFX(norm_bwd)(w, (const REAL *)q + (t0 + t) * a->q_row, w->inv_q[t],
                       (REAL)a->scale, R2_t, dq + t * K);
@@ -718,6 +826,41 @@ int TYPED(attnx_delta_bwd_f32, attnx_delta_bwd_f64)(const attnx_delta_args *a)
         free(mem);
     }
     return status;
+}
+
+/* ============================================== the layers' causal conv1d */
+
+/* One channel after another: a decoding step reads each channel's W state
+ * values and weights once (a few hundred KiB for a whole layer), far less
+ * than the overhead of a general convolution call around the same
+ * arithmetic (docs/performance.md); then the activation over the whole
+ * output, vectorised. */
+ATTNX_HOT void TYPED(attnx_conv1d_update_f32, attnx_conv1d_update_f64)(
+    ptrdiff_t B, ptrdiff_t D, ptrdiff_t L, ptrdiff_t W, const REAL *x, const ptrdiff_t x_stride[3],
+    REAL *state, const REAL *weight, const REAL *bias, int silu, REAL *out)
+{
+    for (ptrdiff_t b = 0; b < B; b++)
+        for (ptrdiff_t c = 0; c < D; c++) {
+            REAL *window = state + (b * D + c) * W;
+            const REAL *w = weight + c * W, *x_c = x + b * x_stride[0] + c * x_stride[1];
+            REAL *o = out + (b * D + c) * L;
+            for (ptrdiff_t t = 0; t < L; t++) {
+                REAL sum = bias ? bias[c] : 0;
+                for (ptrdiff_t j = 0; j + 1 < W; j++) {
+                    window[j] = window[j + 1];
+                    sum += w[j] * window[j];
+                }
+                if (W > 0) {
+                    window[W - 1] = x_c[t * x_stride[2]];
+                    sum += w[W - 1] * window[W - 1];
+                }
+                o[t] = sum;
+            }
+        }
+    if (!silu) return;
+    const ptrdiff_t size = B * D * L;
+#pragma omp simd
+    for (ptrdiff_t i = 0; i < size; i++) out[i] = out[i] / (1 + SFX(vexp)(-out[i]));
 }
 
 #undef TRSM

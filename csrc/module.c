@@ -295,6 +295,8 @@ static PyMethodDef methods[] = {
     {"delta_rule", attnx_py_delta_rule, METH_VARARGS, attnx_delta_rule_doc},
     {"delta_rule_backward", attnx_py_delta_rule_backward, METH_VARARGS,
      attnx_delta_rule_backward_doc},
+    {"causal_conv1d_update", attnx_py_causal_conv1d_update, METH_VARARGS,
+     attnx_causal_conv1d_update_doc},
     {"lsh_backward", attnx_py_lsh_backward, METH_VARARGS, attnx_lsh_backward_doc},
     {"lsh_buckets", attnx_py_lsh_buckets, METH_VARARGS, attnx_lsh_buckets_doc},
     {"set_output_cache", attnx_py_set_output_cache, METH_O,

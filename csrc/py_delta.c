@@ -200,3 +200,75 @@ const char attnx_delta_rule_backward_doc[] = (
 "--\n\n"
 "The kernel behind attnx.delta_rule_attention_backward. Returns\n"
 "(dq, dk, dv, dbeta, dg or None, dstate) on the broadcast batch shape.");
+
+/* _C.causal_conv1d_update(x, state, weight, bias, silu): the private kernel
+ * behind attnx.torch's causal_conv1d_update (attnx/_torch_delta.py, which
+ * checks devices and dtypes first): x (B, D, L) any strides, state (B, D, W)
+ * C order updated in place, weight (D, W) C order, bias (D,) or None, one
+ * float dtype. Returns out (B, D, L). */
+PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args)
+{
+    PyArrayObject *x, *state, *weight;
+    PyObject *bias_obj;
+    int silu;
+    if (!PyArg_ParseTuple(args, "O!O!O!Op:causal_conv1d_update", &PyArray_Type, &x,
+                          &PyArray_Type, &state, &PyArray_Type, &weight, &bias_obj, &silu))
+        return NULL;
+    PyArrayObject *bias = NULL;
+    if (bias_obj != Py_None) {
+        if (!PyArray_Check(bias_obj)) {
+            PyErr_SetString(PyExc_TypeError, "bias must be an array or None");
+            return NULL;
+        }
+        bias = (PyArrayObject *)bias_obj;
+    }
+    int type = PyArray_TYPE(x);
+    if ((type != NPY_FLOAT32 && type != NPY_FLOAT64) || PyArray_TYPE(state) != type ||
+        PyArray_TYPE(weight) != type || (bias && PyArray_TYPE(bias) != type)) {
+        PyErr_SetString(PyExc_TypeError, "x, state, weight and bias must share one dtype, "
+                                         "float32 or float64");
+        return NULL;
+    }
+    if (PyArray_NDIM(x) != 3 || PyArray_NDIM(state) != 3 || PyArray_NDIM(weight) != 2 ||
+        (bias && PyArray_NDIM(bias) != 1)) {
+        PyErr_SetString(PyExc_ValueError, "x must be (B, D, L), state (B, D, W), weight (D, W), "
+                                          "bias (D,)");
+        return NULL;
+    }
+    npy_intp B = PyArray_DIM(x, 0), D = PyArray_DIM(x, 1), L = PyArray_DIM(x, 2);
+    npy_intp W = PyArray_DIM(state, 2);
+    if (PyArray_DIM(state, 0) != B || PyArray_DIM(state, 1) != D || PyArray_DIM(weight, 0) != D ||
+        PyArray_DIM(weight, 1) != W || (bias && PyArray_DIM(bias, 0) != D)) {
+        PyErr_SetString(PyExc_ValueError, "x (B, D, L), state (B, D, W), weight (D, W) and bias "
+                                          "(D,) do not match");
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(state) || !PyArray_ISWRITEABLE(state) ||
+        !PyArray_IS_C_CONTIGUOUS(weight) || (bias && !PyArray_IS_C_CONTIGUOUS(bias)) ||
+        !PyArray_ISALIGNED(x) || !PyArray_ISNOTSWAPPED(x)) {
+        PyErr_SetString(PyExc_ValueError, "state must be a writeable C-contiguous array, weight "
+                                          "and bias C-contiguous, x aligned");
+        return NULL;
+    }
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(3, PyArray_DIMS(x), type);
+    if (!out) return NULL;
+    npy_intp item = PyArray_ITEMSIZE(x);
+    ptrdiff_t x_stride[3] = {PyArray_STRIDE(x, 0) / item, PyArray_STRIDE(x, 1) / item,
+                             PyArray_STRIDE(x, 2) / item};
+    const void *bias_data = bias ? PyArray_DATA(bias) : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (type == NPY_FLOAT32)
+        attnx_conv1d_update_f32(B, D, L, W, PyArray_DATA(x), x_stride, PyArray_DATA(state),
+                                PyArray_DATA(weight), bias_data, silu, PyArray_DATA(out));
+    else
+        attnx_conv1d_update_f64(B, D, L, W, PyArray_DATA(x), x_stride, PyArray_DATA(state),
+                                PyArray_DATA(weight), bias_data, silu, PyArray_DATA(out));
+    Py_END_ALLOW_THREADS
+    return (PyObject *)out;
+}
+
+const char attnx_causal_conv1d_update_doc[] = (
+"causal_conv1d_update(x, state, weight, bias, silu)\n"
+"--\n\n"
+"The kernel behind attnx.torch.causal_conv1d_update: the depthwise causal\n"
+"conv1d's decoding step, state updated in place. Returns out (B, D, L).");

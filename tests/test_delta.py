@@ -111,6 +111,36 @@ def test_step_decodes_in_place():
         assert state.S is S  # updated where it lies
 
 
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+def test_token_loop_on_threads_from_a_strided_state(gate):
+    # states big enough (540 KB) for the token loop to split its heads over
+    # two threads (a one-token step on attnx's team, several tokens on
+    # OpenMP), d_k not a multiple of the 4 rows read at once, and an
+    # initial state read in place through a row stride
+    rng = np.random.default_rng(6)
+    q, k, v, beta, g = make(rng, H=16, n=3, dk=66, dv=64, gate=gate)
+    padded = rng.standard_normal((16, 66, 67)) * 0.1
+    S0 = padded[:, :, :64]
+    original = S0.copy()
+    before = attnx.get_num_threads()
+    attnx.set_num_threads(2)
+    try:
+        for n in (1, 3):
+            args = [x if x is None else x[:, :n] for x in (q, k, v, beta, g)]
+            for _ in range(20):  # past the calls that go to OpenMP before the team
+                o, state = attnx.delta_rule_attention(*args, qk_l2norm=True, method="recurrent",
+                                                      initial_state=S0, return_state=True)
+            ref_o, ref_S = reference(*args, qk_l2norm=True, initial_state=S0)
+            close(o, ref_o, 1e-12)
+            close(state.S, ref_S, 1e-12)
+            stepped = attnx.DeltaRuleState(S0.copy(), qk_l2norm=True)
+            close(stepped.step(*args), ref_o, 1e-12)
+            close(stepped.S, ref_S, 1e-12)
+        np.testing.assert_array_equal(S0, original)
+    finally:
+        attnx.set_num_threads(before)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 30))
 def test_gate_special_cases(seed, n):

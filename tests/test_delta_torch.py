@@ -108,3 +108,35 @@ def test_bad_arguments():
         at.chunk_gated_delta_rule(q[0], k, v, g, beta)
     with pytest.raises(TypeError, match="dtype"):
         at.chunk_gated_delta_rule(q.float(), k, v, g, beta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_bias,activation", [(True, "silu"), (False, None)])
+def test_conv1d_update_equals_transformers(dtype, with_bias, activation):
+    original = qwen3_next.causal_conv1d_update
+    at.register_delta_rule()
+    try:
+        ours = qwen3_next.causal_conv1d_update
+        assert ours is not original and ours.attnx_replaces is original
+        gen = torch.Generator().manual_seed(1)
+        D, W = 12, 4
+        weight = torch.randn(D, W, dtype=dtype, generator=gen)
+        bias = torch.randn(D, dtype=dtype, generator=gen) if with_bias else None
+        state = torch.randn(2, D, W, dtype=dtype, generator=gen)
+        their_state = state.clone()
+        for L in (1, 3):  # a decoding step, then several tokens; x strided as the layers' is
+            x = torch.randn(2, L, D, dtype=dtype, generator=gen).transpose(1, 2)
+            with torch.no_grad():
+                out = ours(x, state, weight, bias, activation)
+                ref = original(x, their_state, weight, bias, activation)
+            tol = 1e-6 if dtype == torch.float32 else 1e-13
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+            assert torch.equal(state, their_state)
+        # a call that builds a graph goes to transformers' function
+        w = weight.clone().requires_grad_()
+        out = ours(x, state.clone(), w, bias, activation)
+        assert out.grad_fn is not None
+        torch.testing.assert_close(out, original(x, state.clone(), w, bias, activation))
+    finally:
+        at.unregister_delta_rule()
+    assert qwen3_next.causal_conv1d_update is original
