@@ -633,8 +633,11 @@ class SDPAValueError(RuntimeError, ValueError):
 
     Catchable as torch's RuntimeError (code written for torch's function
     keeps working) and as the ValueError attnx's other front ends raise.
-    Its message is attnx's description of what is wrong, naming the
-    argument.
+
+    Parameters
+    ----------
+    message : str
+        attnx's description of what is wrong, naming the argument.
 
     Raises
     ------
@@ -662,7 +665,7 @@ class SDPAValueError(RuntimeError, ValueError):
     SDPAValueError True scale must be finite, got nan
     """
 
-    def __init__(self, message):  # the signature the documentation shows
+    def __init__(self, message):  # the signature numpydoc checks the Parameters against
         super().__init__(message)
 
 
@@ -670,8 +673,11 @@ class SDPATypeError(RuntimeError, TypeError):
     """A wrong dtype given to :func:`scaled_dot_product_attention` where torch raises RuntimeError.
 
     Catchable as torch's RuntimeError and as attnx's TypeError.
-    Its message is attnx's description of what is wrong, naming the
-    argument.
+
+    Parameters
+    ----------
+    message : str
+        attnx's description of what is wrong, naming the argument.
 
     Raises
     ------
@@ -699,7 +705,7 @@ class SDPATypeError(RuntimeError, TypeError):
     SDPATypeError True
     """
 
-    def __init__(self, message):  # the signature the documentation shows
+    def __init__(self, message):  # the signature numpydoc checks the Parameters against
         super().__init__(message)
 
 

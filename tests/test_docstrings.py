@@ -55,11 +55,9 @@ def _skip_if_missing(obj):
 
 PUBLIC = list(_public())
 SECTIONS = ["Parameters", "Returns", "Raises", "See Also", "Notes", "Examples"]
-# what has no parameters (the exceptions take their message, as any)
+# what has no parameters
 NO_PARAMETERS = {"attnx.get_num_threads", "attnx.show_config", "attnx.cpu_dispatch",
-                 "attnx.torch.SDPAValueError",
-                 "attnx.torch.SDPATypeError", "attnx.torch.register_delta_rule",
-                 "attnx.torch.unregister_delta_rule"}
+                 "attnx.torch.register_delta_rule", "attnx.torch.unregister_delta_rule"}
 
 
 def _sections(doc):
