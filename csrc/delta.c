@@ -53,6 +53,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "portable.h"
 
 #define SUB 16
 /* as linear.c: below this much work per call, one thread */
@@ -480,7 +481,7 @@ static int SFX(recurrent_fwd)(const attnx_delta_args *a)
     size_t per_thread = (size_t)(3 * (K + V) + (a->S1 ? 0 : K * V));
     per_thread = (per_thread + CACHE_LINE / sizeof(REAL) - 1) / (CACHE_LINE / sizeof(REAL)) *
                  (CACHE_LINE / sizeof(REAL));
-    REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    REAL *scratch = attnx_aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     SFX(recurrent_task) task = {a, scratch, per_thread};
     /* a decoding step splits over attnx's own team (team.c), which starts
@@ -492,7 +493,7 @@ static int SFX(recurrent_fwd)(const attnx_delta_args *a)
 #pragma omp parallel num_threads(decoding ? threads : attnx_omp_threads(threads))
         SFX(recurrent_share)(&task, omp_get_thread_num(), omp_get_num_threads());
     }
-    free(scratch);
+    attnx_aligned_free(scratch);
     return a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 }
 

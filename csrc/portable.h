@@ -16,16 +16,20 @@
  * - ATTNX_TARGET_PUSH(features) ... ATTNX_TARGET_POP: compile the functions
  *   between them for an instruction set (GCC's target pragma; clang's is
  *   spelled as an attribute applied to every function in the region).
- * - the monotonic clock: POSIX here, the performance counter on Windows.
- * What Windows lacks beyond this header (team.c's POSIX threads, the
- * kernels' posix_memalign and aligned_alloc, freed by free) keeps it
- * unsupported: setup.py says so. */
+ * - aligned memory: posix_memalign, or _aligned_malloc on Windows, each
+ *   released by its own function.
+ * - the monotonic clock: POSIX here, the performance counter on Windows. */
 #ifndef ATTNX_PORTABLE_H
 #define ATTNX_PORTABLE_H
 
 #include <stdlib.h>
 #include <time.h>
 #ifdef _WIN32
+#include <malloc.h>  /* _aligned_malloc */
+/* windows.h without its min and max macros and the rarely used headers
+ * (one of which defines `small`) */
+#define WIN32_LEAN_AND_MEAN
+#define NOMINMAX
 #include <windows.h>
 #endif
 
@@ -56,6 +60,29 @@
 #define ATTNX_TARGET_PUSH(features) ATTNX_PRAGMA(GCC push_options) ATTNX_PRAGMA(GCC target(features))
 #define ATTNX_TARGET_POP ATTNX_PRAGMA(GCC pop_options)
 #endif
+
+/* `bytes` (at least one) aligned to `alignment`, a power of two and a
+ * multiple of sizeof(void *); NULL when out of memory. Released only by
+ * attnx_aligned_free: Windows' C library has neither aligned_alloc nor
+ * posix_memalign, and what its _aligned_malloc returns cannot go to free. */
+static inline void *attnx_aligned_alloc(size_t alignment, size_t bytes)
+{
+#ifdef _WIN32
+    return _aligned_malloc(bytes ? bytes : 1, alignment);
+#else
+    void *memory = NULL;
+    return posix_memalign(&memory, alignment, bytes ? bytes : 1) == 0 ? memory : NULL;
+#endif
+}
+
+static inline void attnx_aligned_free(void *memory)
+{
+#ifdef _WIN32
+    _aligned_free(memory);
+#else
+    free(memory);
+#endif
+}
 
 /* seconds on a clock that never goes back */
 static inline double attnx_monotonic_seconds(void)

@@ -1,0 +1,346 @@
+/* kernel_check.c - the kernels called from C, without Python, against
+ * plain double-precision loops written from the formulas (attnx.h):
+ * softmax attention forward and backward, causal linear attention (elu + 1,
+ * chunked) and the gated delta rule (chunked and token by token), each in
+ * float32 and float64, on one and two threads, at every kernel set the
+ * dispatch table of this CPU and build can take (plain included).
+ *
+ * It is how a platform without a Python of its own here is tested: .ci/run
+ * cross-compiles it for Windows with mingw-w64 and runs it under wine
+ * (.ci/windows). Natively: .ci/windows --native. Exit status 0 when every
+ * check passes; each failure is printed. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attnx.h"
+#include "cpu_features.h"
+#include "dispatch.h"
+
+static int failures = 0;
+
+/* a fixed pseudo-random stream in [-1, 1): the same numbers on every platform */
+static double next_uniform(unsigned long long *seed)
+{
+    *seed = *seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (double)(*seed >> 11) / 9007199254740992.0 * 2.0 - 1.0;
+}
+
+static double *random_array(size_t count, unsigned long long seed)
+{
+    double *x = malloc(count * sizeof *x);
+    for (size_t i = 0; i < count; i++) x[i] = next_uniform(&seed);
+    return x;
+}
+
+/* a typed copy of x: float or double by is_double */
+static void *typed(const double *x, size_t count, int is_double)
+{
+    void *out = malloc(count * (is_double ? sizeof(double) : sizeof(float)));
+    for (size_t i = 0; i < count; i++) {
+        if (is_double) ((double *)out)[i] = x[i];
+        else ((float *)out)[i] = (float)x[i];
+    }
+    return out;
+}
+
+static double value_at(const void *x, size_t i, int is_double)
+{
+    return is_double ? ((const double *)x)[i] : (double)((const float *)x)[i];
+}
+
+/* max |got - want| / (1 + |want|) over count numbers, against tolerance */
+static void compare(const char *what, const void *got, const double *want, size_t count,
+                    int is_double, const char *context)
+{
+    double worst = 0, tolerance = is_double ? 1e-10 : 2e-4;
+    for (size_t i = 0; i < count; i++) {
+        double error = fabs(value_at(got, i, is_double) - want[i]) / (1 + fabs(want[i]));
+        if (!(error <= worst)) worst = error;  /* NaN is the worst */
+    }
+    if (!(worst <= tolerance)) {
+        printf("FAIL %s %s: relative error %.3g > %.3g\n", what, context, worst, tolerance);
+        failures++;
+    }
+}
+
+/* ------------------------------------------------------------------ softmax */
+
+enum { SM_HEADS = 2, SM_N = 37, SM_M = 53, SM_D = 24, SM_E = 20 };
+
+/* lower-right causal: query i sees keys j <= i + (m - n) */
+static int sm_visible(ptrdiff_t i, ptrdiff_t j) { return j <= i + (SM_M - SM_N); }
+
+/* P (n, m) and lse (n) of one head, from q, k */
+static void sm_reference_weights(const double *q, const double *k, double scale, double *P,
+                                 double *lse)
+{
+    for (int i = 0; i < SM_N; i++) {
+        double row_max = -INFINITY, sum = 0;
+        for (int j = 0; j < SM_M; j++) {
+            double s = 0;
+            for (int c = 0; c < SM_D; c++) s += q[i * SM_D + c] * k[j * SM_D + c];
+            P[i * SM_M + j] = sm_visible(i, j) ? scale * s : -INFINITY;
+            if (P[i * SM_M + j] > row_max) row_max = P[i * SM_M + j];
+        }
+        for (int j = 0; j < SM_M; j++) sum += exp(P[i * SM_M + j] - row_max);
+        lse[i] = row_max + log(sum);
+        for (int j = 0; j < SM_M; j++) P[i * SM_M + j] = exp(P[i * SM_M + j] - lse[i]);
+    }
+}
+
+static void check_softmax(int is_double, int threads, const char *context)
+{
+    const size_t nq = SM_HEADS * SM_N * SM_D, nk = SM_HEADS * SM_M * SM_D;
+    const size_t nv = SM_HEADS * SM_M * SM_E, no = SM_HEADS * SM_N * SM_E;
+    const size_t size = is_double ? sizeof(double) : sizeof(float);
+    const double scale = 1 / sqrt((double)SM_D);
+    double *q = random_array(nq, 1), *k = random_array(nk, 2), *v = random_array(nv, 3);
+    double *dout = random_array(no, 4);
+    double *want_out = calloc(no, sizeof(double)), *want_lse = calloc(SM_HEADS * SM_N, sizeof(double));
+    double *want_dq = calloc(nq, sizeof(double)), *want_dk = calloc(nk, sizeof(double));
+    double *want_dv = calloc(nv, sizeof(double));
+    double *P = malloc(SM_N * SM_M * sizeof(double)), *dS = malloc(SM_N * SM_M * sizeof(double));
+    for (int h = 0; h < SM_HEADS; h++) {
+        const double *qh = q + h * SM_N * SM_D, *kh = k + h * SM_M * SM_D, *vh = v + h * SM_M * SM_E;
+        const double *doh = dout + h * SM_N * SM_E;
+        double *oh = want_out + h * SM_N * SM_E;
+        sm_reference_weights(qh, kh, scale, P, want_lse + h * SM_N);
+        for (int i = 0; i < SM_N; i++)
+            for (int j = 0; j < SM_M; j++)
+                for (int c = 0; c < SM_E; c++) oh[i * SM_E + c] += P[i * SM_M + j] * vh[j * SM_E + c];
+        /* dV = P^T dO, dP = dO V^T, dS = P (dP - D), D_i = dO_i . O_i */
+        for (int i = 0; i < SM_N; i++) {
+            double D = 0;
+            for (int c = 0; c < SM_E; c++) D += doh[i * SM_E + c] * oh[i * SM_E + c];
+            for (int j = 0; j < SM_M; j++) {
+                double dP = 0;
+                for (int c = 0; c < SM_E; c++) {
+                    dP += doh[i * SM_E + c] * vh[j * SM_E + c];
+                    want_dv[(h * SM_M + j) * SM_E + c] += P[i * SM_M + j] * doh[i * SM_E + c];
+                }
+                dS[i * SM_M + j] = P[i * SM_M + j] * (dP - D);
+            }
+        }
+        for (int i = 0; i < SM_N; i++)
+            for (int j = 0; j < SM_M; j++)
+                for (int c = 0; c < SM_D; c++) {
+                    want_dq[(h * SM_N + i) * SM_D + c] += scale * dS[i * SM_M + j] * kh[j * SM_D + c];
+                    want_dk[(h * SM_M + j) * SM_D + c] += scale * dS[i * SM_M + j] * qh[i * SM_D + c];
+                }
+    }
+    void *tq = typed(q, nq, is_double), *tk = typed(k, nk, is_double), *tv = typed(v, nv, is_double);
+    void *tdout = typed(dout, no, is_double);
+    void *out = calloc(no, size), *lse = calloc(SM_HEADS * SM_N, size);
+    void *dq = calloc(nq, size), *dk = calloc(nk, size), *dv = calloc(nv, size);
+    /* the forward's table has its own operands' columns, the backward's
+     * those and the gradients' */
+    ptrdiff_t offsets[SM_HEADS * ATTNX_SMB_NOPS] = {0}, fwd_offsets[SM_HEADS * ATTNX_SM_NOPS];
+    for (int h = 0; h < SM_HEADS; h++) {
+        ptrdiff_t *row = offsets + h * ATTNX_SMB_NOPS;
+        row[ATTNX_SM_Q] = h * SM_N * SM_D * (ptrdiff_t)size;
+        row[ATTNX_SM_K] = h * SM_M * SM_D * (ptrdiff_t)size;
+        row[ATTNX_SM_V] = h * SM_M * SM_E * (ptrdiff_t)size;
+        row[ATTNX_SM_OUT] = h * SM_N * SM_E * (ptrdiff_t)size;
+        row[ATTNX_SM_LSE] = h * SM_N * (ptrdiff_t)size;
+        row[ATTNX_SMB_DOUT] = row[ATTNX_SM_OUT];
+        row[ATTNX_SMB_DQ] = row[ATTNX_SM_Q];
+        row[ATTNX_SMB_DK] = row[ATTNX_SM_K];
+        row[ATTNX_SMB_DV] = row[ATTNX_SM_V];
+        memcpy(fwd_offsets + h * ATTNX_SM_NOPS, row, sizeof(ptrdiff_t) * ATTNX_SM_NOPS);
+    }
+    attnx_softmax_bwd_args b = {
+        .fwd = {.n = SM_N, .m = SM_M, .d = SM_D, .e = SM_E, .heads = SM_HEADS,
+                .offsets = fwd_offsets, .q = tq, .k = tk, .v = tv, .out = out, .lse = lse,
+                .q_row = SM_D, .k_row = SM_D, .v_row = SM_E, .out_row = SM_E, .scale = scale,
+                .band = {.n = SM_N, .m = SM_M, .has_hi = 1, .hi_shift = SM_M - SM_N},
+                .num_threads = threads},
+        .dout = tdout, .dq = dq, .dk = dk, .dv = dv,
+        .dout_row = SM_E, .dq_row = SM_D, .dk_row = SM_D, .dv_row = SM_E,
+    };
+    int status = is_double ? attnx_softmax_fwd_f64(&b.fwd) : attnx_softmax_fwd_f32(&b.fwd);
+    b.fwd.offsets = offsets;
+    status = status ? status : is_double ? attnx_softmax_bwd_f64(&b) : attnx_softmax_bwd_f32(&b);
+    if (status) {
+        printf("FAIL softmax %s: status %d\n", context, status);
+        failures++;
+    } else {
+        compare("softmax out", out, want_out, no, is_double, context);
+        compare("softmax lse", lse, want_lse, SM_HEADS * SM_N, is_double, context);
+        compare("softmax dq", dq, want_dq, nq, is_double, context);
+        compare("softmax dk", dk, want_dk, nk, is_double, context);
+        compare("softmax dv", dv, want_dv, nv, is_double, context);
+    }
+    void *blocks[] = {q, k, v, dout, want_out, want_lse, want_dq, want_dk, want_dv, P, dS,
+                      tq, tk, tv, tdout, out, lse, dq, dk, dv};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
+}
+
+/* ----------------------------------------------------- causal linear attention */
+
+enum { LIN_HEADS = 3, LIN_N = 45, LIN_D = 16, LIN_E = 12 };
+
+static double elu_plus_one(double x) { return x > 0 ? x + 1 : exp(x); }
+
+static void check_linear(int is_double, int threads, const char *context)
+{
+    const size_t nq = LIN_HEADS * LIN_N * LIN_D, nv = LIN_HEADS * LIN_N * LIN_E;
+    const size_t size = is_double ? sizeof(double) : sizeof(float);
+    const double eps = 1e-6;
+    double *q = random_array(nq, 5), *k = random_array(nq, 6), *v = random_array(nv, 7);
+    double *want = calloc(nv, sizeof(double));
+    for (int h = 0; h < LIN_HEADS; h++)
+        for (int i = 0; i < LIN_N; i++) {
+            double den = 0;
+            for (int j = 0; j <= i; j++) {
+                double s = 0;
+                for (int c = 0; c < LIN_D; c++)
+                    s += elu_plus_one(q[(h * LIN_N + i) * LIN_D + c]) *
+                         elu_plus_one(k[(h * LIN_N + j) * LIN_D + c]);
+                den += s;
+                for (int c = 0; c < LIN_E; c++)
+                    want[(h * LIN_N + i) * LIN_E + c] += s * v[(h * LIN_N + j) * LIN_E + c];
+            }
+            for (int c = 0; c < LIN_E; c++) want[(h * LIN_N + i) * LIN_E + c] /= fmax(den, eps);
+        }
+    void *tq = typed(q, nq, is_double), *tk = typed(k, nq, is_double), *tv = typed(v, nv, is_double);
+    void *out = calloc(nv, size);
+    ptrdiff_t offsets[LIN_HEADS * ATTNX_LIN_NOPS] = {0};
+    for (int h = 0; h < LIN_HEADS; h++) {
+        ptrdiff_t *row = offsets + h * ATTNX_LIN_NOPS;
+        row[ATTNX_LIN_Q] = row[ATTNX_LIN_K] = h * LIN_N * LIN_D * (ptrdiff_t)size;
+        row[ATTNX_LIN_V] = row[ATTNX_LIN_OUT] = h * LIN_N * LIN_E * (ptrdiff_t)size;
+    }
+    attnx_linear_args a = {
+        .n = LIN_N, .m = LIN_N, .d = LIN_D, .e = LIN_E, .heads = LIN_HEADS, .offsets = offsets,
+        .q = tq, .k = tk, .v = tv, .out = out,
+        .q_row = LIN_D, .k_row = LIN_D, .v_row = LIN_E, .out_row = LIN_E,
+        .features = {.kind = ATTNX_FM_ELU, .d = LIN_D, .r = LIN_D},
+        .band = {.n = LIN_N, .m = LIN_N, .has_hi = 1, .hi_shift = 0},
+        .method = ATTNX_METHOD_CHUNK, .chunk = 8, .eps = eps, .normalise = 1,
+        .num_threads = threads,
+    };
+    int status = is_double ? attnx_linear_fwd_f64(&a) : attnx_linear_fwd_f32(&a);
+    if (status) {
+        printf("FAIL linear %s: status %d\n", context, status);
+        failures++;
+    } else {
+        compare("causal linear out", out, want, nv, is_double, context);
+    }
+    void *blocks[] = {q, k, v, want, tq, tk, tv, out};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
+}
+
+/* ---------------------------------------------------------- gated delta rule */
+
+enum { DR_HEADS = 2, DR_N = 50, DR_K = 16, DR_V = 12 };
+
+static void check_delta(int is_double, int threads, int recurrent, const char *context)
+{
+    const size_t nk = DR_HEADS * DR_N * DR_K, nv = DR_HEADS * DR_N * DR_V;
+    const size_t ns = DR_HEADS * DR_K * DR_V, nt = DR_HEADS * DR_N;
+    const size_t size = is_double ? sizeof(double) : sizeof(float);
+    const double scale = 1 / sqrt((double)DR_K);
+    double *q = random_array(nk, 8), *k = random_array(nk, 9), *v = random_array(nv, 10);
+    double *beta = random_array(nt, 11), *g = random_array(nt, 12);
+    for (size_t t = 0; t < nt; t++) {
+        beta[t] = 0.5 + 0.5 * fabs(beta[t]);
+        g[t] = -0.2 * fabs(g[t]);
+    }
+    double *want = calloc(nv, sizeof(double)), *want_S = calloc(ns, sizeof(double));
+    for (int h = 0; h < DR_HEADS; h++) {
+        double *S = want_S + h * DR_K * DR_V;
+        for (int t = 0; t < DR_N; t++) {
+            const double *qt = q + (h * DR_N + t) * DR_K, *kt = k + (h * DR_N + t) * DR_K;
+            const double *vt = v + (h * DR_N + t) * DR_V;
+            double qn[DR_K], kn[DR_K], q_sq = 0, k_sq = 0, decay = exp(g[h * DR_N + t]);
+            for (int c = 0; c < DR_K; c++) q_sq += qt[c] * qt[c], k_sq += kt[c] * kt[c];
+            for (int c = 0; c < DR_K; c++) {
+                qn[c] = qt[c] / sqrt(q_sq + 1e-6) * scale;
+                kn[c] = kt[c] / sqrt(k_sq + 1e-6);
+            }
+            for (int i = 0; i < DR_K * DR_V; i++) S[i] *= decay;
+            for (int j = 0; j < DR_V; j++) {
+                double predicted = 0;
+                for (int c = 0; c < DR_K; c++) predicted += S[c * DR_V + j] * kn[c];
+                double u = beta[h * DR_N + t] * (vt[j] - predicted);
+                for (int c = 0; c < DR_K; c++) S[c * DR_V + j] += kn[c] * u;
+            }
+            for (int j = 0; j < DR_V; j++)
+                for (int c = 0; c < DR_K; c++) want[(h * DR_N + t) * DR_V + j] += S[c * DR_V + j] * qn[c];
+        }
+    }
+    void *tq = typed(q, nk, is_double), *tk = typed(k, nk, is_double), *tv = typed(v, nv, is_double);
+    void *tbeta = typed(beta, nt, is_double), *tg = typed(g, nt, is_double);
+    void *out = calloc(nv, size), *S1 = calloc(ns, size);
+    ptrdiff_t offsets[DR_HEADS * ATTNX_DR_NOPS] = {0};
+    for (int h = 0; h < DR_HEADS; h++) {
+        ptrdiff_t *row = offsets + h * ATTNX_DR_NOPS;
+        row[ATTNX_DR_Q] = row[ATTNX_DR_K] = h * DR_N * DR_K * (ptrdiff_t)size;
+        row[ATTNX_DR_V] = row[ATTNX_DR_OUT] = h * DR_N * DR_V * (ptrdiff_t)size;
+        row[ATTNX_DR_BETA] = row[ATTNX_DR_G] = h * DR_N * (ptrdiff_t)size;
+        row[ATTNX_DR_S1] = h * DR_K * DR_V * (ptrdiff_t)size;
+    }
+    attnx_delta_args a = {
+        .n = DR_N, .dk = DR_K, .dv = DR_V, .heads = DR_HEADS, .offsets = offsets,
+        .q = tq, .k = tk, .v = tv, .beta = tbeta, .g = tg, .out = out, .S1 = S1,
+        .q_row = DR_K, .k_row = DR_K, .v_row = DR_V, .out_row = DR_V,
+        .beta_step = (ptrdiff_t)size, .g_step = (ptrdiff_t)size, .gate = ATTNX_GATE_SCALAR,
+        .l2norm = 1, .scale = scale, .recurrent = recurrent, .chunk = 16, .num_threads = threads,
+    };
+    int status = is_double ? attnx_delta_fwd_f64(&a) : attnx_delta_fwd_f32(&a);
+    if (status) {
+        printf("FAIL delta rule %s: status %d\n", context, status);
+        failures++;
+    } else {
+        compare(recurrent ? "delta rule (recurrent) out" : "delta rule (chunk) out", out, want, nv,
+                is_double, context);
+        compare("delta rule final state", S1, want_S, ns, is_double, context);
+    }
+    void *blocks[] = {q, k, v, beta, g, want, want_S, tq, tk, tv, tbeta, tg, out, S1};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
+}
+
+/* every family held to the table's `level`-th set from the end (0: plain) */
+static int limit_families(int level, char *names, size_t names_size)
+{
+    int limits[ATTNX_FAMILIES], held = 0;
+    names[0] = 0;
+    for (int f = 0; f < ATTNX_FAMILIES; f++) {
+        int sets[ATTNX_KERNEL_SETS], count = attnx_family_sets(f, sets);
+        limits[f] = sets[count - 1 - (level < count ? level : count - 1)];
+        held |= level < count;
+    }
+    if (attnx_dispatch_fill(0, limits) != 0) return 0;
+    for (int f = 0; f < ATTNX_FAMILIES; f++) {
+        size_t used = strlen(names);
+        snprintf(names + used, names_size - used, "%s%s=%s", f ? " " : "", attnx_family_name(f),
+                 attnx_kernels_name(attnx_kernels(f)));
+    }
+    return held;
+}
+
+int main(void)
+{
+    char detected[256], names[512], context[640];
+    attnx_runtime_init();
+    attnx_cpu_format(attnx_cpu_detected(), detected, sizeof detected);
+    printf("CPU features: %s; BLAS: %s (%s)\n", detected, attnx_blas_name(), attnx_blas_core());
+    int checks = 0;
+    for (int level = 0; limit_families(level, names, sizeof names); level++) {
+        printf("kernels: %s\n", names);
+        for (int threads = 1; threads <= 2; threads++)
+            for (int is_double = 0; is_double <= 1; is_double++) {
+                snprintf(context, sizeof context, "(%s, %d thread%s, level %d)",
+                         is_double ? "float64" : "float32", threads, threads > 1 ? "s" : "", level);
+                check_softmax(is_double, threads, context);
+                check_linear(is_double, threads, context);
+                check_delta(is_double, threads, 0, context);
+                check_delta(is_double, threads, 1, context);
+                checks += 4;
+            }
+    }
+    printf("%d checks, %d failed\n", checks, failures);
+    return failures != 0;
+}
