@@ -54,8 +54,8 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised in a subpro
 
 import attnx
 
-from . import _checks, _linear
-from ._variants import VARIANTS, resolve
+from .. import _checks, _linear
+from .._variants import VARIANTS, resolve
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -1770,7 +1770,7 @@ def attention_weights(q, k, variant="softmax", **options):
     return _FRONT_ENDS[variant](q, k, identity, **options)
 
 
-from ._torch_systems import (  # noqa: E402  the other systems (attnx/_torch_systems.py)
+from ._systems import (  # noqa: E402  the other systems (attnx/torch/_systems.py)
     MultiheadAttention, block_sparse_attention, linformer_attention, pooled_attention, rotary,
     sinusoidal_positions, add_depthwise_convolution as _add_depthwise_convolution)
 __all__ += ["sinusoidal_positions", "rotary", "block_sparse_attention", "pooled_attention",
@@ -2014,7 +2014,7 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
     >>> out.shape, q.grad.shape
     (torch.Size([8, 3]), torch.Size([8, 4]))
     """
-    from . import _lsh
+    from .. import _lsh
 
     _check_tensor("q", q)
     _check_tensor("v", v)
@@ -2031,7 +2031,7 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
 
 __all__.append("lsh_attention")
 
-from ._torch_delta import (chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,  # noqa: E402
+from ._delta import (chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,  # noqa: E402
                            fused_recurrent_kda, register_delta_rule, unregister_delta_rule)
 __all__ += ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda",
             "register_delta_rule", "unregister_delta_rule"]

@@ -27,12 +27,12 @@ from torch import Tensor
 
 import attnx
 
-from . import _dwc
-from . import torch as _at
-from ._checks import count
-from ._multihead import _PER_HEAD_OPTIONS
-from ._variants import VARIANTS
-from .torch import (
+from .. import _dwc
+from .. import torch as _at
+from .._checks import count
+from .._multihead import _PER_HEAD_OPTIONS
+from .._variants import VARIANTS
+from . import (
     _batch_shape,
     _check_inputs,
     _check_tensor,
