@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _C, _delta
-from . import _check_tensor, _in_compute_dtype, _in_dtype, _np
+from ._common import _check_tensor, _in_compute_dtype, _in_dtype, _np
 
 
 
