@@ -6,14 +6,14 @@ import torch
 from .._checks import count
 from .._multihead import _PER_HEAD_OPTIONS
 from .._variants import VARIANTS
-from . import _weights
 from ._common import _check_tensor
 from ._systems import (block_sparse_attention, linformer_attention, pooled_attention, rotary,
                        sinusoidal_positions)
+from ._weights import FRONT_ENDS as _FAMILY_FRONT_ENDS
 
 
 _FRONT_ENDS = {
-    **_weights._FRONT_ENDS,
+    **_FAMILY_FRONT_ENDS,
     "block_sparse": block_sparse_attention,
     "pooled": pooled_attention,
     "linformer": linformer_attention,

@@ -13,7 +13,9 @@ from ._softmax import gaussian_attention, softmax_attention
 from ._systems import block_sparse_attention, pooled_attention
 
 
-_FRONT_ENDS = {
+# each variant of the two families, by name, to its front end;
+# attnx/torch/_multihead.py adds the systems for its layers
+FRONT_ENDS = {
     "softmax": softmax_attention,
     "gaussian": gaussian_attention,
     **{front: getattr(_linear, variant.function) for front, variant in VARIANTS.items()},
@@ -96,9 +98,9 @@ def attention_weights(q, k, variant="softmax", **options):
     >>> q.grad.shape
     torch.Size([5, 3])
     """
-    if variant not in _FRONT_ENDS and variant not in _SYSTEM_VARIANTS:
+    if variant not in FRONT_ENDS and variant not in _SYSTEM_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of "
-                         f"{', '.join(map(repr, (*_FRONT_ENDS, *_SYSTEM_VARIANTS)))}")
+                         f"{', '.join(map(repr, (*FRONT_ENDS, *_SYSTEM_VARIANTS)))}")
     if {"return_lse", "dropout_p", "initial_state", "return_state"} & options.keys():
         raise TypeError("attention_weights takes no return_lse=, dropout_p=, initial_state= or "
                         "return_state=")
@@ -111,4 +113,4 @@ def attention_weights(q, k, variant="softmax", **options):
     if "method" in _PARAMETERS.get(variant, ()) and options.get("method") is None:
         # explicit similarities, as attnx.attention_weights computes them
         options["method"] = "quadratic"
-    return _FRONT_ENDS[variant](q, k, identity, **options)
+    return FRONT_ENDS[variant](q, k, identity, **options)
