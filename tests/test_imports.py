@@ -123,6 +123,11 @@ def test_the_attnx_import_graph_has_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_the_reference_imports_nothing_of_attnx():
+    """attnx/reference.py is numpy alone, an independent check of the C code."""
+    assert import_graph()["attnx.reference"] == set()
+
+
 def test_the_checker_finds_a_cycle():
     """The test above can fail: a cycle through a package's __init__ is seen."""
     assert find_cycle({"a": {"a.b"}, "a.b": {"a.c"}, "a.c": {"a"}}) == ["a", "a.b", "a.c", "a"]

@@ -6,7 +6,7 @@ performer_attention, efficient_attention, random_features, streaming
 states, and attention_weights / similarity for the kernelised variants.
 
 Everything is checked against the plain numpy float64 reference in
-tests/reference.py (itself tested in tests/test_reference.py), plus a
+attnx/reference.py (itself tested in tests/test_reference.py), plus a
 log-space FAVOR+ reference (below) for inputs whose literal features
 overflow.
 
@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import attnx
 
-import reference as ref  # noqa: E402
+import attnx.reference as ref
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
                      mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
 
