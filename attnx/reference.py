@@ -1,8 +1,12 @@
-"""Plain numpy float64 reference implementations of the attnx variants.
+"""Plain numpy float64 references of attnx's variants and gradients.
 
-Written straight from the formulas of docs/ (conventions.md, softmax.md, linear.md), with
-explicit n x m matrices: slow, simple and meant to be obviously correct.
-Nothing here imports attnx.
+Each function is written straight from the formula of docs/ (conventions.md,
+softmax.md, linear.md, gradients.md, delta_rule.md) with explicit n x m
+matrices or, for the delta rule, one token at a time: slow, simple and meant
+to be obviously correct. They use numpy alone, none of attnx's C code, so
+they are an independent check of the fast functions: attnx's tests compare
+every kernel with them, ``python -m attnx`` prints the difference, and they
+show what each option means (the slow reference kept beside the fast one).
 
 Conventions (docs/conventions.md):
 
@@ -10,22 +14,34 @@ Conventions (docs/conventions.md):
   leading axes broadcast like numpy's matmul.
 * Every variant is ``o_i = sum_j w_ij v_j`` with ``w_ij = s_ij / sum_j' s_ij'``
   over the visible keys; a row that sees no key gives zeros (lse ``-inf``).
-"""
+* Inputs of any dtype are read as float64; results are float64.
 
+Memory is O(n m) per head (O(n m r) nowhere): use them on small inputs.
+
+Examples
+--------
+>>> import numpy as np, attnx, attnx.reference
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((2, 6, 4)) for _ in range(3))
+>>> np.allclose(attnx.softmax_attention(q, k, v, causal=True),
+...             attnx.reference.softmax_attention(q, k, v, causal=True))
+True
+"""
 import math
 
 import numpy as np
 
 __all__ = [
     "visibility",
+    "softmax_logits",
     "softmax_similarity",
     "softmax_weights",
     "softmax_attention",
+    "gaussian_logits",
     "gaussian_similarity",
     "gaussian_weights",
     "gaussian_attention",
     "apply_feature_map",
-    "FEATURE_MAPS",
     "linear_similarity",
     "linear_weights",
     "linear_attention",
@@ -52,17 +68,47 @@ def _f64(x):
 # --------------------------------------------------------------------------
 
 def visibility(n, m, causal=False, mask=None, window=None):
-    """Boolean ``(..., n, m)`` array: may query i see key j?
+    """Which keys each query sees: the rule of docs/conventions.md.
 
-    docs/conventions.md, "Visibility": all of these must hold
+    Query i sees key j when all of these hold: ``causal=True`` or
+    ``"lower_right"``: ``j <= i + (m - n)``; ``causal="upper_left"``:
+    ``j <= i``; ``mask`` is True there; ``window=w`` (meaning ``(w, w)``) or
+    ``window=(left, right)`` (None for an open side): with
+    ``i' = i + (m - n)``, ``i' - left <= j <= i' + right``.
 
-    * ``causal=True`` / ``"lower_right"``: ``j <= i + (m - n)``;
-      ``causal="upper_left"``: ``j <= i``;
-    * ``mask`` (bool, broadcastable to ``(..., n, m)``) is True;
-    * ``window=w`` means ``(w, w)``; ``window=(left, right)`` with None for
-      an open side: with ``i' = i + (m - n)``, ``i' - left <= j <= i' + right``.
+    Parameters
+    ----------
+    n, m : int
+        The numbers of queries and keys.
+    causal : bool or {"lower_right", "upper_left"}, default False
+        The causal alignment (True is "lower_right").
+    mask : array_like of bool, optional
+        Broadcastable to ``(..., n, m)``; True = visible.
+    window : int or tuple of (int or None), optional
+        The band around the (aligned) diagonal.
 
-    Without a mask the result is ``(n, m)``.
+    Returns
+    -------
+    ndarray of bool
+        ``(n, m)``, or ``(..., n, m)`` when a mask has leading axes.
+
+    Raises
+    ------
+    ValueError
+        For an unknown `causal`.
+    TypeError
+        For a mask that is not boolean.
+
+    See Also
+    --------
+    attnx.plot.visibility : Draws this pattern.
+
+    Examples
+    --------
+    >>> import attnx.reference
+    >>> attnx.reference.visibility(2, 3, causal=True).astype(int)
+    array([[1, 1, 0],
+           [1, 1, 1]])
     """
     i = np.arange(n)[:, None]
     j = np.arange(m)[None, :]
@@ -119,7 +165,34 @@ def _weighted_sum(w, v):
 # --------------------------------------------------------------------------
 
 def softmax_logits(q, k, scale=None, bias=None):
-    """``a_ij = scale * q_i . k_j + b_ij`` (scale defaults to 1/sqrt(d))."""
+    """The logits ``a_ij = scale q_i k_j^T + b_ij`` of softmax attention.
+
+    Parameters
+    ----------
+    q : array_like
+        Queries ``(..., n, d)``.
+    k : array_like
+        Keys ``(..., m, d)``.
+    scale : float, optional
+        Default ``1 / sqrt(d)``.
+    bias : array_like, optional
+        Added to the logits, broadcastable to ``(..., n, m)``.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    softmax_weights : These logits normalised.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.softmax_logits(np.ones((1, 4)), np.ones((2, 4)))
+    array([[2., 2.]])
+    """
     q = _f64(q)
     k = _f64(k)
     d = q.shape[-1]
@@ -161,10 +234,32 @@ def _stable_softmax(a, vis):
 
 def softmax_similarity(q, k, scale=None, bias=None, causal=False, mask=None,
                        window=None):
-    """Unnormalised ``s_ij = exp(scale * q_i . k_j + b_ij)``; 0 where not visible.
+    """The unnormalised ``s_ij = exp(scale q_i k_j^T + b_ij)``, 0 where not visible.
 
-    ``scale`` defaults to ``1/sqrt(d)``. Not stabilised (it is the literal
-    definition), so it overflows for large logits.
+    The literal definition, not stabilised: it overflows for large logits.
+
+    Parameters
+    ----------
+    q, k, scale, bias
+        As in `softmax_logits`.
+    causal, mask, window
+        As in `visibility`.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.similarity : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.softmax_similarity(np.zeros((2, 3)), np.zeros((2, 3)), causal=True)
+    array([[1., 0.],
+           [1., 1.]])
     """
     a = softmax_logits(q, k, scale, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
@@ -175,8 +270,34 @@ def softmax_similarity(q, k, scale=None, bias=None, causal=False, mask=None,
 
 def softmax_weights(q, k, scale=None, bias=None, causal=False, mask=None,
                     window=None):
-    """``w_ij = s_ij / sum_j' s_ij'`` over visible keys (stable, row max
-    subtracted); all-zero rows for queries that see nothing."""
+    """The softmax weights ``w_ij = s_ij / sum_j' s_ij'`` over the visible keys.
+
+    Stable (the row's largest visible logit is subtracted first); a query
+    that sees no key gets a row of zeros.
+
+    Parameters
+    ----------
+    q, k, scale, bias
+        As in `softmax_logits`.
+    causal, mask, window
+        As in `visibility`.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.attention_weights : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.softmax_weights(np.zeros((2, 3)), np.zeros((2, 3)), causal=True)
+    array([[1. , 0. ],
+           [0.5, 0.5]])
+    """
     a = softmax_logits(q, k, scale, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
     w, _ = _stable_softmax(a, vis)
@@ -185,10 +306,39 @@ def softmax_weights(q, k, scale=None, bias=None, causal=False, mask=None,
 
 def softmax_attention(q, k, v, scale=None, causal=False, mask=None, bias=None,
                       window=None, return_lse=False):
-    """``o_i = sum_j w_ij v_j``, ``w_ij = softmax_j(scale q_i.k_j + b_ij)``.
+    """Softmax attention ``o_i = sum_j w_ij v_j``, ``w_ij = softmax_j(scale q_i k_j^T + b_ij)``.
 
-    With ``return_lse`` also ``lse_i = log sum_j exp(scale q_i.k_j + b_ij)``
-    over the visible keys (``-inf`` for a row that sees nothing).
+    Parameters
+    ----------
+    q, k, scale, bias
+        As in `softmax_logits`.
+    v : array_like
+        Values ``(..., m, e)``.
+    causal, mask, window
+        As in `visibility`.
+    return_lse : bool, default False
+        Also return ``lse_i = log sum_j exp(scale q_i . k_j + b_ij)`` over
+        the visible keys (``-inf`` for a row that sees nothing).
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., n, e)`` float64.
+    lse : ndarray
+        ``(..., n)``, with `return_lse` only.
+
+    See Also
+    --------
+    attnx.softmax_attention : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> np.allclose(attnx.reference.softmax_attention(q, k, v, window=1),
+    ...             attnx.softmax_attention(q, k, v, window=1))
+    True
     """
     a = softmax_logits(q, k, scale, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
@@ -209,7 +359,39 @@ def _check_sigma(sigma):
 
 
 def gaussian_logits(q, k, sigma=1.0, bias=None):
-    """``a_ij = -|q_i - k_j|^2 / (2 sigma^2) + b_ij`` from the distance itself."""
+    """The logits ``a_ij = -|q_i - k_j|^2 / (2 sigma^2) + b_ij``, from the distance itself.
+
+    Parameters
+    ----------
+    q : array_like
+        Queries ``(..., n, d)``.
+    k : array_like
+        Keys ``(..., m, d)``.
+    sigma : float, default 1.0
+        The kernel's width, finite and > 0.
+    bias : array_like, optional
+        Added to the logits, broadcastable to ``(..., n, m)``.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    Raises
+    ------
+    ValueError
+        For a `sigma` that is not finite and > 0.
+
+    See Also
+    --------
+    gaussian_weights : These logits normalised.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.gaussian_logits(np.zeros((1, 2)), np.array([[1.0, 1.0], [3.0, 1.0]]))
+    array([[-1., -5.]])
+    """
     _check_sigma(sigma)
     q = _f64(q)
     k = _f64(k)
@@ -226,7 +408,31 @@ def gaussian_logits(q, k, sigma=1.0, bias=None):
 
 def gaussian_similarity(q, k, sigma=1.0, bias=None, causal=False, mask=None,
                         window=None):
-    """``s_ij = exp(-|q_i - k_j|^2 / (2 sigma^2) + b_ij)``; 0 where not visible."""
+    """The unnormalised ``s_ij = exp(-|q_i - k_j|^2 / (2 sigma^2) + b_ij)``, 0 where not visible.
+
+    Parameters
+    ----------
+    q, k, sigma, bias
+        As in `gaussian_logits`.
+    causal, mask, window
+        As in `visibility`.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.similarity : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> mask = np.array([True, False, True])
+    >>> attnx.reference.gaussian_similarity(np.zeros((1, 2)), np.zeros((3, 2)), mask=mask)
+    array([[1., 0., 1.]])
+    """
     a = gaussian_logits(q, k, sigma, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
     a, vis = np.broadcast_arrays(a, vis)
@@ -236,7 +442,30 @@ def gaussian_similarity(q, k, sigma=1.0, bias=None, causal=False, mask=None,
 
 def gaussian_weights(q, k, sigma=1.0, bias=None, causal=False, mask=None,
                      window=None):
-    """Normalised gaussian weights, stabilised per row (row max subtracted)."""
+    """The Gaussian kernel's normalised weights, stabilised per row (row max subtracted).
+
+    Parameters
+    ----------
+    q, k, sigma, bias
+        As in `gaussian_logits`.
+    causal, mask, window
+        As in `visibility`.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64; a query that sees no key gets zeros.
+
+    See Also
+    --------
+    attnx.attention_weights : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.gaussian_weights(np.zeros((1, 2)), np.zeros((2, 2)))
+    array([[0.5, 0.5]])
+    """
     a = gaussian_logits(q, k, sigma, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
     w, _ = _stable_softmax(a, vis)
@@ -245,11 +474,41 @@ def gaussian_weights(q, k, sigma=1.0, bias=None, causal=False, mask=None,
 
 def gaussian_attention(q, k, v, sigma=1.0, causal=False, mask=None, bias=None,
                        window=None, return_lse=False):
-    """Nadaraya-Watson: ``o_i = sum_j s_ij v_j / sum_j s_ij`` with
-    ``s_ij = exp(-|q_i - k_j|^2 / (2 sigma^2) + b_ij)``.
+    """Gaussian kernel (Nadaraya-Watson) attention ``o_i = sum_j s_ij v_j / sum_j s_ij``.
 
-    ``lse_i = log sum_j s_ij`` (the log of this variant's own normaliser,
-    i.e. ``log(gaussian_similarity(...).sum(-1))``).
+    With ``s_ij = exp(-|q_i - k_j|^2 / (2 sigma^2) + b_ij)``.
+
+    Parameters
+    ----------
+    q, k, sigma, bias
+        As in `gaussian_logits`.
+    v : array_like
+        Values ``(..., m, e)``.
+    causal, mask, window
+        As in `visibility`.
+    return_lse : bool, default False
+        Also return ``lse_i = log sum_j s_ij`` (this variant's own
+        normaliser, ``log(gaussian_similarity(...).sum(-1))``).
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., n, e)`` float64.
+    lse : ndarray
+        ``(..., n)``, with `return_lse` only.
+
+    See Also
+    --------
+    attnx.gaussian_attention : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> np.allclose(attnx.reference.gaussian_attention(q, k, v, 2.0, causal=True),
+    ...             attnx.gaussian_attention(q, k, v, 2.0, causal=True))
+    True
     """
     a = gaussian_logits(q, k, sigma, bias)
     vis = visibility(a.shape[-2], a.shape[-1], causal, mask, window)
@@ -322,7 +581,7 @@ def _fm_identity(x, **_):
     return x
 
 
-FEATURE_MAPS = {
+_FEATURE_MAPS = {
     "elu": _fm_elu,
     "relu": _fm_relu,
     "softmax": _fm_softmax,
@@ -334,11 +593,51 @@ FEATURE_MAPS = {
 
 
 def apply_feature_map(x, name="elu", projection=None, p=3):
-    """Apply the named feature map (or a callable) to the last axis of x."""
+    """A named feature map of docs/linear.md (or a callable) on the last axis of `x`.
+
+    "elu": ``elu(x) + 1``; "relu": ``max(x, 0)``; "softmax": softmax over
+    the features; "taylor": ``[1, x / |x|]`` (d + 1 features; a zero vector
+    gives ``[1, 0, ...]``); "focused": ``|y| y**p / |y**p|`` with
+    ``y = relu(x)``; "favor": ``r**-0.5 exp(W x~ - |x~|^2 / 2)`` with
+    ``x~ = d**-0.25 x`` and ``W = projection`` (literal, unstabilised);
+    "identity": `x` itself (non-negative).
+
+    Parameters
+    ----------
+    x : array_like
+        ``(..., d)``.
+    name : str or callable, default "elu"
+        The map, or a function of a float64 array returning its features.
+    projection : array_like, optional
+        FAVOR+'s ``(r, d)`` matrix, for "favor" only.
+    p : float, default 3
+        The focusing power, for "focused" only.
+
+    Returns
+    -------
+    ndarray
+        ``(..., r)`` float64 features.
+
+    Raises
+    ------
+    ValueError
+        For "favor" without a ``(r, d)`` projection, or "identity" of
+        negative inputs.
+
+    See Also
+    --------
+    attnx.linear_attention : The fast linear attention with these maps.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.apply_feature_map(np.array([[0.0, 3.0, -4.0]]), "taylor")
+    array([[ 1. ,  0. ,  0.6, -0.8]])
+    """
     x = _f64(x)
     if callable(name):
         return _f64(name(x))
-    return FEATURE_MAPS[name](x, projection=projection, p=p)
+    return _FEATURE_MAPS[name](x, projection=projection, p=p)
 
 
 def _key_mask_to_mask(key_mask, mask):
@@ -356,7 +655,36 @@ def _key_mask_to_mask(key_mask, mask):
 
 def linear_similarity(q, k, feature_map="elu", causal=False, key_mask=None,
                       mask=None, window=None, projection=None, p=3):
-    """``s_ij = phi(q_i) . psi(k_j)`` over visible keys (0 elsewhere)."""
+    """The kernelised similarity ``s_ij = phi(q_i) phi(k_j)^T``, 0 where not visible.
+
+    Parameters
+    ----------
+    q : array_like
+        Queries ``(..., n, d)``.
+    k : array_like
+        Keys ``(..., m, d)``.
+    feature_map, projection, p
+        As in `apply_feature_map`.
+    causal, mask, window
+        As in `visibility`.
+    key_mask : array_like of bool, optional
+        ``(..., m)``: False leaves a key out for every query.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.similarity : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.linear_similarity(np.ones((1, 2)), np.array([[1.0, 0.0]]), "relu")
+    array([[1.]])
+    """
     fq = apply_feature_map(q, feature_map, projection, p)
     fk = apply_feature_map(k, feature_map, projection, p)
     s = np.matmul(fq, np.swapaxes(fk, -1, -2))
@@ -376,7 +704,30 @@ def _clamped_weights(s, eps):
 
 def linear_weights(q, k, feature_map="elu", causal=False, key_mask=None,
                    mask=None, window=None, eps=1e-6, projection=None, p=3):
-    """``w_ij = s_ij / max(sum_j s_ij, eps)`` with the linear ``s_ij``."""
+    """The kernelised weights ``w_ij = s_ij / max(sum_j s_ij, eps)``.
+
+    Parameters
+    ----------
+    q, k, feature_map, causal, key_mask, mask, window, projection, p
+        As in `linear_similarity`.
+    eps : float, default 1e-6
+        The floor of each row's normaliser.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.attention_weights : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.linear_weights(np.ones((1, 2)), np.array([[1.0, 0.0], [3.0, 0.0]]), "relu")
+    array([[0.25, 0.75]])
+    """
     s = linear_similarity(q, k, feature_map, causal, key_mask, mask, window,
                           projection, p)
     return _clamped_weights(s, eps)
@@ -384,9 +735,36 @@ def linear_weights(q, k, feature_map="elu", causal=False, key_mask=None,
 
 def linear_attention(q, k, v, feature_map="elu", causal=False, key_mask=None,
                      mask=None, window=None, eps=1e-6, projection=None, p=3):
-    """``o_i = phi(q_i) S / max(phi(q_i) . z, eps)``, ``S = sum_j psi(k_j) v_j^T``,
-    ``z = sum_j psi(k_j)`` over the visible keys; computed as
-    ``o = W @ v`` with ``W = linear_weights(...)``."""
+    """Linear attention ``o_i = phi(q_i) S / max(phi(q_i) z, eps)``.
+
+    With ``S = sum_j phi(k_j) v_j^T`` and ``z = sum_j phi(k_j)`` over the
+    visible keys; computed as ``W @ v`` with ``W = linear_weights(...)``.
+
+    Parameters
+    ----------
+    q, k, feature_map, causal, key_mask, mask, window, eps, projection, p
+        As in `linear_weights`.
+    v : array_like
+        Values ``(..., m, e)``.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, e)`` float64.
+
+    See Also
+    --------
+    attnx.linear_attention : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> np.allclose(attnx.reference.linear_attention(q, k, v, "elu", causal=True),
+    ...             attnx.linear_attention(q, k, v, feature_map="elu", causal=True))
+    True
+    """
     w = linear_weights(q, k, feature_map, causal, key_mask, mask, window, eps,
                        projection, p)
     return _weighted_sum(w, v)
@@ -398,9 +776,41 @@ def linear_attention(q, k, v, feature_map="elu", causal=False, key_mask=None,
 
 def cosformer_similarity(q, k, causal=False, key_mask=None, M=None, offset=0,
                          mask=None, window=None):
-    """``s_ij = relu(q_i) . relu(k_j) * cos(pi/2 * (i - j) / M)`` with 1-based
-    positions (queries 1..n, keys 1..m, both shifted by ``offset``);
-    ``M`` defaults to ``max(n, m)``."""
+    """cosFormer's ``s_ij = relu(q_i) relu(k_j)^T cos(pi/2 (i - j) / M)``, 0 where not visible.
+
+    Positions are 1-based (queries 1..n, keys 1..m), both shifted by `offset`.
+
+    Parameters
+    ----------
+    q : array_like
+        Queries ``(..., n, d)``.
+    k : array_like
+        Keys ``(..., m, d)``.
+    causal, mask, window
+        As in `visibility`.
+    key_mask : array_like of bool, optional
+        ``(..., m)``: False leaves a key out for every query.
+    M : float, optional
+        The reweighting's length, default ``max(n, m)``.
+    offset : int, default 0
+        The position of the first token (streaming).
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.similarity : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.cosformer_similarity(np.ones((2, 1)), np.ones((2, 1))).round(3)
+    array([[1.   , 0.707],
+           [0.707, 1.   ]])
+    """
     q = _f64(q)
     k = _f64(k)
     n, m = q.shape[-2], k.shape[-2]
@@ -418,14 +828,64 @@ def cosformer_similarity(q, k, causal=False, key_mask=None, M=None, offset=0,
 
 def cosformer_weights(q, k, causal=False, key_mask=None, M=None, offset=0,
                       mask=None, window=None, eps=1e-6):
-    """``w_ij = s_ij / max(sum_j s_ij, eps)`` with the cosFormer ``s_ij``."""
+    """cosFormer's weights ``w_ij = s_ij / max(sum_j s_ij, eps)``.
+
+    Parameters
+    ----------
+    q, k, causal, key_mask, M, offset, mask, window
+        As in `cosformer_similarity`.
+    eps : float, default 1e-6
+        The floor of each row's normaliser.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.attention_weights : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.cosformer_weights(np.ones((2, 1)), np.ones((2, 1)), causal=True).round(3)
+    array([[1.   , 0.   ],
+           [0.414, 0.586]])
+    """
     s = cosformer_similarity(q, k, causal, key_mask, M, offset, mask, window)
     return _clamped_weights(s, eps)
 
 
 def cosformer_attention(q, k, v, causal=False, key_mask=None, M=None, offset=0,
                         mask=None, window=None, eps=1e-6):
-    """``o = W @ v`` with the cosFormer weights."""
+    """cosFormer attention, ``W @ v`` with the weights of `cosformer_weights`.
+
+    Parameters
+    ----------
+    q, k, causal, key_mask, M, offset, mask, window, eps
+        As in `cosformer_weights`.
+    v : array_like
+        Values ``(..., m, e)``.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, e)`` float64.
+
+    See Also
+    --------
+    attnx.cosformer_attention : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> np.allclose(attnx.reference.cosformer_attention(q, k, v, causal=True),
+    ...             attnx.cosformer_attention(q, k, v, causal=True))
+    True
+    """
     w = cosformer_weights(q, k, causal, key_mask, M, offset, mask, window, eps)
     return _weighted_sum(w, v)
 
@@ -462,24 +922,102 @@ def _efficient_features(q, k, key_mask=None):
 
 
 def efficient_weights(q, k, key_mask=None):
-    """``W = rho_q(Q) rho_k(K)^T`` (n x m); rows sum to 1 exactly whenever
-    some key is visible."""
+    """Efficient attention's weights ``W = rho_q(Q) rho_k(K)^T``.
+
+    ``rho_q``: softmax of each query over its features; ``rho_k``: softmax
+    of each key feature over the visible keys. Rows sum to 1 whenever some
+    key is visible.
+
+    Parameters
+    ----------
+    q : array_like
+        Queries ``(..., n, d)``.
+    k : array_like
+        Keys ``(..., m, d)``.
+    key_mask : array_like of bool, optional
+        ``(..., m)``: False leaves a key out.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, m)`` float64.
+
+    See Also
+    --------
+    attnx.attention_weights : attnx's, for every variant.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.efficient_weights(np.zeros((1, 2)), np.zeros((4, 2)))
+    array([[0.25, 0.25, 0.25, 0.25]])
+    """
     rq, rk = _efficient_features(q, k, key_mask)
     return np.matmul(rq, np.swapaxes(rk, -1, -2))
 
 
 def efficient_attention(q, k, v, key_mask=None):
-    """``o = rho_q(Q) (rho_k(K)^T V)``."""
+    """Efficient attention (Shen et al.) ``o = rho_q(Q) (rho_k(K)^T V)``.
+
+    Parameters
+    ----------
+    q, k, key_mask
+        As in `efficient_weights`.
+    v : array_like
+        Values ``(..., m, e)``.
+
+    Returns
+    -------
+    ndarray
+        ``(..., n, e)`` float64.
+
+    See Also
+    --------
+    attnx.efficient_attention : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> np.allclose(attnx.reference.efficient_attention(q, k, v),
+    ...             attnx.efficient_attention(q, k, v))
+    True
+    """
     rq, rk = _efficient_features(q, k, key_mask)
     return np.matmul(rq, np.matmul(np.swapaxes(rk, -1, -2), _f64(v)))
 
 
 # --------------------------------------------------------------------------
-# gradients (moved from tests/reference_grad.py)
+# Gradients of softmax and Gaussian attention, docs/gradients.md: the chain
+# rule over explicit n x m matrices, at the broadcast batch shape
 # --------------------------------------------------------------------------
 
 def reduce_to(grad, shape):
-    """Sum ``grad`` over the axes its input was broadcast along."""
+    """`grad` summed over the axes its input was broadcast along, down to `shape`.
+
+    Parameters
+    ----------
+    grad : ndarray
+        A gradient at the broadcast shape.
+    shape : tuple of int
+        The input's shape.
+
+    Returns
+    -------
+    ndarray
+        Of `shape`.
+
+    See Also
+    --------
+    softmax_attention_grads : Whose gradients are at the broadcast shape.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx.reference
+    >>> attnx.reference.reduce_to(np.ones((3, 2, 4)), (1, 4))
+    array([[6., 6., 6., 6.]])
+    """
     shape = tuple(shape)
     while grad.ndim > len(shape):
         grad = grad.sum(axis=0)
@@ -501,9 +1039,46 @@ def _weight_grads(w, v, dout):
 
 def softmax_attention_grads(dout, q, k, v, scale=None, causal=False, mask=None, bias=None,
                             window=None, dropout_keep=None, dropout_p=0.0):
-    """(dq, dk, dv, dbias) of softmax attention, logits a = scale q.k + b.
-    dropout_keep: the boolean keep mask of the weights (kept ones scaled
-    by 1 / (1 - dropout_p)), or None."""
+    """The gradients of ``sum(dout * softmax_attention(q, k, v, ...))``.
+
+    From the chain rule through the logits ``a = scale q . k + b``:
+    ``dv = w^T dout``, ``da = w * (dw - sum_j w dw)`` with
+    ``dw = dout v^T``, ``dq = scale da k``, ``dk = scale da^T q``,
+    ``dbias = da``.
+
+    Parameters
+    ----------
+    dout : array_like
+        ``(..., n, e)``, the gradient of the output.
+    q, k, v, scale, causal, mask, bias, window
+        As in `softmax_attention`.
+    dropout_keep : ndarray of bool, optional
+        The keep mask of the weights (`dropout_keep`); kept weights are
+        scaled by ``1 / (1 - dropout_p)``.
+    dropout_p : float, default 0.0
+        The dropout probability that goes with `dropout_keep`.
+
+    Returns
+    -------
+    dq, dk, dv, dbias : ndarray
+        float64, at the broadcast batch shape (`reduce_to` sums one down to
+        its input's shape); dbias is ``(..., n, m)``.
+
+    See Also
+    --------
+    attnx.softmax_attention_backward : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dout = (rng.standard_normal((5, 4)) for _ in range(4))
+    >>> dq, dk, dv, _ = attnx.reference.softmax_attention_grads(dout, q, k, v, causal=True)
+    >>> out, lse = attnx.softmax_attention(q, k, v, causal=True, return_lse=True)
+    >>> g = attnx.softmax_attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> all(np.allclose(a, b) for a, b in zip((dq, dk, dv), (g.q, g.k, g.v)))
+    True
+    """
     q, k = _f64(q), _f64(k)
     d = q.shape[-1]
     scale = 1 / np.sqrt(d) if scale is None else scale
@@ -524,9 +1099,39 @@ def softmax_attention_grads(dout, q, k, v, scale=None, causal=False, mask=None, 
 
 def gaussian_attention_grads(dout, q, k, v, sigma=1.0, causal=False, mask=None, bias=None,
                              window=None):
-    """(dq, dk, dv, dbias) of gaussian attention, logits
-    a_ij = -|q_i - k_j|^2 / (2 sigma^2) + b_ij: da/dq_i = (k_j - q_i) / sigma^2,
-    da/dk_j = (q_i - k_j) / sigma^2."""
+    """The gradients of ``sum(dout * gaussian_attention(q, k, v, sigma, ...))``.
+
+    Through the logits ``a_ij = -|q_i - k_j|^2 / (2 sigma^2) + b_ij``:
+    ``da_ij / dq_i = (k_j - q_i) / sigma^2``,
+    ``da_ij / dk_j = (q_i - k_j) / sigma^2``.
+
+    Parameters
+    ----------
+    dout : array_like
+        ``(..., n, e)``, the gradient of the output.
+    q, k, v, sigma, causal, mask, bias, window
+        As in `gaussian_attention`.
+
+    Returns
+    -------
+    dq, dk, dv, dbias : ndarray
+        float64, at the broadcast batch shape; dbias is ``(..., n, m)``.
+
+    See Also
+    --------
+    attnx.gaussian_attention_backward : The fast one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dout = (rng.standard_normal((5, 4)) for _ in range(4))
+    >>> dq, dk, dv, _ = attnx.reference.gaussian_attention_grads(dout, q, k, v, 2.0)
+    >>> out, lse = attnx.gaussian_attention(q, k, v, 2.0, return_lse=True)
+    >>> g = attnx.gaussian_attention_backward(dout, q, k, v, out, lse, 2.0)
+    >>> all(np.allclose(a, b) for a, b in zip((dq, dk, dv), (g.q, g.k, g.v)))
+    True
+    """
     q, k = _f64(q), _f64(k)
     w = gaussian_weights(q, k, sigma=sigma, bias=bias, causal=causal, mask=mask, window=window)
     d_logits, dv = _weight_grads(w, v, dout)
@@ -547,8 +1152,31 @@ _MASK32 = 0xFFFFFFFF
 
 
 def philox4x32_10(counter, key):
-    """Philox4x32-10 of Salmon et al. (SC 2011) on uint64 arrays holding
-    32-bit words: counter (4, ...) and key (2,) -> (4, ...)."""
+    """The counter-based generator Philox4x32-10 (Salmon et al., SC 2011).
+
+    Parameters
+    ----------
+    counter : sequence of 4 array_like
+        The counter's four 32-bit words (held in any integer arrays of one
+        shape).
+    key : sequence of 2 int
+        The key's two 32-bit words.
+
+    Returns
+    -------
+    ndarray of uint64
+        ``(4, ...)``: the four 32-bit output words of each counter.
+
+    See Also
+    --------
+    dropout_keep : attnx's dropout decisions from these words.
+
+    Examples
+    --------
+    >>> import attnx.reference
+    >>> [hex(int(word)) for word in attnx.reference.philox4x32_10((0, 0, 0, 0), (0, 0))]
+    ['0x6627e8d5', '0xe169c58d', '0xbc57ac4c', '0x9b00dbd8']
+    """
     c0, c1, c2, c3 = (np.asarray(word, dtype=np.uint64) for word in counter)
     k0, k1 = np.uint64(key[0]), np.uint64(key[1])
     for round_index in range(10):
@@ -563,10 +1191,43 @@ def philox4x32_10(counter, key):
 
 
 def dropout_keep(seed, p, lead, n, m):
-    """The keep mask (lead + (n, m)) of attention dropout: weight (head, i, j)
-    is kept when word j % 4 of Philox(counter = (i, j // 4, head low, head
-    high), key = (seed low, seed high)) is at least floor(p 2^32); head is
-    the flat C-order index of the leading axes."""
+    """The keep mask of attnx's attention dropout (``dropout_p=``, ``seed=``).
+
+    Weight (head, i, j) is kept when word ``j % 4`` of
+    ``philox4x32_10(counter=(i, j // 4, head low, head high), key=(seed low,
+    seed high))`` is at least ``floor(p 2**32)``; head is the flat C-order
+    index of the leading axes.
+
+    Parameters
+    ----------
+    seed : int
+        The dropout seed (64 bits).
+    p : float
+        The dropout probability.
+    lead : tuple of int
+        The leading (batch, head) axes.
+    n, m : int
+        The numbers of queries and keys.
+
+    Returns
+    -------
+    ndarray of bool
+        ``lead + (n, m)``: True where the weight is kept.
+
+    See Also
+    --------
+    attnx.softmax_attention : Its ``dropout_p`` and ``seed`` options.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> q = np.random.default_rng(0).standard_normal((2, 6, 4))
+    >>> keep = attnx.reference.dropout_keep(7, 0.5, (2,), 6, 6)
+    >>> w = attnx.reference.softmax_weights(q, q) * keep / 0.5
+    >>> v = np.eye(6)
+    >>> np.allclose(attnx.softmax_attention(q, q, v, dropout_p=0.5, seed=7), w @ v)
+    True
+    """
     heads = int(np.prod(lead, dtype=np.int64))
     head, i, j = np.meshgrid(np.arange(heads, dtype=np.uint64), np.arange(n, dtype=np.uint64),
                              np.arange(m, dtype=np.uint64), indexing="ij")
@@ -577,21 +1238,63 @@ def dropout_keep(seed, p, lead, n, m):
 
 
 # --------------------------------------------------------------------------
-# the delta rule (moved from tests/reference_delta.py)
+# The delta rule, docs/delta_rule.md: its recurrence, one token at a time
 # --------------------------------------------------------------------------
 
-def l2norm(x):
+def _l2norm(x):
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
 
 
 def delta_rule(q, k, v, beta, g=None, scale=None, qk_l2norm=False, initial_state=None):
-    """q, k (H, n, dk); v (H, n, dv); beta (H, n); g None, (H, n) or
-    (H, n, dk); initial_state (H, dk, dv). Returns (out (H, n, dv), S)."""
+    """The (gated) delta rule by its recurrence, one token at a time (no chunks).
+
+    For each head and token t: ``S <- exp(g_t) S`` (per key feature when
+    `g` has one value per feature), ``u = beta_t (v_t - S^T k_t)``,
+    ``S <- S + k_t u^T``, ``o_t = S^T (scale q_t)``.
+
+    Parameters
+    ----------
+    q, k : array_like
+        ``(H, n, dk)``.
+    v : array_like
+        ``(H, n, dv)``.
+    beta : array_like
+        ``(H, n)``, the write strengths.
+    g : array_like, optional
+        The log decays, ``(H, n)`` or ``(H, n, dk)``; None for no decay.
+    scale : float, optional
+        Of the queries, default ``dk ** -0.5``.
+    qk_l2norm : bool, default False
+        Normalise q and k to unit length first (``x / sqrt(|x|^2 + 1e-6)``).
+    initial_state : array_like, optional
+        ``(H, dk, dv)``, default zeros.
+
+    Returns
+    -------
+    out : ndarray
+        ``(H, n, dv)`` float64.
+    state : ndarray
+        ``(H, dk, dv)``, the state after the last token.
+
+    See Also
+    --------
+    attnx.delta_rule_attention : The fast, chunked one.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx, attnx.reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 5, 4)) / 2 for _ in range(3))
+    >>> beta, g = np.full((2, 5), 0.5), np.full((2, 5), -0.1)
+    >>> out, _ = attnx.reference.delta_rule(q, k, v, beta, g)
+    >>> np.allclose(out, attnx.delta_rule_attention(q, k, v, beta, g))
+    True
+    """
     q, k, v, beta = (np.asarray(x, np.float64) for x in (q, k, v, beta))
     H, n, dk = q.shape
     dv = v.shape[-1]
     if qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = _l2norm(q), _l2norm(k)
     q = q * (dk ** -0.5 if scale is None else scale)
     S = np.zeros((H, dk, dv)) if initial_state is None else np.array(initial_state, np.float64)
     out = np.zeros((H, n, dv))
