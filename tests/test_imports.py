@@ -10,10 +10,9 @@ only moves the moment, so it counts). Relative imports and absolute
 * ``import attnx.x.y`` and ``from attnx.x import y`` where ``y`` is a
   module give the edge to ``attnx.x.y``; ``from attnx.x import name``
   where ``name`` is not a module gives the edge to ``attnx.x``.
-* Loading a module first initialises the packages above it, which Python
-  always does before the module itself, so that is no edge: a package
-  importing its children (``attnx/__init__.py`` re-exporting them) points
-  down.
+* Python initialises a package before any module in it, so the packages
+  above a module are no edges of that module. A package importing its
+  children (``attnx/__init__.py`` re-exporting them) is an edge down.
 * A child importing its package (``import attnx``, ``from attnx import
   softmax_attention``, ``from .. import name`` of a non-module) points up,
   at the package's ``__init__``. Within what ``attnx/__init__.py`` imports,
