@@ -1,19 +1,12 @@
 """python -m attnx: every variant on built-in example data, beside a plain
-numpy float64 computation of the same formula. It checks results, not
+numpy float64 computation of the same formula (attnx.reference, or here
+for the systems it does not hold). It checks results, not
 speed: timings of calls this small, on one run, would say little (numpy
 could even look faster), so speed is left to benchmarks/ (its README)."""
 import numpy as np
 
 import attnx
-
-
-def numpy_softmax_attention(q, k, v, scale, visible):
-    scores = scale * q @ np.swapaxes(k, -1, -2)
-    scores = np.where(visible, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0))
-    weights /= np.maximum(weights.sum(axis=-1, keepdims=True), np.finfo(float).tiny)
-    return weights @ v
+import attnx.reference as reference
 
 
 def example_data(rng, heads=4, n=256, m=256, d=64, e=64):
@@ -23,106 +16,45 @@ def example_data(rng, heads=4, n=256, m=256, d=64, e=64):
     return q, k, v
 
 
-def numpy_gaussian_attention(q, k, v, sigma):
-    sq_dist = ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1)
-    log_s = -sq_dist / (2 * sigma**2)
-    weights = np.exp(log_s - log_s.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True) @ v
-
-
-def numpy_features(name, x, projection=None, p=3):
-    """The feature maps of docs/linear.md, plainly."""
-    if name == "elu":
-        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
-    if name == "relu":
-        return np.maximum(x, 0)
-    if name == "softmax":
-        e = np.exp(x - x.max(axis=-1, keepdims=True))
-        return e / e.sum(axis=-1, keepdims=True)
-    if name == "taylor":
-        norm = np.linalg.norm(x, axis=-1, keepdims=True)
-        return np.concatenate([np.ones_like(norm), x / np.where(norm == 0, 1, norm)], axis=-1)
-    if name == "focused":
-        y = np.maximum(x, 0)
-        y_norm, yp = np.linalg.norm(y, axis=-1, keepdims=True), y**p
-        yp_norm = np.linalg.norm(yp, axis=-1, keepdims=True)
-        return y_norm * yp / np.where(yp_norm == 0, 1, yp_norm)
-    if name == "favor":
-        r, d = projection.shape
-        xt = x * d**-0.25
-        return r**-0.5 * np.exp(xt @ projection.T - (xt**2).sum(-1, keepdims=True) / 2)
-    raise ValueError(name)
-
-
-def numpy_kernelised_attention(s, v, eps=1e-6):
-    """o_i = sum_j s_ij v_j / max(sum_j s_ij, eps), s already masked."""
-    mass = s.sum(axis=-1, keepdims=True)
-    return np.where(mass == 0, 0, s / np.maximum(mass, eps)) @ v
-
-
-def numpy_linear(q, k, v, name, causal=False, **feature_options):
-    phi_q, phi_k = numpy_features(name, q, **feature_options), numpy_features(name, k, **feature_options)
-    s = phi_q @ np.swapaxes(phi_k, -1, -2)
-    if causal:
-        s = np.tril(s, k.shape[-2] - q.shape[-2])
-    return numpy_kernelised_attention(s, v)
-
-
-def numpy_cosformer(q, k, v, causal=False):
-    n, m = q.shape[-2], k.shape[-2]
-    positions_q, positions_k = np.arange(1, n + 1), np.arange(1, m + 1)
-    cos = np.cos(np.pi / 2 * (positions_q[:, None] - positions_k[None, :]) / max(n, m))
-    s = (np.maximum(q, 0) @ np.swapaxes(np.maximum(k, 0), -1, -2)) * cos
-    return numpy_kernelised_attention(np.tril(s) if causal else s, v)
-
-
-def numpy_efficient(q, k, v):
-    rho_q = numpy_features("softmax", q)
-    rho_k = np.exp(k - k.max(axis=-2, keepdims=True))
-    rho_k /= rho_k.sum(axis=-2, keepdims=True)
-    return rho_q @ (np.swapaxes(rho_k, -1, -2) @ v)
-
-
 def cases(q, k, v):
     """(name, attnx call, numpy call) for every variant."""
     n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    everything = np.ones((n, m), dtype=bool)
-    lower_right = np.tril(everything, m - n)
+    lower_right = np.tril(np.ones((n, m), dtype=bool), m - n)
     padding = np.ones((1, 1, 1, m), dtype=bool)
     padding[..., m - 40:] = False
     band = np.abs(np.arange(n)[:, None] + (m - n) - np.arange(m)[None, :]) <= 16
-    scale = 1 / np.sqrt(d)
     rows = [
         ("softmax", lambda: attnx.softmax_attention(q, k, v),
-         lambda: numpy_softmax_attention(q, k, v, scale, everything)),
+         lambda: reference.softmax_attention(q, k, v)),
         ("softmax causal", lambda: attnx.softmax_attention(q, k, v, causal=True),
-         lambda: numpy_softmax_attention(q, k, v, scale, lower_right)),
+         lambda: reference.softmax_attention(q, k, v, mask=lower_right)),
         ("softmax key padding", lambda: attnx.softmax_attention(q, k, v, mask=padding),
-         lambda: numpy_softmax_attention(q, k, v, scale, padding)),
+         lambda: reference.softmax_attention(q, k, v, mask=padding)),
         ("softmax window 16", lambda: attnx.softmax_attention(q, k, v, window=16),
-         lambda: numpy_softmax_attention(q, k, v, scale, band)),
+         lambda: reference.softmax_attention(q, k, v, mask=band)),
         ("gaussian sigma=8", lambda: attnx.gaussian_attention(q, k, v, 8.0),
-         lambda: numpy_gaussian_attention(q, k, v, 8.0)),
+         lambda: reference.gaussian_attention(q, k, v, 8.0)),
     ]
     for name in ("elu", "relu", "softmax", "taylor", "focused"):
         for is_causal in (False, True):
             label = f"linear {name}" + (" causal" if is_causal else "")
             rows.append((label,
                          lambda name=name, c=is_causal: attnx.linear_attention(q, k, v, feature_map=name, causal=c),
-                         lambda name=name, c=is_causal: numpy_linear(q, k, v, name, c)))
+                         lambda name=name, c=is_causal: reference.linear_attention(q, k, v, name, c)))
     projection = attnx.random_features(256, d, seed=0)
     rows += [
         ("performer (FAVOR+, r=256)",
          lambda: attnx.performer_attention(q, k, v, projection=projection),
-         lambda: numpy_linear(q, k, v, "favor", projection=projection)),
+         lambda: reference.linear_attention(q, k, v, "favor", projection=projection)),
         ("performer causal",
          lambda: attnx.performer_attention(q, k, v, projection=projection, causal=True),
-         lambda: numpy_linear(q, k, v, "favor", causal=True, projection=projection)),
-        ("cosformer", lambda: attnx.cosformer_attention(q, k, v), lambda: numpy_cosformer(q, k, v)),
+         lambda: reference.linear_attention(q, k, v, "favor", causal=True, projection=projection)),
+        ("cosformer", lambda: attnx.cosformer_attention(q, k, v),
+         lambda: reference.cosformer_attention(q, k, v)),
         ("cosformer causal", lambda: attnx.cosformer_attention(q, k, v, causal=True),
-         lambda: numpy_cosformer(q, k, v, causal=True)),
+         lambda: reference.cosformer_attention(q, k, v, causal=True)),
         ("efficient (Shen et al.)", lambda: attnx.efficient_attention(q, k, v),
-         lambda: numpy_efficient(q, k, v)),
+         lambda: reference.efficient_attention(q, k, v)),
     ]
     return rows
 
@@ -146,7 +78,7 @@ def numpy_multi_head(x, w_q, w_k, w_v, w_o, heads):
     for h in range(heads):
         cols = slice(h * d, (h + 1) * d)
         q, k, v = x @ w_q[:, cols], x @ w_k[:, cols], x @ w_v[:, cols]
-        outputs.append(numpy_softmax_attention(q, k, v, 1 / np.sqrt(d), np.ones((x.shape[-2],) * 2, bool)))
+        outputs.append(reference.softmax_attention(q, k, v))
     return np.concatenate(outputs, axis=-1) @ w_o
 
 
@@ -167,33 +99,20 @@ def numpy_lsh_visible(buckets, chunk):
     return visible
 
 
-def numpy_delta_rule(q, k, v, beta, g):
-    """the gated delta rule token by token: S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q"""
-    q = q / np.sqrt(q.shape[-1])
-    S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]))
-    out = np.empty(q.shape[:-1] + (v.shape[-1],))
-    for t in range(q.shape[-2]):
-        S *= np.exp(g[..., t])[..., None, None]
-        u = beta[..., t, None] * (v[..., t, :] - np.einsum("...kv,...k->...v", S, k[..., t, :]))
-        S += k[..., t, :, None] * u[..., None, :]
-        out[..., t, :] = np.einsum("...kv,...k->...v", S, q[..., t, :])
-    return out
-
-
 def numpy_lsh(q, v, n_buckets, n_hashes, chunk):
     """Softmax of q against q / |q| under the union of the rounds' visibility."""
     buckets = attnx.lsh_buckets(q, n_buckets, n_hashes)  # the hashing, exposed
     visible = np.stack([numpy_lsh_visible(b, chunk) for b in buckets.reshape(-1, *buckets.shape[-2:])])
     keys = q / np.linalg.norm(q, axis=-1, keepdims=True)
-    return numpy_softmax_attention(q, keys, v, 1 / np.sqrt(q.shape[-1]),
-                                   visible.reshape(q.shape[:-2] + visible.shape[-2:]))
+    return reference.softmax_attention(q, keys, v,
+                                       mask=visible.reshape(q.shape[:-2] + visible.shape[-2:]))
 
 
 def systems_cases(q, k, v):
     """(name, attnx call, numpy call) for positions, block-sparse, pooled,
     Linformer, Reformer's LSH and the multi-head layer."""
-    n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    block, scale = 16, 1 / np.sqrt(d)
+    n, m = q.shape[-2], k.shape[-2]
+    block = 16
     layout = attnx.layouts.bigbird(-(-n // block), 1, 1, 1, seed=0)
     expanded = np.kron(layout, np.ones((block, block), dtype=bool))[:n, :m]
     projection = np.random.default_rng(1).standard_normal((64, m)) / np.sqrt(m)
@@ -205,16 +124,16 @@ def systems_cases(q, k, v):
         ("rotary positions (RoPE)", lambda: attnx.rotary(q), lambda: numpy_rotary(q)),
         (f"block-sparse bigbird {layout.mean():.0%}",
          lambda: attnx.block_sparse_attention(q, k, v, layout, block),
-         lambda: numpy_softmax_attention(q, k, v, scale, expanded)),
+         lambda: reference.softmax_attention(q, k, v, mask=expanded)),
         ("pooled keys, stride 4", lambda: attnx.pooled_attention(q, k, v, 4),
-         lambda: numpy_softmax_attention(q, numpy_pool_mean(k, 4), numpy_pool_mean(v, 4), scale, True)),
+         lambda: reference.softmax_attention(q, numpy_pool_mean(k, 4), numpy_pool_mean(v, 4))),
         ("linformer r=64", lambda: attnx.linformer_attention(q, k, v, projection),
-         lambda: numpy_softmax_attention(q, projection @ k, projection @ v, scale, True)),
+         lambda: reference.softmax_attention(q, projection @ k, projection @ v)),
         ("LSH 8 buckets x 2, chunk 32", lambda: attnx.lsh_attention(q, v, 8, 2, 32),
          lambda: numpy_lsh(q, v, 8, 2, 32)),
         ("gated delta rule, chunk 64",
          lambda: attnx.delta_rule_attention(q, k / 8, v, beta, gate),
-         lambda: numpy_delta_rule(q, k / 8, v, beta, gate)),
+         lambda: reference.delta_rule(q[0], k[0] / 8, v[0], beta[0], gate[0])[0][None]),
         ("multi-head layer, 4 heads", lambda: attnx.multi_head_attention(x, x, w_q, w_k, w_v, w_o, 4),
          lambda: numpy_multi_head(x, w_q, w_k, w_v, w_o, 4)),
     ]

@@ -24,7 +24,7 @@ import torch
 
 import attnx
 import attnx.torch as at
-from attnx import _torch_delta
+from attnx.torch import _delta as _torch_delta
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen
 
 

@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnx
-import reference as ref
+import attnx.reference as ref
 from helpers import dispatched, hypothesis_settings, kernels_here, tol
-from reference_grad import (dropout_keep, gaussian_attention_grads, reduce_to,
+from attnx.reference import (dropout_keep, gaussian_attention_grads, reduce_to,
                             softmax_attention_grads)
 
 

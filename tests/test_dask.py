@@ -3,7 +3,7 @@
 Every chunking of the leading axes, the queries and the keys must give the
 single-machine call's result (float64 within 1e-10, the suite's tolerance),
 and that call is itself checked here against the numpy float64 reference
-(tests/reference.py) for the mask modes the splitting touches. Most tests
+(attnx/reference.py) for the mask modes the splitting touches. Most tests
 run on dask's synchronous scheduler; a few run on a LocalCluster of two
 worker processes.
 """
@@ -19,7 +19,7 @@ import dask  # noqa: E402
 import attnx  # noqa: E402
 import attnx.dask as ad  # noqa: E402
 
-import reference as ref  # noqa: E402
+import attnx.reference as ref
 from helpers import assert_close, hypothesis_settings, make, qkv  # noqa: E402
 
 HYP = hypothesis_settings(40)

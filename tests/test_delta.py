@@ -1,5 +1,5 @@
 """attnx.delta_rule_attention and its backward (csrc/delta.c) against the
-token-by-token numpy reference (tests/reference_delta.py), a float64 torch
+token-by-token numpy reference (attnx/reference.py), a float64 torch
 recurrence under autograd, transformers' own torch functions, and the
 properties the chunk form must keep."""
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import attnx
-from reference_delta import delta_rule as reference
+from attnx.reference import delta_rule as reference
 
 RTOL64 = 1e-10
 

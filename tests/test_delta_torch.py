@@ -1,4 +1,4 @@
-"""attnx.torch's delta rule operators (attnx/_torch_delta.py) against
+"""attnx.torch's delta rule operators (attnx/torch/_delta.py) against
 transformers' torch functions, autograd and torch.compile."""
 import numpy as np
 import pytest

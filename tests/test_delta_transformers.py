@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 import attnx.torch as at  # noqa: E402
-from attnx import _torch_delta  # noqa: E402
+from attnx.torch import _delta as _torch_delta  # noqa: E402
 
 
 def qwen3_next_config():

@@ -1,7 +1,8 @@
 """Every public function and class of attnx, attnx.torch, attnx.dask,
 attnx.plot and attnx.layouts has a complete docstring in the numpy
-convention (the sections of SECTIONS), and the code of its Examples
-section runs as a doctest: each docstring's examples in a fresh namespace,
+convention (the sections of SECTIONS; attnx.reference's functions those of
+REFERENCE_SECTIONS: each states its formula in its summary, so it needs no
+Notes, and most check no argument, so they need no Raises), and the code of its Examples section runs as a doctest: each docstring's examples in a fresh namespace,
 so they import what they use, as a reader pasting them would. The API
 reference of the documentation site (docs/api/) lists every public name.
 """
@@ -17,6 +18,7 @@ import pytest
 import attnx
 import attnx.layouts
 import attnx.plot
+import attnx.reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLOT_NAMES = ["weights", "compare", "mask", "kernel_regression", "visibility"]
@@ -32,7 +34,8 @@ def _public():
     """(qualified name, object or the missing package's name) of every
     public function and class."""
     modules = [(attnx, attnx.__all__), (attnx.plot, PLOT_NAMES),
-               (attnx.layouts, attnx.layouts.__all__)]
+               (attnx.layouts, attnx.layouts.__all__),
+               (attnx.reference, attnx.reference.__all__)]
     for name, package in OPTIONAL.items():
         if importlib.util.find_spec(package) is None:
             yield name + ".*", package
@@ -55,6 +58,7 @@ def _skip_if_missing(obj):
 
 PUBLIC = list(_public())
 SECTIONS = ["Parameters", "Returns", "Raises", "See Also", "Notes", "Examples"]
+REFERENCE_SECTIONS = ["Parameters", "Returns", "See Also", "Examples"]
 # what has no parameters
 NO_PARAMETERS = {"attnx.get_num_threads", "attnx.show_config", "attnx.cpu_dispatch",
                  "attnx.torch.register_delta_rule", "attnx.torch.unregister_delta_rule"}
@@ -69,7 +73,8 @@ def test_docstring_has_the_numpy_sections(name, obj):
     _skip_if_missing(obj)
     doc = obj.__doc__ or ""
     # a class documents its constructor's parameters and returns nothing
-    wanted = [s for s in SECTIONS if not (s == "Parameters" and name in NO_PARAMETERS)
+    sections = REFERENCE_SECTIONS if name.startswith("attnx.reference.") else SECTIONS
+    wanted = [s for s in sections if not (s == "Parameters" and name in NO_PARAMETERS)
               and not (s == "Returns" and isinstance(obj, type))]
     found = _sections(doc)
     assert [s for s in found if s in wanted] == wanted, (

@@ -12,7 +12,7 @@ import pytest
 import attnx
 from helpers import assert_close, dispatched, f64, kernels_here, qkv, vscale
 
-import reference as ref  # noqa: E402
+import attnx.reference as ref
 
 D = 8
 PROJECTION = attnx.random_features(12, D, seed=3)

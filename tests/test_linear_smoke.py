@@ -1,6 +1,6 @@
 """Quick checks of the kernelised (linear) family against plain numpy float64
 formulas written here: every method, feature map, mask mode and streaming.
-The full suite is tests/test_linear.py; this file is a fast smoke run (and
+The full suite is tests/test_linear*.py; this file is a fast smoke run (and
 the one run under the sanitizers)."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Tests of the numpy reference itself (tests/reference.py), so that the
+"""Tests of the numpy reference itself (attnx/reference.py), so that the
 attnx tests can trust it. Nothing here imports attnx."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-import reference as ref  # noqa: E402
+import attnx.reference as ref
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
 

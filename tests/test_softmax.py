@@ -3,7 +3,7 @@ attention_weights / similarity (variants "softmax" and "gaussian"), and the
 runtime helpers (threads, show_config).
 
 Everything is checked against the numpy float64 reference in
-tests/reference.py (itself tested in tests/test_reference.py) and, where
+attnx/reference.py (itself tested in tests/test_reference.py) and, where
 torch is installed, against torch.nn.functional.scaled_dot_product_attention.
 
 Stated tolerances (see `tol`):
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import attnx
 
-import reference as ref  # noqa: E402
+import attnx.reference as ref
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
                      mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
 from helpers import dispatched, kernels_here  # noqa: E402

@@ -1,6 +1,6 @@
 """Gradients of softmax and gaussian attention (attnx.softmax_attention_backward,
 attnx.gaussian_attention_backward, attnx.vjp) against the numpy float64
-references of tests/reference_grad.py, torch autograd and finite
+references of attnx/reference.py, torch autograd and finite
 differences."""
 import numpy as np
 import pytest
@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnx
-import reference as ref
+import attnx.reference as ref
 from helpers import (assert_interrupted_quickly, dispatched, hypothesis_settings, kernels_here,
                      run_isolated, traced_peak)
-from reference_grad import (dropout_keep, gaussian_attention_grads, philox4x32_10, reduce_to,
+from attnx.reference import (dropout_keep, gaussian_attention_grads, philox4x32_10, reduce_to,
                             softmax_attention_grads)
 
 # float32 gradients are compared relative to the largest reference entry

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 import attnx
 from attnx import _systems
 
-import reference as ref  # noqa: E402
+import attnx.reference as ref
 from helpers import assert_close, hypothesis_settings, vscale  # noqa: E402
-from reference_grad import reduce_to  # noqa: E402
+from attnx.reference import reduce_to
 
 HYP = hypothesis_settings(60)
 

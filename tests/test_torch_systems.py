@@ -1,5 +1,5 @@
-"""attnx.torch's operators for the other systems (attnx/_torch_systems.py):
-rotary and the sinusoidal table, block-sparse, pooled and Linformer
+"""attnx.torch's operators for the other systems (attnx/torch/_systems.py,
+_dwc.py and _multihead.py): rotary and the sinusoidal table, block-sparse, pooled and Linformer
 attention, FLatten's depthwise convolution, and MultiheadAttention, against
 the numpy functions, against torch formulations differentiated by torch's
 autograd, and torch.nn.MultiheadAttention; opcheck and gradcheck."""

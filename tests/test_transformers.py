@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnx  # noqa: E402
 import attnx.torch as at  # noqa: E402
+from attnx.torch._transformers import _transformers_mask  # noqa: E402
 
 at.register_transformers()
 
@@ -175,15 +176,15 @@ def test_other_patterns_fall_back_to_a_full_mask(tmp_path):
     from transformers import masking_utils
 
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    full = at._transformers_mask(2, 5, 5, mask_function=masking_utils.sliding_window_causal_mask_function(2),
+    full = _transformers_mask(2, 5, 5, mask_function=masking_utils.sliding_window_causal_mask_function(2),
                                  attention_mask=padding, local_size=2)
     want = masking_utils.sdpa_mask(2, 5, 5, mask_function=masking_utils.sliding_window_causal_mask_function(2),
                                    attention_mask=padding, allow_is_causal_skip=False)
     assert torch.equal(full, want)
-    causal = at._transformers_mask(2, 5, 5, mask_function=masking_utils.causal_mask_function,
+    causal = _transformers_mask(2, 5, 5, mask_function=masking_utils.causal_mask_function,
                                    attention_mask=padding)
     assert causal.shape == (2, 1, 1, 5) and torch.equal(causal[:, 0, 0], padding)
-    bidirectional = at._transformers_mask(2, 5, 5, mask_function=masking_utils.bidirectional_mask_function,
+    bidirectional = _transformers_mask(2, 5, 5, mask_function=masking_utils.bidirectional_mask_function,
                                           attention_mask=padding)
     assert bidirectional.shape == (2, 1, 5, 5) and bidirectional.stride(-2) == 0
 

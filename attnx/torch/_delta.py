@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _C, _delta
-from .torch import _check_tensor, _in_compute_dtype, _in_dtype, _np
+from .. import _C, _delta
+from ._common import _check_tensor, _in_compute_dtype, _in_dtype, _np
 
 
 

@@ -1,8 +1,7 @@
 """attnx.torch's operators for the other systems: rotary positions and the
-sinusoidal table, block-sparse, pooled and Linformer attention, FLatten's
-depthwise-convolution term of focused linear attention, and the multi-head
-layer as an ``nn.Module``. attnx/torch.py imports this module's public
-names into its own namespace; use them from there (``attnx.torch.rotary``).
+sinusoidal table, and block-sparse, pooled and Linformer attention.
+attnx/torch/__init__.py imports this module's public names into its own
+namespace; use them from there (``attnx.torch.rotary``).
 
 The operators are ``torch.library.custom_op`` operators in the namespace
 ``attnx`` with fake implementations and autograd formulas built on the
@@ -13,12 +12,7 @@ numpy backward functions, like the rest of attnx.torch:
 * ``torch.ops.attnx.softmax_system``: block-sparse, pooled and Linformer
   attention (softmax attention over a layout of blocks, over pooled keys,
   over keys projected along the sequence), with
-  ``softmax_system_backward``;
-* ``torch.ops.attnx.depthwise_convolution`` with its backward, which
-  attnx.torch.focused_linear_attention adds for ``dwc_weight=``.
-
-attnx.torch imports this module last; import attnx.torch, not this module
-on its own (the two import each other).
+  ``softmax_system_backward``.
 """
 from typing import Any, List, Optional, Tuple
 
@@ -27,12 +21,8 @@ from torch import Tensor
 
 import attnx
 
-from . import _dwc
-from . import torch as _at
-from ._checks import count
-from ._multihead import _PER_HEAD_OPTIONS
-from ._variants import VARIANTS
-from .torch import (
+from .._checks import count
+from ._common import (
     _batch_shape,
     _check_inputs,
     _check_tensor,
@@ -44,8 +34,9 @@ from .torch import (
     _from_numpy,
     _key_padding_view,
     _np,
-    _seed_tensor,
+    _to_compute,
 )
+from ._softmax import _seed_tensor
 
 __all__ = [
     "sinusoidal_positions",
@@ -53,16 +44,8 @@ __all__ = [
     "block_sparse_attention",
     "pooled_attention",
     "linformer_attention",
-    "MultiheadAttention",
 ]
 
-
-def _to_compute(t, dtype):
-    """t (None, or a floating tensor) in the computing dtype `dtype`
-    (differentiable: autograd converts its gradient back)."""
-    if t is None or t.dtype == dtype:
-        return t
-    return t.to(dtype)
 
 
 # --------------------------------------------------------------- positions
@@ -545,272 +528,3 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None, causal=False, mask=No
     return _system_call("linformer", q, k, v, E=E, F=F, scale=scale, causal=causal, mask=mask,
                         bias=bias, window=window, dropout_p=dropout_p, seed=seed,
                         return_lse=return_lse)
-
-
-# ------------------------------------- FLatten's depthwise convolution
-
-def _spatial(spatial):
-    return None if spatial is None else tuple(spatial)
-
-
-@torch.library.custom_op("attnx::depthwise_convolution", mutates_args=(), device_types="cpu")
-def _dwc_op(v: Tensor, weight: Tensor, spatial: Optional[List[int]]) -> Tensor:
-    """The depthwise convolution of v (..., n, e) with weight (e, ks) along
-    the sequence, or (e, kh, kw) over the grid spatial = [H, W]."""
-    return _from_numpy(_dwc.depthwise_convolution(_np(v), _np(weight), _spatial(spatial)), v.dtype)
-
-
-@_dwc_op.register_fake
-def _(v, weight, spatial):
-    return v.new_empty(v.shape)
-
-
-@torch.library.custom_op("attnx::depthwise_convolution_backward", mutates_args=(),
-                         device_types="cpu")
-def _dwc_backward_op(dout: Tensor, v: Tensor, weight: Tensor,
-                     spatial: Optional[List[int]]) -> Tuple[Tensor, Tensor]:
-    """dv, dweight of sum(dout * depthwise_convolution(v, weight, spatial))."""
-    dv, dweight = _dwc.depthwise_convolution_backward(_np(dout), _np(v), _np(weight),
-                                                      _spatial(spatial))
-    return _from_numpy(dv, v.dtype), _from_numpy(dweight, weight.dtype)
-
-
-@_dwc_backward_op.register_fake
-def _(dout, v, weight, spatial):
-    return v.new_empty(v.shape), weight.new_empty(weight.shape)
-
-
-def _dwc_setup_context(ctx, inputs, output):
-    v, weight, spatial = inputs
-    ctx.spatial = spatial
-    ctx.save_for_backward(v, weight)
-
-
-def _dwc_grad(ctx, dout):
-    v, weight = ctx.saved_tensors
-    dv, dweight = torch.ops.attnx.depthwise_convolution_backward(dout, v, weight, ctx.spatial)
-    return dv, dweight, None
-
-
-_dwc_op.register_autograd(_dwc_grad, setup_context=_dwc_setup_context)
-
-def add_depthwise_convolution(out, q, v, dwc_weight, spatial):
-    """out + FLatten's depthwise convolution of v (attnx.torch's
-    focused_linear_attention with dwc_weight=, spatial=): weight (e, ks)
-    along the sequence, or (e, kh, kw) over the grid spatial=(H, W) (n = H *
-    W, row-major), zero padding, odd kernel sizes; needs n == m. out
-    unchanged when dwc_weight is None."""
-    if dwc_weight is None:
-        if spatial is not None:
-            raise ValueError("spatial is given but dwc_weight is None")
-        return out
-    _check_tensor("dwc_weight", dwc_weight)
-    if not dwc_weight.is_floating_point():
-        raise TypeError(f"dwc_weight must be a floating point tensor, got dtype {dwc_weight.dtype}")
-    if v.shape[-2] != q.shape[-2]:
-        raise ValueError(f"dwc_weight: the convolution of v (m = {v.shape[-2]}) is added to the "
-                         f"output (n = {q.shape[-2]}), so n must equal m")
-    if spatial is not None and (not isinstance(spatial, (tuple, list)) or len(spatial) != 2):
-        raise ValueError(f"spatial must be (H, W), two positive integers, got {spatial!r}")
-    compute = _compute_dtype(v.dtype)
-    term = torch.ops.attnx.depthwise_convolution(
-        _to_compute(v, compute), _to_compute(dwc_weight, compute),
-        None if spatial is None else [int(s) for s in spatial])
-    return out + term.to(out.dtype)
-
-
-# ------------------------------------------------------- multi-head layer
-
-_FRONT_ENDS = {
-    "softmax": _at.softmax_attention,
-    "gaussian": _at.gaussian_attention,
-    **{front: getattr(_at, variant.function) for front, variant in VARIANTS.items()},
-    "block_sparse": block_sparse_attention,
-    "pooled": pooled_attention,
-    "linformer": linformer_attention,
-}
-# array options a layer learns: Linformer's projections, FAVOR's, FLatten's kernel
-_LEARNED = ("E", "F", "projection", "dwc_weight")
-
-
-class MultiheadAttention(torch.nn.Module):
-    """Multi-head attention on any attnx variant, batch first.
-
-    Its ``nn.Linear`` submodules are ``q_proj`` (embed_dim -> embed_dim),
-    ``k_proj`` and ``v_proj`` (embed_dim -> num_kv_heads * head_dim) and
-    ``out_proj`` (embed_dim -> embed_dim), head_dim = embed_dim //
-    num_heads.
-
-    Parameters
-    ----------
-    embed_dim : int
-        The model's width.
-    num_heads : int
-        Query heads, dividing embed_dim.
-    num_kv_heads : int, optional
-        Key/value heads (default num_heads), dividing num_heads: query head
-        h uses key/value head ``h // (num_heads / num_kv_heads)``
-        (grouped-query attention by broadcasting, no copies).
-    variant : str, default "softmax"
-        "softmax", "gaussian", "linear", "cosformer", "focused", "taylor",
-        "performer", "efficient", "block_sparse", "pooled", "linformer",
-        computed by attnx.torch's operator of that name.
-    positions : {None, "sinusoidal", "rotary"}, optional
-        "sinusoidal" adds the table to query, key and value first;
-        "rotary" rotates q and k per head.
-    bias : bool, default True
-        Biases in the projections.
-    device, dtype : optional
-        Of the parameters, as for ``nn.Linear`` (CPU only).
-    **options
-        The variant's options (scale=, sigma=, feature_map=, layout= and
-        block_size=, stride=, E=, window=, dropout_p= ...). E, F,
-        projection and dwc_weight become learned parameters (given as their
-        initial values), the other arrays (layout, mask, key_mask) buffers.
-        Array options with a head axis put it before their own last axes,
-        as in `attnx.multi_head_attention`. dropout_p applies in training
-        mode only.
-
-    Raises
-    ------
-    ValueError
-        num_heads not dividing embed_dim, num_kv_heads not dividing
-        num_heads, an unknown variant or positions.
-    TypeError
-        Sizes that are not integers.
-
-    See Also
-    --------
-    attnx.multi_head_attention : The numpy function.
-
-    Notes
-    -----
-    ``forward(query, key=None, value=None, key_padding_mask=None,
-    is_causal=False)``: query (..., n, embed_dim), key and value (..., m,
-    embed_dim) (key defaults to query, value to key); key_padding_mask
-    (..., m) bool, True = padding (as in nn.MultiheadAttention), reaching
-    the kernel as key padding; is_causal: query i sees keys j <= i. It
-    returns the output (..., n, embed_dim). With weights copied from
-    ``torch.nn.MultiheadAttention`` the outputs and gradients are the same
-    (docs/systems.md).
-
-    Examples
-    --------
-    >>> import torch, attnx.torch
-    >>> mha = attnx.torch.MultiheadAttention(16, 4, num_kv_heads=2, positions="rotary")
-    >>> x = torch.randn(2, 10, 16)
-    >>> pad = torch.zeros(2, 10, dtype=torch.bool); pad[1, 7:] = True
-    >>> y = mha(x, key_padding_mask=pad, is_causal=True)
-    >>> y.shape
-    torch.Size([2, 10, 16])
-    >>> y.sum().backward(); mha.q_proj.weight.grad.shape
-    torch.Size([16, 16])
-    """
-
-    def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, variant="softmax",
-                 positions=None, bias=True, device=None, dtype=None, **options):
-        super().__init__()
-        embed_dim = count(embed_dim, "embed_dim", 1)
-        heads = count(num_heads, "num_heads", 1)
-        kv_heads = heads if num_kv_heads is None else count(num_kv_heads, "num_kv_heads", 1)
-        if embed_dim % heads:
-            raise ValueError(f"num_heads ({heads}) must divide embed_dim ({embed_dim})")
-        if heads % kv_heads:
-            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
-        if variant not in _FRONT_ENDS:
-            raise ValueError(f"unknown variant {variant!r}; expected one of "
-                             f"{', '.join(map(repr, _FRONT_ENDS))}")
-        if positions not in (None, "rotary", "sinusoidal"):
-            raise ValueError(f"positions must be None, 'rotary' or 'sinusoidal', got {positions!r}")
-        refused = {"out", "return_lse", "return_state", "initial_state"} & options.keys()
-        if refused:
-            raise TypeError(f"MultiheadAttention takes no {', '.join(sorted(refused))} option")
-        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, heads, kv_heads
-        self.head_dim = head_dim = embed_dim // heads
-        self.variant, self.positions = variant, positions
-        factory = {"device": device, "dtype": dtype}
-        self.q_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = torch.nn.Linear(embed_dim, kv_heads * head_dim, bias=bias, **factory)
-        self.v_proj = torch.nn.Linear(embed_dim, kv_heads * head_dim, bias=bias, **factory)
-        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.options, self._tensor_options = {}, []
-        for name, value in options.items():
-            if value is None or isinstance(value, (bool, int, float, str, tuple)) or callable(value):
-                self.options[name] = value
-                continue
-            tensor = torch.as_tensor(value)
-            if name in _LEARNED:
-                self.register_parameter(name, torch.nn.Parameter(
-                    tensor.to(dtype=dtype or torch.get_default_dtype(), device=device)))
-            else:
-                self.register_buffer(name, tensor)
-            self._tensor_options.append(name)
-
-    def extra_repr(self):
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, variant={self.variant!r}, "
-                f"positions={self.positions!r}")
-
-    def _per_head(self, name, t):
-        """An option tensor with a head axis (..., num_heads or 1, core...)
-        as (..., num_kv_heads, group, core...)."""
-        core = _PER_HEAD_OPTIONS.get(name)
-        if core is None or t.dim() <= core:
-            return t
-        heads, kv_heads = self.num_heads, self.num_kv_heads
-        if t.shape[-core - 1] == heads:
-            return t.reshape(t.shape[:-core - 1] + (kv_heads, heads // kv_heads) + t.shape[-core:])
-        if t.shape[-core - 1] == 1:
-            return t.reshape(t.shape[:-core - 1] + (1, 1) + t.shape[-core:])
-        raise ValueError(f"{name} of shape {tuple(t.shape)}: the axis before its last {core} must "
-                         f"be the head axis, of size num_heads ({heads}) or 1")
-
-    def forward(self, query, key=None, value=None, key_padding_mask=None, is_causal=False):
-        key = query if key is None else key
-        value = key if value is None else value
-        if self.positions == "sinusoidal":
-            shifted = {}
-            for t in (query, key, value):
-                if id(t) not in shifted:
-                    shifted[id(t)] = t + sinusoidal_positions(t.shape[-2], t.shape[-1],
-                                                              dtype=t.dtype)
-            query, key, value = shifted[id(query)], shifted[id(key)], shifted[id(value)]
-        kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        # (..., L, heads * c) -> (..., kv_heads, group, L, c)
-        q = self.q_proj(query).unflatten(-1, (kv_heads, group, -1)).movedim(-4, -2)
-        k = self.k_proj(key).unflatten(-1, (kv_heads, 1, -1)).movedim(-4, -2)
-        v = self.v_proj(value).unflatten(-1, (kv_heads, 1, -1)).movedim(-4, -2)
-        if self.positions == "rotary":
-            q, k = rotary(q), rotary(k)
-        options = dict(self.options)
-        for name in self._tensor_options:
-            options[name] = self._per_head(name, getattr(self, name))
-        if not self.training:
-            options.pop("dropout_p", None)
-        if is_causal:
-            options["causal"] = "upper_left"
-        if key_padding_mask is not None:
-            self._add_key_padding(options, key_padding_mask, k.shape[-2])
-        heads_out = _FRONT_ENDS[self.variant](q, k, v, **options)     # (..., Hkv, g, n, e)
-        return self.out_proj(heads_out.movedim(-2, -4).flatten(-3))  # (..., n, Hkv * g * e)
-
-    def _add_key_padding(self, options, key_padding_mask, m):
-        """key_padding_mask (..., m), True = padding, as the variant's key
-        padding: key_mask (..., 1, 1, m) for the kernelised front ends, a
-        mask (..., 1, 1, 1, m) for the softmax ones."""
-        _check_tensor("key_padding_mask", key_padding_mask)
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError("key_padding_mask must be a bool tensor (True = padding), got dtype "
-                            f"{key_padding_mask.dtype}")
-        if key_padding_mask.dim() < 1 or key_padding_mask.shape[-1] != m:
-            raise ValueError(f"key_padding_mask must have shape (..., m) with m = {m}, got "
-                             f"{tuple(key_padding_mask.shape)}")
-        keep = ~key_padding_mask
-        if self.variant in VARIANTS:
-            name, padding = "key_mask", keep[..., None, None, :]
-        elif self.variant in ("pooled", "linformer"):
-            raise ValueError(f"key_padding_mask: variant {self.variant!r} attends to pooled or "
-                             "projected keys, which a padding of the original keys does not name")
-        else:
-            name, padding = "mask", keep[..., None, None, None, :]
-        options[name] = padding if options.get(name) is None else options[name] & padding
