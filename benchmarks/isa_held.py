@@ -6,7 +6,8 @@ interleaved rounds (harness.py): what a machine without AVX-512 gets.
 `--isa avx2` runs the script again in an environment that holds both
 libraries to AVX2+FMA (ISA_ENVIRONMENTS below): attnx by
 ATTNX_DISABLE_CPU_FEATURES=AVX512F (every family then chooses its AVX2
-kernels, or plain C + BLAS where it has none: docs/architecture.md), torch
+kernels, or plain C + BLAS where it has none: docs/architecture.md) and
+OPENBLAS_CORETYPE=Haswell (OpenBLAS's AVX2 kernels, for attnx and numpy), torch
 by ATEN_CPU_CAPABILITY=avx2 (its own kernels), MKL_ENABLE_INSTRUCTIONS=AVX2
 (MKL's) and DNNL_MAX_CPU_ISA=AVX2 (oneDNN's). `--isa native` leaves the
 environment as it is. The run prints what each library chose.
@@ -36,8 +37,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ISA_ENVIRONMENTS = {
-    "avx2": {"ATTNX_DISABLE_CPU_FEATURES": "AVX512F", "ATEN_CPU_CAPABILITY": "avx2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"},
+    "avx2": {"ATTNX_DISABLE_CPU_FEATURES": "AVX512F", "OPENBLAS_CORETYPE": "Haswell",
+             "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "DNNL_MAX_CPU_ISA": "AVX2"},
     "native": {},
 }
 # set in the process run again with an ISA's environment
@@ -74,7 +76,8 @@ def main():
     settings = Settings(max_rounds=5, budget_s=5.0) if args.quick else Settings()
     print(f"isa {args.isa}: "
           + ", ".join(f"{name}={os.environ.get(name, '')}" for name in ISA_ENVIRONMENTS["avx2"]))
-    print(f"attnx {attnx.__version__}, {args.threads} threads: {attnx.cpu_dispatch()}")
+    print(f"attnx {attnx.__version__}, {args.threads} threads: {attnx.cpu_dispatch()}, "
+          f"OpenBLAS core {attnx._C.build_info()['blas_core']}")
     print(f"torch {torch.__version__}, {args.threads} threads: cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"load average before: {os.getloadavg()}")
