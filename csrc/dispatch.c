@@ -61,6 +61,8 @@ static const kernel_row softmax_fwd_table[] = {
 static const kernel_row softmax_bwd_table[] = {
     {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86},
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
+    {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
+    {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
 static const kernel_row linear_table[] = {

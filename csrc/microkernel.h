@@ -650,6 +650,9 @@ static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv
 }
 #undef MK_KC
 
+/* the softmax backward's products, at every width */
+#include "mk_backward.h"
+
 #if MK_W == 16
 /* 2^t for t <= 0 (and -inf, NaN) on AVX-512: t = n + f with n = floor(t)
  * and 0 <= f < 1 (vreduceps gives f in one instruction), 2^f by a degree-6

@@ -73,115 +73,35 @@ enum { PAIRED = 1, Q_EXACT = 2, DOUT_EXACT = 4 };
 
 #define LOG2E ((REAL)1.44269504088896340736)
 
-#ifdef MK_HAVE_X86
-/* The five products on AVX-512 without BLAS (whose kernels may be chosen
- * for a lesser CPU: OPENBLAS_CORETYPE), where gcc can target it and the
- * softmax backward's table chose AVX-512 (dispatch.h), as one
- * register-blocked kernel:
- *   c (rows, cols) = alpha a b   (or += when accumulate)
- * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
- * operand costs nothing, and b (depth, cols) rows b_row apart, cols a whole
- * number of vectors. Blocks of 8 rows by 2 vectors keep 16 sums in
- * registers; each step of p loads 2 vectors of b and broadcasts 8 numbers
- * of a for 16 fused multiply-adds. */
-typedef REAL SFX(zvec) __attribute__((vector_size(64), aligned(sizeof(REAL))));
-#define ZLANES (64 / (ptrdiff_t)sizeof(REAL))
-
-/* one block of ROWS x VECS vectors (constants once inlined, as `pairs`:
- * a and b hold pair rows of bfloat16 values, depth counts them, and a_col
- * is 1; float32 only) */
-static inline __attribute__((always_inline, target("avx512f"))) void SFX(zmm_block)(
-    int block_rows, int vecs, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
-    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row,
-    const int pairs)
+/* The five products without BLAS (whose kernels may be chosen for a
+ * lesser CPU: OPENBLAS_CORETYPE) where the softmax backward's table chose a
+ * set with register-blocked kernels (dispatch.h) and d, e are whole vectors
+ * of it: mk_gemm (mk_backward.h) of the set's width (attnx_kernels_width),
+ * c (rows, cols) = alpha a b or c += alpha a b, a's element (r, p) at
+ * a[r a_row + p a_col], b's rows b_row apart, cols a whole number of
+ * vectors. Direct calls, so that gcc specialises each kernel for the
+ * constant arguments of the calls (a_col, b_row, accumulate). */
+static inline __attribute__((always_inline)) void SFX(bwd_gemm)(
+    int width, ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a,
+    ptrdiff_t a_row, ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c,
+    ptrdiff_t c_row)
 {
-    typedef SFX(zvec) vec;
-    vec sum[8][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < block_rows; r++)
-#pragma GCC unroll 2
-        for (int x = 0; x < vecs; x++) sum[r][x] = (vec){0};
-    for (ptrdiff_t p = 0; p < depth; p++) {
-        vec b_p[2];
-#pragma GCC unroll 2
-        for (int x = 0; x < vecs; x++) b_p[x] = *(const vec *)(b + p * b_row + x * ZLANES);
-#pragma GCC unroll 8
-        for (int r = 0; r < block_rows; r++) {
-#if !REAL_IS_DOUBLE
-            if (pairs) {  /* a constant once inlined: no test in the loop */
-                /* a broadcast, no arithmetic: the bits stay as they are */
-                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p]);
-#pragma GCC unroll 2
-                for (int x = 0; x < vecs; x++)
-                    sum[r][x] = (vec)mk_dot_pairs((__m512)sum[r][x], (__m512)b_p[x], a_rp);
-                continue;
-            }
+#if defined(MK_HAVE_X86)
+    if (width == 16)
+        TYPED(mk_gemm_w16, mk_gemm_d8)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
+                                       accumulate, c, c_row);
+    else
+        TYPED(mk_gemm_w8, mk_gemm_d4)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
+                                      accumulate, c, c_row);
+#elif defined(MK_HAVE_NEON)
+    TYPED(mk_gemm_n4, mk_gemm_nd2)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
+                                   accumulate, c, c_row);
 #endif
-            /* x - 0 is x for every x (x + 0 would turn -0 into +0), so gcc
-             * drops the subtraction and broadcasts straight from memory */
-            vec a_rp = a[r * a_row + p * a_col] - (vec){0};
-#pragma GCC unroll 2
-            for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < block_rows; r++)
-#pragma GCC unroll 2
-        for (int x = 0; x < vecs; x++) {
-            vec *c_rx = (vec *)(c + r * c_row + x * ZLANES);
-            *c_rx = accumulate ? *c_rx + alpha * sum[r][x] : alpha * sum[r][x];
-        }
 }
 
-static inline __attribute__((always_inline, target("avx512f"))) void
-TYPED(zmm_gemm_by_f32, zmm_gemm_by_f64)(
-    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
-    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row,
-    const int pairs)
-{
-    ptrdiff_t r0 = 0;
-    for (; r0 + 8 <= rows; r0 += 8) {
-        const REAL *a_r = a + r0 * a_row;
-        REAL *c_r = c + r0 * c_row;
-        ptrdiff_t c0 = 0;
-        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
-            SFX(zmm_block)(8, 2, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
-                           c_r + c0, c_row, pairs);
-        if (c0 < cols)
-            SFX(zmm_block)(8, 1, depth, alpha, a_r, a_row, a_col, b + c0, b_row, accumulate,
-                           c_r + c0, c_row, pairs);
-    }
-    for (; r0 < rows; r0++) {
-        ptrdiff_t c0 = 0;
-        for (; c0 + 2 * ZLANES <= cols; c0 += 2 * ZLANES)
-            SFX(zmm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
-                           accumulate, c + r0 * c_row + c0, c_row, pairs);
-        if (c0 < cols)
-            SFX(zmm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0, b_row,
-                           accumulate, c + r0 * c_row + c0, c_row, pairs);
-    }
-}
-
-__attribute__((target("avx512f"))) static void SFX(zmm_gemm)(
-    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, REAL alpha, const REAL *a, ptrdiff_t a_row,
-    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c, ptrdiff_t c_row)
-{
-    SFX(zmm_gemm_by)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row, accumulate, c, c_row, 0);
-}
-#define ZMM_GEMM SFX(zmm_gemm)
-
-#if !REAL_IS_DOUBLE
-/* c (rows, cols) = alpha a b by the bfloat16 dot products: a (rows,
- * depth_pairs) rows a_row apart and b (depth_pairs, cols) rows b_row apart
- * in pair rows (mk_pair_along, mk_pair_rows) */
-__attribute__((target("avx512f"))) static void zmm_gemm_pairs(
-    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth_pairs, float alpha, const float *a,
-    ptrdiff_t a_row, const float *b, ptrdiff_t b_row, float *c, ptrdiff_t c_row)
-{
-    zmm_gemm_by_f32(rows, cols, depth_pairs, alpha, a, a_row, 1, b, b_row, 0, c, c_row, 1);
-}
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+/* float32 on AVX-512 with the bfloat16 dot products (mk_gemm_pairs_w16) */
 #define BWD_PAIRS 1
-#endif
 #endif
 
 /* One thread's working memory. */
@@ -189,11 +109,13 @@ typedef struct {
     REAL *pt, *dpt;        /* (BR, BC) */
     REAL *key_term;        /* (BC) per-key addend of the scores, log2 units; -inf: hidden */
     REAL *col_sum;         /* (BC) sum_i dS_ij (gaussian) */
-    REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for zmm_gemm,
-                            * keys past the block 0; NULL: the products run on BLAS */
+    int width;             /* bwd_gemm's kernels (float32 lanes); 0: the products run on BLAS */
+    ptrdiff_t lanes;       /* their numbers per vector */
+    REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for bwd_gemm,
+                            * keys past the block 0 */
     REAL *ptd;             /* (BR, BC) with dropout, else pt */
     unsigned char *keep;   /* (BC) one row's dropout decisions */
-    /* the bfloat16 dot products (float32 with zmm_gemm); kt_pairs NULL: none */
+    /* the bfloat16 dot products (float32 with bwd_gemm); kt_pairs NULL: none */
     float *kt_pairs, *vt_pairs;    /* (d / 2, BC), (e / 2, BC): kt, vt in pair rows */
     float *q_pairs, *dout_pairs;   /* (n, d / 2), (n, e / 2): the item's Q, dO paired along
                                     * their rows, by query block as needed */
@@ -334,32 +256,29 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     const REAL *k_j = h->k + j0 * a->k_row, *v_j = h->v + j0 * a->v_row;
     REAL *dk_j = h->dk + j0 * dk_row, *dv_j = h->dv + j0 * dv_row;
 
-    /* with zmm_gemm, the score and dP columns are whole vectors (K^T and
+    /* with bwd_gemm, the score and dP columns are whole vectors (K^T and
      * V^T are 0 past the block's keys); only the first `cols` are used */
-#ifdef MK_HAVE_X86
-    const int zmm = w->kt != NULL && !nonfinite;
-    const ptrdiff_t cols_pad = (cols + ZLANES - 1) / ZLANES * ZLANES;
-#endif
+    const int mk = w->width != 0 && !nonfinite;
+    const ptrdiff_t cols_pad = mk ? (cols + w->lanes - 1) / w->lanes * w->lanes : cols;
 
     /* the products of two inputs by the bfloat16 dot products, where both
-     * blocks hold bfloat16 values only (w's flags; pairs with zmm only) */
+     * blocks hold bfloat16 values only (w's flags; pairs with bwd_gemm only) */
 #ifdef BWD_PAIRS
-    const int score_pairs = zmm && w->kt_pairs && w->q_exact && w->k_exact;
-    const int dp_pairs = zmm && w->kt_pairs && w->dout_exact && w->v_exact;
+    const int score_pairs = mk && w->kt_pairs && w->q_exact && w->k_exact;
+    const int dp_pairs = mk && w->kt_pairs && w->dout_exact && w->v_exact;
 #endif
 
     /* pass 1: scores in log2 units, then p */
 #ifdef BWD_PAIRS
     if (score_pairs)
-        zmm_gemm_pairs(rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2), d / 2,
+        mk_gemm_pairs_w16(rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2), d / 2,
                        w->kt_pairs, BC, w->pt, BC);
     else
 #endif
-#ifdef MK_HAVE_X86
-    if (zmm)
-        ZMM_GEMM(rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0, w->pt, BC);
+    if (mk)
+        SFX(bwd_gemm)(w->width, rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0,
+                      w->pt, BC);
     else
-#endif
         SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
     if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
@@ -367,19 +286,19 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         return;
     }
-#ifdef MK_HAVE_X86
-    if (zmm) {
+    if (mk) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
-        ZMM_GEMM(cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j, dv_row);
+        SFX(bwd_gemm)(w->width, cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j,
+                      dv_row);
 #ifdef BWD_PAIRS
         if (dp_pairs)
-            zmm_gemm_pairs(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2,
+            mk_gemm_pairs_w16(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2,
                            w->vt_pairs, BC, w->dpt, BC);
         else
 #endif
-        ZMM_GEMM(rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt, BC);
+        SFX(bwd_gemm)(w->width, rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt,
+                      BC);
     } else
-#endif
     if (!nonfinite) {
         SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
         SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
@@ -403,12 +322,12 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
-#ifdef MK_HAVE_X86
-    if (zmm) {
-        ZMM_GEMM(cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j, dk_row);
-        ZMM_GEMM(rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i, dq_row);
+    if (mk) {
+        SFX(bwd_gemm)(w->width, cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j,
+                      dk_row);
+        SFX(bwd_gemm)(w->width, rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i,
+                      dq_row);
     } else
-#endif
     if (!nonfinite) {
         SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
         SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
@@ -491,7 +410,7 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             w->col_sum[c] = 0;
         }
         SFX(softmax_fill_key_term)(a, w->key_term, h->k, h->bias, h->mask, j0, cols, cols);
-        if (w->kt) {
+        if (w->width) {
             SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
             SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
         }
@@ -590,18 +509,21 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
      * thread: the block pair's tiles; per item when groups > 1: dQ */
     ptrdiff_t line = 64 / (ptrdiff_t)sizeof(REAL);
 #define LINES(count) (((ptrdiff_t)(count) + line - 1) / line * line)
-    /* AVX-512 products where the CPU has them and d, e are whole vectors */
-    int zmm = 0;
-#ifdef MK_HAVE_X86
+    /* the set's products where this build has its kernels and d, e are
+     * whole vectors of them */
+    int width = 0;
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
     int set = attnx_kernels(ATTNX_FAMILY_SOFTMAX_BWD);
-    zmm = attnx_kernels_width(set) == 16 && d % ZLANES == 0 && a->e % ZLANES == 0;
+    width = attnx_kernels_width(set);
 #endif
-    ptrdiff_t transposed = zmm ? LINES(d * BC) + LINES(a->e * BC) : 0;
+    ptrdiff_t lanes = width * 4 / (ptrdiff_t)sizeof(REAL);
+    if (width && (d % lanes != 0 || a->e % lanes != 0)) width = 0;
+    ptrdiff_t transposed = width ? LINES(d * BC) + LINES(a->e * BC) : 0;
     /* the bfloat16 dot products: the key block's and the item's query
      * blocks' pair rows (float32, so the numbers are the pairs' size) */
     int pairs = 0;
 #ifdef BWD_PAIRS
-    pairs = zmm && attnx_kernels_bf16_dot(set);
+    pairs = width && attnx_kernels_bf16_dot(set);
 #endif
     ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (BC + n)) : 0;
     int dropout = a->dropout_p > 0;
@@ -625,9 +547,12 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     for (int t = 0; t < threads; t++) {
         REAL *base = tiles + per_thread * t;
         REAL *kt = base + 2 * BR * BC + 2 * BC;
-        works[t] = (SFX(bwd_work)){base, base + BR * BC, base + 2 * BR * BC,
-                                   base + 2 * BR * BC + BC, zmm ? kt : NULL,
-                                   zmm ? kt + d * BC : NULL, base, keeps + t * bytes};
+        works[t] = (SFX(bwd_work)){.pt = base, .dpt = base + BR * BC,
+                                   .key_term = base + 2 * BR * BC,
+                                   .col_sum = base + 2 * BR * BC + BC, .width = width,
+                                   .lanes = lanes, .kt = width ? kt : NULL,
+                                   .vt = width ? kt + d * BC : NULL, .ptd = base,
+                                   .keep = keeps + t * bytes};
         if (dropout) works[t].ptd = kt + transposed + paired;
 #ifdef BWD_PAIRS
         if (pairs) {
@@ -696,9 +621,5 @@ done:
 }
 
 #undef LOG2E
-#ifdef MK_HAVE_X86
-#undef ZMM_GEMM
-#undef ZLANES
-#endif
 #undef BWD_PAIRS
 #endif /* REAL */

@@ -106,6 +106,25 @@ def test_levels_this_machine_can_force():
             assert here == chosen
 
 
+# the families with AVX2+FMA and NEON kernels of their own (csrc/dispatch.c)
+VECTOR_FAMILIES = ["softmax_forward", "softmax_backward"]
+
+
+def test_avx2_level_runs_the_avx2_kernels():
+    """With AVX-512 left out, as ATTNX_DISABLE_CPU_FEATURES=AVX512F leaves it
+    on an AVX2-only machine, every family that has AVX2 kernels chooses them
+    where the build and the CPU have them (the softmax forward's AVX2 set
+    says so), and none chooses an AVX-512 set."""
+    with dispatched("AVX512F") as chosen:
+        avx2_here = "avx2" in kernels_here("softmax_forward")
+        for family in VECTOR_FAMILIES:
+            if avx2_here:
+                assert chosen[family] == "avx2", (family, chosen)
+            else:
+                assert "avx2" not in kernels_here(family), family
+        assert not any(kernels.startswith(("avx512", "amx")) for kernels in chosen.values())
+
+
 # ------------------------------------------------- names grep can find
 
 CSRC = os.path.join(os.path.dirname(HERE), "csrc")

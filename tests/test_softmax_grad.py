@@ -373,8 +373,8 @@ def test_property_masked_keys_get_zero_and_permutations(n, m, seed, causal):
 
 
 # --------------------------------------------------------------------------
-# Every kernel set of the backward this CPU has (AVX-512 products, with the
-# bfloat16 dot products where it has them, and BLAS)
+# Every kernel set of the backward this CPU has (the AVX-512, AVX2+FMA or
+# NEON products, with the bfloat16 dot products where it has them, and BLAS)
 # --------------------------------------------------------------------------
 
 BACKENDS_HERE = kernels_here("softmax_backward")

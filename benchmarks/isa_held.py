@@ -1,0 +1,165 @@
+"""attnx beside torch with both held to one instruction set, in the same
+interleaved rounds (harness.py): what a machine without AVX-512 gets.
+
+    python benchmarks/isa_held.py --isa avx2 [--threads 2] [--quick] [--json FILE]
+
+`--isa avx2` runs the script again in an environment that holds both
+libraries to AVX2+FMA (ISA_ENVIRONMENTS below): attnx by
+ATTNX_DISABLE_CPU_FEATURES=AVX512F (every family then chooses its AVX2
+kernels, or plain C + BLAS where it has none: docs/architecture.md) and
+OPENBLAS_CORETYPE=Haswell (OpenBLAS's AVX2 kernels, for attnx and numpy), torch
+by ATEN_CPU_CAPABILITY=avx2 (its own kernels), MKL_ENABLE_INSTRUCTIONS=AVX2
+(MKL's) and DNNL_MAX_CPU_ISA=AVX2 (oneDNN's). `--isa native` leaves the
+environment as it is. The run prints what each library chose.
+
+Float32, shapes (1, 8, n, 64):
+- softmax attention forward, and forward + backward (attnx.softmax_attention
+  with return_lse=True, then softmax_attention_backward; torch's
+  scaled_dot_product_attention, then torch.autograd.grad), n = 1024, 2048,
+  4096, causal and not;
+- causal linear attention (elu + 1) forward + backward at n = 4096: attnx
+  (linear_attention, linear_attention_backward, into the same outputs every
+  call) beside linear_grad.py's two torch chunk-64 formulations under
+  autograd.
+The fastest call of each (on a shared machine interference only slows a
+call) and the ratio torch / attnx of the fastest calls (above 1: attnx is
+faster) are printed, with the medians. Elementwise loops that GCC compiled
+as target clones (csrc/vec_real.h, `ATTNX_HOT`) are chosen by the loader
+from the CPU itself, which no variable moves: on an AVX-512 machine they
+run their x86-64-v4 copies here (a build with clang has no clones).
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ISA_ENVIRONMENTS = {
+    "avx2": {"ATTNX_DISABLE_CPU_FEATURES": "AVX512F", "OPENBLAS_CORETYPE": "Haswell",
+             "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "DNNL_MAX_CPU_ISA": "AVX2"},
+    "native": {},
+}
+# set in the process run again with an ISA's environment
+MARK = "ATTNX_BENCH_ISA"
+
+
+def hold(isa):
+    """Run this script again under isa's environment, unless this is that run."""
+    if os.environ.get(MARK) == isa:
+        return
+    env = dict(os.environ, **ISA_ENVIRONMENTS[isa], **{MARK: isa})
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", choices=sorted(ISA_ENVIRONMENTS), default="native")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="3 rounds, 5 s budget per case")
+    parser.add_argument("--json", help="write the figures there")
+    args = parser.parse_args()
+    hold(args.isa)
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import attnx
+    from harness import Settings, measure
+    from linear_grad import torch_forms
+
+    attnx.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    settings = Settings(max_rounds=5, budget_s=5.0) if args.quick else Settings()
+    print(f"isa {args.isa}: "
+          + ", ".join(f"{name}={os.environ.get(name, '')}" for name in ISA_ENVIRONMENTS["avx2"]))
+    print(f"attnx {attnx.__version__}, {args.threads} threads: {attnx.cpu_dispatch()}, "
+          f"OpenBLAS core {attnx._C.build_info()['blas_core']}")
+    print(f"torch {torch.__version__}, {args.threads} threads: cpu capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(f"load average before: {os.getloadavg()}")
+    rows = []
+
+    def report(case, stats, attnx_name, torch_names):
+        best = min(stats[name].min for name in torch_names)
+        row = {"case": case, "attnx_min_ms": stats[attnx_name].min * 1e3,
+               "attnx_median_ms": stats[attnx_name].median * 1e3,
+               "torch_min_ms": best * 1e3, "torch_over_attnx": best / stats[attnx_name].min}
+        for name in torch_names:
+            row[f"{name} min_ms"] = stats[name].min * 1e3
+            row[f"{name} median_ms"] = stats[name].median * 1e3
+        rows.append(row)
+        print(f"{case:42s} attnx {row['attnx_min_ms']:8.2f} ms (median "
+              f"{row['attnx_median_ms']:.2f})  torch {row['torch_min_ms']:8.2f} ms  "
+              f"torch/attnx {row['torch_over_attnx']:.2f}x", flush=True)
+
+    rng = np.random.default_rng(0)
+    for n in (1024, 2048, 4096):
+        for causal in (False, True):
+            q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32)
+                             for _ in range(4))
+            tq, tk, tv, tdout = (torch.from_numpy(x) for x in (q, k, v, dout))
+            tgrad = [x.clone().requires_grad_() for x in (tq, tk, tv)]
+            name = f"softmax (1, 8, {n}, 64){' causal' if causal else ''}"
+
+            def attnx_fwd():
+                return attnx.softmax_attention(q, k, v, causal=causal)
+
+            def torch_fwd():
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+            def attnx_step():
+                out, lse = attnx.softmax_attention(q, k, v, causal=causal, return_lse=True)
+                return attnx.softmax_attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+            def torch_step():
+                out = F.scaled_dot_product_attention(*tgrad, is_causal=causal)
+                return torch.autograd.grad(out, tgrad, tdout)
+
+            stats, first, failed = measure({"attnx": attnx_fwd, "torch": torch_fwd}, settings)
+            assert not failed, failed
+            np.testing.assert_allclose(first["attnx"], first["torch"].numpy(), rtol=1e-3,
+                                       atol=1e-4)
+            report(name + " forward", stats, "attnx", ["torch"])
+            stats, first, failed = measure({"attnx": attnx_step, "torch": torch_step}, settings)
+            assert not failed, failed
+            for mine, theirs in zip(first["attnx"][:3], first["torch"]):
+                np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
+            report(name + " forward + backward", stats, "attnx", ["torch"])
+
+    _, forms = torch_forms()
+    n = 4096
+    q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) for _ in range(4))
+    out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
+    tgrad = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+    tdout = torch.from_numpy(dout)
+
+    def attnx_linear():
+        attnx.linear_attention(q, k, v, causal=True, out=out)
+        return attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
+
+    calls = {"attnx": attnx_linear}
+    for form in ("torch chunk-64 loop", "torch chunk-64 parallel"):
+        calls[form] = (lambda f: lambda: torch.autograd.grad(f(*tgrad), tgrad, tdout))(forms[form])
+    stats, first, failed = measure(calls, settings)
+    assert not failed, failed
+    for form in calls:
+        if form != "attnx":
+            for mine, theirs in zip(first["attnx"][:3], first[form]):
+                np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
+    report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
+           [form for form in calls if form != "attnx"])
+    print(f"load average after: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"isa": args.isa, "threads": args.threads, "dispatch": attnx.cpu_dispatch(),
+                       "torch_capability": torch.backends.cpu.get_cpu_capability(),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+/* mk_backward.h - the softmax backward's products (softmax_backward.c) for
+ * one vector width: included by microkernel.h in each of its bodies (MK_W,
+ * MK_REAL, MK_VEC, MK_TYPED defined), so that the same source gives the
+ * AVX-512, AVX2+FMA and NEON kernels, float32 and float64.
+ *
+ *   c (rows, cols) = alpha a b   (or += when accumulate)
+ *
+ * with a's element (r, p) at a[r a_row + p a_col], so that a transposed
+ * operand costs nothing, and b (depth, cols) rows b_row apart, cols a whole
+ * number of vectors. A block of MK_GEMM_ROWS rows by 2 vectors keeps its
+ * sums in registers; each step of p loads 2 vectors of b and broadcasts
+ * MK_GEMM_ROWS numbers of a, for 2 MK_GEMM_ROWS fused multiply-adds. The
+ * softmax backward runs it without BLAS, whose kernels may be chosen for a
+ * lesser CPU (OPENBLAS_CORETYPE). */
+#ifndef MK_W
+#error "mk_backward.h is included by microkernel.h, in each of its bodies"
+#endif
+
+/* Rows per block: 16 sums of the 32 registers of AVX-512 and NEON, 12 of
+ * the 16 of AVX2 (with 2 of b and the broadcast, 15) */
+#if MK_KB_W == 8 || defined(MK_HAVE_NEON)
+#define MK_GEMM_ROWS 8
+#else
+#define MK_GEMM_ROWS 6
+#endif
+
+/* one block of block_rows x vecs vectors (constants once inlined, as
+ * `pairs`: a and b hold pair rows of bfloat16 values, depth counts them,
+ * and a_col is 1; MK_PAIRS only) */
+static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_block)(
+    int block_rows, int vecs, ptrdiff_t depth, MK_REAL alpha, const MK_REAL *a, ptrdiff_t a_row,
+    ptrdiff_t a_col, const MK_REAL *b, ptrdiff_t b_row, int accumulate, MK_REAL *c,
+    ptrdiff_t c_row, const int pairs)
+{
+    MK_VEC sum[MK_GEMM_ROWS][2];
+    (void)pairs;
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) sum[r][x] = (MK_VEC){0};
+    for (ptrdiff_t p = 0; p < depth; p++) {
+        MK_VEC b_p[2];
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) b_p[x] = *(const MK_VEC *)(b + p * b_row + x * MK_W);
+#pragma GCC unroll 8
+        for (int r = 0; r < block_rows; r++) {
+#ifdef MK_PAIRS
+            if (pairs) {  /* a constant once inlined: no test in the loop */
+                /* a broadcast, no arithmetic: the bits stay as they are */
+                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p]);
+#pragma GCC unroll 2
+                for (int x = 0; x < vecs; x++)
+                    sum[r][x] = (MK_VEC)mk_dot_pairs((__m512)sum[r][x], (__m512)b_p[x], a_rp);
+                continue;
+            }
+#endif
+            /* x - 0 is x for every x (x + 0 would turn -0 into +0), so gcc
+             * drops the subtraction and broadcasts straight from memory */
+            MK_VEC a_rp = a[r * a_row + p * a_col] - (MK_VEC){0};
+#pragma GCC unroll 2
+            for (int x = 0; x < vecs; x++) sum[r][x] += a_rp * b_p[x];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < block_rows; r++)
+#pragma GCC unroll 2
+        for (int x = 0; x < vecs; x++) {
+            MK_VEC *c_rx = (MK_VEC *)(c + r * c_row + x * MK_W);
+            *c_rx = accumulate ? *c_rx + alpha * sum[r][x] : alpha * sum[r][x];
+        }
+}
+
+/* the rows in blocks of MK_GEMM_ROWS, then one at a time */
+static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_by)(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, MK_REAL alpha, const MK_REAL *a,
+    ptrdiff_t a_row, ptrdiff_t a_col, const MK_REAL *b, ptrdiff_t b_row, int accumulate,
+    MK_REAL *c, ptrdiff_t c_row, const int pairs)
+{
+    ptrdiff_t r0 = 0;
+    for (; r0 + MK_GEMM_ROWS <= rows; r0 += MK_GEMM_ROWS) {
+        const MK_REAL *a_r = a + r0 * a_row;
+        MK_REAL *c_r = c + r0 * c_row;
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * MK_W <= cols; c0 += 2 * MK_W)
+            MK_NAME(mk_gemm_block)(MK_GEMM_ROWS, 2, depth, alpha, a_r, a_row, a_col, b + c0,
+                                   b_row, accumulate, c_r + c0, c_row, pairs);
+        if (c0 < cols)
+            MK_NAME(mk_gemm_block)(MK_GEMM_ROWS, 1, depth, alpha, a_r, a_row, a_col, b + c0,
+                                   b_row, accumulate, c_r + c0, c_row, pairs);
+    }
+    for (; r0 < rows; r0++) {
+        ptrdiff_t c0 = 0;
+        for (; c0 + 2 * MK_W <= cols; c0 += 2 * MK_W)
+            MK_NAME(mk_gemm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0,
+                                   b_row, accumulate, c + r0 * c_row + c0, c_row, pairs);
+        if (c0 < cols)
+            MK_NAME(mk_gemm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0,
+                                   b_row, accumulate, c + r0 * c_row + c0, c_row, pairs);
+    }
+}
+
+static __attribute__((unused)) void MK_TYPED(mk_gemm_w16, mk_gemm_d8, mk_gemm_w8, mk_gemm_d4,
+                                              mk_gemm_n4, mk_gemm_nd2)(
+    ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, MK_REAL alpha, const MK_REAL *a,
+    ptrdiff_t a_row, ptrdiff_t a_col, const MK_REAL *b, ptrdiff_t b_row, int accumulate,
+    MK_REAL *c, ptrdiff_t c_row)
+{
+    MK_NAME(mk_gemm_by)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row, accumulate, c, c_row,
+                        0);
+}
+
+#ifdef MK_PAIRS
+/* c (rows, cols) = alpha a b by the bfloat16 dot products: a (rows,
+ * depth_pairs) rows a_row apart and b (depth_pairs, cols) rows b_row apart
+ * in pair rows (mk_pair_along, mk_pair_rows) */
+static __attribute__((unused)) void mk_gemm_pairs_w16(ptrdiff_t rows, ptrdiff_t cols,
+                                                      ptrdiff_t depth_pairs, float alpha,
+                                                      const float *a, ptrdiff_t a_row,
+                                                      const float *b, ptrdiff_t b_row, float *c,
+                                                      ptrdiff_t c_row)
+{
+    MK_NAME(mk_gemm_by)(rows, cols, depth_pairs, alpha, a, a_row, 1, b, b_row, 0, c, c_row, 1);
+}
+#endif
+
+#undef MK_GEMM_ROWS
