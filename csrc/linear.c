@@ -1216,11 +1216,11 @@ int TYPED(attnx_linear_fwd_f32, attnx_linear_fwd_f64)(const attnx_linear_args *a
      * from the heap it cost a tenth of a one-head step in malloc_consolidate */
     _Alignas(CACHE_LINE) REAL small_scratch[SMALL_SCRATCH];
     REAL *scratch = total <= SMALL_SCRATCH ? small_scratch
-                                           : aligned_alloc(CACHE_LINE, total * sizeof(REAL));
+                                           : attnx_aligned_alloc(CACHE_LINE, total * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     int status = a->method == ATTNX_METHOD_QUADRATIC ? SFX(run_quadratic)(&p, scratch, per_thread)
                                                      : SFX(run_scan)(&p, scratch, per_thread);
-    if (scratch != small_scratch) free(scratch);
+    if (scratch != small_scratch) attnx_aligned_free(scratch);
     return status;
 }
 
@@ -2024,7 +2024,7 @@ int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_arg
     }
     p.threads = (int)threads;
     size_t per_thread = SFX(bwd_scratch_size)(&p);
-    REAL *scratch = aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    REAL *scratch = attnx_aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     for (ptrdiff_t t = 0; t < threads && a->dW; t++) {
         SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);
@@ -2047,7 +2047,7 @@ int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_arg
         linear_share_done(a->interrupt, &finished, omp_get_num_threads());
     }
     if (a->interrupt && a->interrupt->stopped) {
-        free(scratch);
+        attnx_aligned_free(scratch);
         return ATTNX_EINTR;
     }
     /* the projection's gradient: the threads' shares, summed in a fixed order */
@@ -2055,7 +2055,7 @@ int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_arg
         SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);
         SFX(axpy)((REAL *)a->dW, 1, w.dW, p.r * a->d);
     }
-    free(scratch);
+    attnx_aligned_free(scratch);
     return ATTNX_OK;
 }
 

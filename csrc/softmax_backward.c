@@ -538,12 +538,10 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     unsigned char *keeps = malloc((size_t)(threads * bytes));
     SFX(bwd_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
-    if (!bad || !keeps || !works ||
-        posix_memalign((void **)&head_rows, 64, (size_t)(per_head * heads) * sizeof(REAL)) ||
-        posix_memalign((void **)&tiles, 64, (size_t)(per_thread * threads) * sizeof(REAL)) ||
-        (partial && posix_memalign((void **)&partials, 64,
-                                   (size_t)(partial * items) * sizeof(REAL))))
-        goto done;
+    head_rows = attnx_aligned_alloc(64, (size_t)(per_head * heads) * sizeof(REAL));
+    tiles = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(REAL));
+    partials = partial ? attnx_aligned_alloc(64, (size_t)(partial * items) * sizeof(REAL)) : NULL;
+    if (!bad || !keeps || !works || !head_rows || !tiles || (partial && !partials)) goto done;
     for (int t = 0; t < threads; t++) {
         REAL *base = tiles + per_thread * t;
         REAL *kt = base + 2 * BR * BC + 2 * BC;
@@ -614,9 +612,9 @@ done:
     free(bad);
     free(keeps);
     free(works);
-    free(head_rows);
-    free(tiles);
-    free(partials);
+    attnx_aligned_free(head_rows);
+    attnx_aligned_free(tiles);
+    attnx_aligned_free(partials);
     return status;
 }
 
