@@ -227,10 +227,16 @@ static void SFX(decode_merge)(const SFX(decode_call) *call, ptrdiff_t row)
     const REAL *parts = call->partials + row * chunks * (e + 2), neg_inf = -(REAL)INFINITY;
     REAL *out = (REAL *)((char *)a->out + off[ATTNX_SM_OUT]) + i * a->out_row;
     REAL row_max = neg_inf, sum = 0;
-    for (ptrdiff_t c = 0; c < chunks; c++)
+    int nan_sum = 0;
+    for (ptrdiff_t c = 0; c < chunks; c++) {
         row_max = parts[c * (e + 2)] > row_max ? parts[c * (e + 2)] : row_max;
+        nan_sum |= isnan(parts[c * (e + 2) + 1]);
+    }
     for (ptrdiff_t col = 0; col < e; col++) out[col] = 0;
-    if (row_max != neg_inf)
+    /* a NaN score (whose chunk may have no max: all its scores NaN) makes
+     * the row NaN, out and lse */
+    if (nan_sum) sum = (REAL)NAN;
+    else if (row_max != neg_inf)
         for (ptrdiff_t c = 0; c < chunks; c++) {
             const REAL *part = parts + c * (e + 2);
             if (part[0] == neg_inf) continue; /* the chunk holds none of the row's keys */
