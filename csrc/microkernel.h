@@ -687,22 +687,30 @@ static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv
  * across the lanes at the end. */
 
 /* s[r s_ld + j] = scale q_r . k_j for the `rows` rows q[r] (a constant
- * where this is inlined) and the keys j < keys, rows k_row apart */
+ * where this is inlined) and the keys j < keys, rows k_row apart. Two
+ * accumulators per row, the even and the odd vectors of d, halve the chain
+ * of dependent multiply-adds of each key. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)(
     MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, const MK_REAL *k, ptrdiff_t k_row,
     ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, const int rows)
 {
-    const ptrdiff_t whole = d / MK_W * MK_W;
+    const ptrdiff_t pairs = d / (2 * MK_W) * (2 * MK_W), whole = d / MK_W * MK_W;
     for (ptrdiff_t j = 0; j < keys; j++) {
         const MK_REAL *k_j = k + j * k_row;
-        MK_VEC acc[MK_DECODE_ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = (MK_VEC){0};
-        for (ptrdiff_t c = 0; c < whole; c += MK_W) {
-            MK_VEC k_c = *(const MK_VEC *)(k_j + c);
-            for (int r = 0; r < rows; r++) acc[r] += *(const MK_VEC *)(q[r] + c) * k_c;
+        MK_VEC even[MK_DECODE_ROWS], odd[MK_DECODE_ROWS];
+        for (int r = 0; r < rows; r++) even[r] = odd[r] = (MK_VEC){0};
+        for (ptrdiff_t c = 0; c < pairs; c += 2 * MK_W) {
+            MK_VEC k_even = *(const MK_VEC *)(k_j + c), k_odd = *(const MK_VEC *)(k_j + c + MK_W);
+            for (int r = 0; r < rows; r++) {
+                even[r] += *(const MK_VEC *)(q[r] + c) * k_even;
+                odd[r] += *(const MK_VEC *)(q[r] + c + MK_W) * k_odd;
+            }
         }
+        if (whole > pairs)
+            for (int r = 0; r < rows; r++)
+                even[r] += *(const MK_VEC *)(q[r] + pairs) * *(const MK_VEC *)(k_j + pairs);
         for (int r = 0; r < rows; r++) {
-            MK_REAL dot = MK_HSUM(acc[r]);
+            MK_REAL dot = MK_HSUM(even[r] + odd[r]);
             for (ptrdiff_t c = whole; c < d; c++) dot += q[r][c] * k_j[c];
             s[r * s_ld + j] = dot * scale;
         }
@@ -727,23 +735,24 @@ static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode
 
 /* acc (e) += sum_j p[j] v_j over the keys j < keys with p[j] != 0, rows of
  * v v_row apart: a key a row does not see (p = 0) adds nothing, not even
- * the NaN of 0 times an inf or NaN value. Columns by groups of 4 vectors
- * held in registers, then single vectors, then one by one. */
+ * the NaN of 0 times an inf or NaN value. Columns by groups of 8 vectors
+ * held in registers (8 independent chains of multiply-adds, enough to hide
+ * their latency), then single vectors, then one by one. */
 static inline void MK_TYPED(mk_decode_pv_w16, mk_decode_pv_d8, mk_decode_pv_w8, mk_decode_pv_d4,
                             mk_decode_pv_n4, mk_decode_pv_nd2)(
     MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
     ptrdiff_t e)
 {
     ptrdiff_t c0 = 0;
-    for (; c0 + 4 * MK_W <= e; c0 += 4 * MK_W) {
-        MK_VEC sum[4];
-        for (int g = 0; g < 4; g++) sum[g] = *(const MK_VEC *)(acc + c0 + g * MK_W);
+    for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W) {
+        MK_VEC sum[8];
+        for (int g = 0; g < 8; g++) sum[g] = *(const MK_VEC *)(acc + c0 + g * MK_W);
         for (ptrdiff_t j = 0; j < keys; j++) {
             if (p[j] == 0) continue;
             const MK_REAL *v_j = v + j * v_row + c0;
-            for (int g = 0; g < 4; g++) sum[g] += p[j] * *(const MK_VEC *)(v_j + g * MK_W);
+            for (int g = 0; g < 8; g++) sum[g] += p[j] * *(const MK_VEC *)(v_j + g * MK_W);
         }
-        for (int g = 0; g < 4; g++) *(MK_VEC *)(acc + c0 + g * MK_W) = sum[g];
+        for (int g = 0; g < 8; g++) *(MK_VEC *)(acc + c0 + g * MK_W) = sum[g];
     }
     for (; c0 + MK_W <= e; c0 += MK_W) {
         MK_VEC sum = *(const MK_VEC *)(acc + c0);
