@@ -9,8 +9,8 @@ over 8 kv heads, 8192 keys, d = 128. Competitors: attnx.softmax_attention
 on numpy arrays (GQA as q (1, 8, 4, 1, d) against k, v (1, 8, 1, m, d)),
 attnx.torch.scaled_dot_product_attention and torch's own (enable_gqa=True
 for GQA, q (1, 32, 1, d), k, v (1, 8, m, d)), timed interleaved
-(harness.py). Each figure is the fastest call (on a shared machine other
-work only slows a call). The rate is the bytes of K and V read per second
+(harness.py), one call per sample. Each figure is the fastest call (on a
+shared machine other work only slows a call). The rate is the bytes of K and V read per second
 (each read once), beside the read bandwidth of memory measured in the same
 run on the same threads (harness.machine_peak); a cache smaller than the
 last-level cache is read from it, and may pass that bandwidth.
@@ -64,8 +64,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--json", help="write the figures there")
     args = parser.parse_args()
-    settings = (harness.Settings(min_rounds=5, max_rounds=7, budget_s=3.0) if args.quick else
-                harness.Settings(min_rounds=9, max_rounds=15, budget_s=8.0))
+    # a sample is one call (after an untimed one): the fastest of many
+    # single calls, the figure least touched by other work on the machine
+    single = dict(min_sample_s=0.0, pause_s=0.02)
+    settings = (harness.Settings(min_rounds=20, max_rounds=60, budget_s=3.0, **single)
+                if args.quick else
+                harness.Settings(min_rounds=50, max_rounds=200, budget_s=10.0, **single))
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
           f"attnx softmax_forward {attnx.cpu_dispatch()['softmax_forward']}; torch {torch.__version__}")
     peaks = {}

@@ -733,32 +733,58 @@ static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode
 #undef MK_ROWS
 }
 
+/* acc (vectors W numbers) += sum_j p[j] v_j over the keys j < keys with
+ * p[j] != 0, for `vectors` (a constant: 8, 4, 2 or 1) vectors of columns:
+ * 8 / vectors sets of accumulators take the keys in turn, so that 8
+ * independent chains of multiply-adds hide their latency whatever the
+ * width of the group. */
+static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
+    MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
+    const int vectors)
+{
+    const int sets = 8 / vectors;
+    MK_VEC sum[8];
+    for (int g = 0; g < 8; g++) sum[g] = g < vectors ? *(const MK_VEC *)(acc + g * MK_W) : (MK_VEC){0};
+    ptrdiff_t j = 0;
+    for (; j + sets <= keys; j += sets)
+        for (int set = 0; set < sets; set++) {
+            MK_REAL p_j = p[j + set];
+            if (p_j == 0) continue;
+            const MK_REAL *v_j = v + (j + set) * v_row;
+            for (int g = 0; g < vectors; g++)
+                sum[set * vectors + g] += p_j * *(const MK_VEC *)(v_j + g * MK_W);
+        }
+    for (; j < keys; j++)
+        if (p[j] != 0)
+            for (int g = 0; g < vectors; g++) sum[g] += p[j] * *(const MK_VEC *)(v + j * v_row + g * MK_W);
+    for (int set = 1; set < sets; set++)
+        for (int g = 0; g < vectors; g++) sum[g] += sum[set * vectors + g];
+    for (int g = 0; g < vectors; g++) *(MK_VEC *)(acc + g * MK_W) = sum[g];
+}
+
 /* acc (e) += sum_j p[j] v_j over the keys j < keys with p[j] != 0, rows of
  * v v_row apart: a key a row does not see (p = 0) adds nothing, not even
  * the NaN of 0 times an inf or NaN value. Columns by groups of 8 vectors
- * held in registers (8 independent chains of multiply-adds, enough to hide
- * their latency), then single vectors, then one by one. */
+ * held in registers, then of 4, 2, 1, then one by one. */
 static inline void MK_TYPED(mk_decode_pv_w16, mk_decode_pv_d8, mk_decode_pv_w8, mk_decode_pv_d4,
                             mk_decode_pv_n4, mk_decode_pv_nd2)(
     MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
     ptrdiff_t e)
 {
     ptrdiff_t c0 = 0;
-    for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W) {
-        MK_VEC sum[8];
-        for (int g = 0; g < 8; g++) sum[g] = *(const MK_VEC *)(acc + c0 + g * MK_W);
-        for (ptrdiff_t j = 0; j < keys; j++) {
-            if (p[j] == 0) continue;
-            const MK_REAL *v_j = v + j * v_row + c0;
-            for (int g = 0; g < 8; g++) sum[g] += p[j] * *(const MK_VEC *)(v_j + g * MK_W);
-        }
-        for (int g = 0; g < 8; g++) *(MK_VEC *)(acc + c0 + g * MK_W) = sum[g];
+    for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W)
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 8);
+    if (c0 + 4 * MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 4);
+        c0 += 4 * MK_W;
     }
-    for (; c0 + MK_W <= e; c0 += MK_W) {
-        MK_VEC sum = *(const MK_VEC *)(acc + c0);
-        for (ptrdiff_t j = 0; j < keys; j++)
-            if (p[j] != 0) sum += p[j] * *(const MK_VEC *)(v + j * v_row + c0);
-        *(MK_VEC *)(acc + c0) = sum;
+    if (c0 + 2 * MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 2);
+        c0 += 2 * MK_W;
+    }
+    if (c0 + MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 1);
+        c0 += MK_W;
     }
     for (; c0 < e; c0++)
         for (ptrdiff_t j = 0; j < keys; j++)
