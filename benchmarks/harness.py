@@ -32,10 +32,24 @@ Per case:
    is in; calls longer than `rewarm_below_s` skip it (the slowdown is then
    a few per cent of one call at most, and the extra call would double
    their rounds).
+
+The machine's ceilings, measured in the same run (machine_peak): the
+multiply-add peak of float32 and float64 and the read bandwidth of memory,
+on the threads the benchmark uses, from benchmarks/machine_peak.c, built on
+the fly with the C compiler (CC, else cc) and OpenMP, and loaded by ctypes.
+A benchmark gives a FLOP rate as a fraction of the peak and a rate of
+bytes read as a fraction of the bandwidth, for attnx and torch alike.
 """
+import ctypes
 import gc
+import hashlib
 import math
+import os
+import shlex
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -139,3 +153,96 @@ def measure(calls, settings):
             samples[name].append(take_sample(calls[name], numbers[name]))
     stats = {name: Stats(samples[name], numbers[name]) for name in numbers}
     return stats, first_results, failures
+
+
+# ------------------------------------------------------------ machine ceilings
+
+PEAK_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machine_peak.c")
+
+
+def _peak_library():
+    """machine_peak.c built (once per source and compiler, in the temporary
+    directory) and loaded; None with a message on stderr when it cannot be."""
+    compiler = shlex.split(os.environ.get("CC", "cc"))
+    with open(PEAK_SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(compiler).encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"attnx-machine-peak-{key}.so")
+    if not os.path.exists(path):
+        building = path + f".{os.getpid()}"
+        command = compiler + ["-O2", "-fopenmp", "-shared", "-fPIC", "-o", building, PEAK_SOURCE]
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            print(f"machine peak not measured: {' '.join(command)} failed:\n{run.stderr}",
+                  file=sys.stderr)
+            return None
+        os.replace(building, path)
+    library = ctypes.CDLL(path)
+    library.peak_isa.restype = ctypes.c_char_p
+    library.fma_gflops.restype = ctypes.c_double
+    library.fma_gflops.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    library.read_gbps.restype = ctypes.c_double
+    library.read_gbps.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    return library
+
+
+def _last_level_cache_bytes():
+    """the largest cache of CPU 0 (Linux's sysfs), or 32 MiB when unknown"""
+    largest = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in os.listdir(base) if os.path.isdir(base) else ():
+        try:
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units
+                      else int(text))
+    return largest or 32 << 20
+
+
+@dataclass(frozen=True)
+class MachinePeak:
+    """The ceilings of `threads` threads: GFLOP/s of vector multiply-adds
+    (2 FLOPs each) in `isa`'s widest vectors, and GB/s (1e9 bytes) read
+    from a buffer of `buffer_bytes`, much larger than the last-level cache;
+    each the fastest of several runs."""
+    isa: str
+    threads: int
+    fma_f32_gflops: float
+    fma_f64_gflops: float
+    read_gbps: float
+    buffer_bytes: int
+
+    def flops_fraction(self, flops_per_s, dtype="float32"):
+        peak = self.fma_f64_gflops if str(dtype).endswith("64") else self.fma_f32_gflops
+        return flops_per_s / (peak * 1e9)
+
+    def read_fraction(self, bytes_per_s):
+        return bytes_per_s / (self.read_gbps * 1e9)
+
+    def describe(self):
+        return (f"machine peak on {self.threads} threads ({self.isa} multiply-adds): "
+                f"float32 {self.fma_f32_gflops:.0f} GFLOP/s, float64 {self.fma_f64_gflops:.0f} "
+                f"GFLOP/s; read bandwidth {self.read_gbps:.1f} GB/s "
+                f"({self.buffer_bytes >> 20} MiB buffer)")
+
+
+def machine_peak(threads, repeats=15):
+    """The machine's multiply-add peak and read bandwidth on `threads`
+    threads (MachinePeak), measured now: a few seconds, in short runs, so
+    that some run finds the cores free on a shared machine. None where
+    machine_peak.c cannot be built."""
+    library = _peak_library()
+    if library is None:
+        return None
+    buffer_bytes = min(max(256 << 20, 8 * _last_level_cache_bytes()), 1 << 30)
+    steps = 300_000
+    return MachinePeak(isa=library.peak_isa().decode(), threads=threads,
+                       fma_f32_gflops=library.fma_gflops(threads, 0, steps, repeats),
+                       fma_f64_gflops=library.fma_gflops(threads, 1, steps, repeats),
+                       # threads can read at least what fewer read: on a shared
+                       # machine a run on all of them is the likeliest to be slowed
+                       read_gbps=max(library.read_gbps(count, buffer_bytes, repeats)
+                                     for count in {1, threads}),
+                       buffer_bytes=buffer_bytes)

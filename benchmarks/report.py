@@ -96,19 +96,31 @@ def attnx_cells(result, ceilings):
             "%.0f%%" % percent if percent is not None else "-"]
 
 
+def peak_cell(result, name):
+    """the fastest call of `name` as a share of the machine's multiply-add
+    peak (run.py measures it), "-" where not measured"""
+    fraction = (result["competitors"].get(name) or {}).get("peak_fraction")
+    return "%.0f%%" % (100 * fraction) if fraction is not None else "-"
+
+
 def kind_table(results, kind, ceilings):
     group = [r for r in results if r["kind"] == kind]
     if not group:
         return None
     peer_names = cases.COMPETITORS[kind][1:]
     with_flops = kind in cases.FLOP_KINDS
+    # the peak share of attnx and of torch's fused attention where it competes
+    peak_names = ["attnx"] + [name for name in peer_names if name == "torch-sdpa"]
     headers = ["case", "attnx", "IQR"] + ["%s (ratio)" % name for name in peer_names]
-    headers += ["GFLOP/s", "%gemm"] if with_flops else []
+    headers += (["GFLOP/s", "%gemm"] + ["%%peak %s" % name for name in peak_names]
+                if with_flops else [])
     rows = []
     for result in group:
         ours = attnx_cells(result, ceilings)
         peers = [peer_cell(result, name) for name in peer_names]
-        rows.append([result["label"]] + ours[:2] + peers + (ours[2:] if with_flops else []))
+        rows.append([result["label"]] + ours[:2] + peers +
+                    (ours[2:] + [peak_cell(result, name) for name in peak_names]
+                     if with_flops else []))
     return format_table(headers, rows)
 
 
@@ -141,7 +153,9 @@ def legend(ceilings):
         "  peer (ratio) = peer median and peer/attnx (> 1: attnx faster), medians of the same run;",
         "  GFLOP/s = attnx rate on the counted FLOPs; %gemm = that rate / the rate of numpy's",
         "  OpenBLAS gemm 2048^3 of the same dtype timed in the same rounds (separately, at the",
-        "  start and end of the run: " + (gemm or "not measured") + ").",
+        "  start and end of the run: " + (gemm or "not measured") + ");",
+        "  %peak = the fastest call's rate / the machine's multiply-add peak of its dtype",
+        "  (benchmarks/machine_peak.c, measured at the start of the run).",
         "FLOPs counted: softmax %s;" % cases.FLOP_FORMULAS["softmax"],
         "  linear %s (c = %d)." % (cases.FLOP_FORMULAS["linear"], cases.LINEAR_CHUNK),
         "memory: peak resident set during the call minus the resident set before it.",

@@ -31,6 +31,7 @@ SETTINGS = {
 }
 TOLERANCE = {"float32": 2e-3, "float64": 1e-8}     # max |diff| / max |reference|
 BUSY_CORES = 0.25       # cores kept busy by other processes above which we warn
+PEAK = None             # the machine's ceilings (harness.machine_peak), measured by main
 
 
 def parse_args():
@@ -192,6 +193,9 @@ def result_record(case, stats, skipped, wrong):
         name_flops = cases.case_flops(cases.gemm_case(case.dtype)) if name == "gemm" else flops
         competitors[name] = s.as_dict()
         competitors[name]["gflops"] = name_flops / s.median / 1e9 if name_flops else None
+        # the fastest call against the machine's multiply-add peak (main measures it)
+        competitors[name]["peak_fraction"] = (PEAK.flops_fraction(name_flops / s.min, case.dtype)
+                                              if name_flops and PEAK else None)
     return {"label": case.label, "key": case.key, "kind": case.kind, "series": case.series,
             "n": case.n, "dtype": case.dtype, "case": dataclasses.asdict(case) | {"window": case.window},
             "flops": flops, "competitors": competitors, "skipped": skipped, "disagreements": wrong}
@@ -327,7 +331,11 @@ def main():
     attnx = import_attnx(args.peers_only)
     set_threads(args.threads, attnx)
     info = machine_info(attnx)
-    header = [machine_line(info)] + load_warning(info) + missing_notes(attnx)
+    global PEAK
+    PEAK = harness.machine_peak(args.threads)
+    info["machine_peak"] = PEAK.__dict__ if PEAK else None
+    header = ([machine_line(info)] + ([PEAK.describe()] if PEAK else []) + load_warning(info) +
+              missing_notes(attnx))
     print("\n".join(header), flush=True)
     started = time.perf_counter()
     results = run_timed(args, attnx, SETTINGS["quick" if args.quick else "full"])

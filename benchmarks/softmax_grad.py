@@ -1,7 +1,8 @@
 """Softmax attention forward + backward: attnx beside torch's CPU
 scaled_dot_product_attention under autograd, in the same interleaved rounds
 (harness.py), with a 2048^3 float32 gemm (numpy's OpenBLAS) as the FLOP
-ceiling; then the extra memory of the backward against n.
+ceiling and the machine's float32 multiply-add peak measured in the same
+run (harness.machine_peak); then the extra memory of the backward against n.
 
     python benchmarks/softmax_grad.py             # (1, 8, n, 64) n = 1024..8192, d = 128 at 2048
     python benchmarks/softmax_grad.py --quick     # n = 1024, 2048 only, fewer rounds
@@ -23,7 +24,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import Settings, measure  # noqa: E402
+from harness import Settings, machine_peak, measure  # noqa: E402
 
 PEAK_PROBE = """
 import sys, numpy as np, attnx
@@ -73,8 +74,11 @@ def main():
     results = []
     print(f"softmax attention forward + backward, 8 heads, float32, {args.threads} threads; "
           f"{attnx._C.build_info()['simd']}; torch {torch.__version__}")
+    peak = machine_peak(args.threads)
+    if peak is not None:
+        print(peak.describe())
     print(f"{'case':26s} {'attnx ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
-          f"{'attnx GF/s':>10s} {'%gemm':>6s}")
+          f"{'attnx GF/s':>10s} {'%gemm':>6s} {'attnx %peak':>11s} {'torch %peak':>11s}")
     for n, d, causal in cases(args.quick):
         q, k, v, dout = (rng.standard_normal((1, 8, n, d), dtype=np.float32) for _ in range(4))
         tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
@@ -101,11 +105,19 @@ def main():
         rate = flops / stats["attnx"].median
         ratio = stats["torch"].median / stats["attnx"].median
         label = f"(1,8,{n},{d}) {'causal' if causal else 'full'}"
+        # the fastest call of each against the peak (interference only slows a call)
+        fractions = [f"{100 * peak.flops_fraction(flops / stats[name].min):10.0f}%" if peak
+                     else f"{'-':>11s}" for name in ("attnx", "torch")]
         print(f"{label:26s} {stats['attnx'].median * 1e3:9.1f} {stats['torch'].median * 1e3:9.1f} "
-              f"{ratio:5.2f}x {rate / 1e9:10.0f} {100 * rate / gemm_rate:5.0f}%", flush=True)
+              f"{ratio:5.2f}x {rate / 1e9:10.0f} {100 * rate / gemm_rate:5.0f}% "
+              f"{fractions[0]} {fractions[1]}", flush=True)
         results.append({"n": n, "d": d, "causal": causal, "attnx": stats["attnx"].as_dict(),
                         "torch": stats["torch"].as_dict(), "gemm": stats["gemm"].as_dict(),
-                        "ratio": ratio, "attnx_flops": flops})
+                        "ratio": ratio, "attnx_flops": flops,
+                        "attnx_peak_fraction": peak.flops_fraction(flops / stats["attnx"].min)
+                        if peak else None,
+                        "torch_peak_fraction": peak.flops_fraction(flops / stats["torch"].min)
+                        if peak else None})
 
     memory = []
     for n in ([2048] if args.quick else [2048, 4096, 8192]):
@@ -119,7 +131,8 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "softmax_grad.json"), "w") as f:
-        json.dump({"threads": args.threads, "cases": results, "memory": memory}, f, indent=1)
+        json.dump({"threads": args.threads, "cases": results, "memory": memory,
+                   "machine_peak": peak.__dict__ if peak else None}, f, indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -12,7 +12,10 @@ converting each tensor once in C). One call is q, k, v -> out, then the
 gradients of sum(dout * out) by torch.autograd.grad. Competitors are timed
 interleaved (benchmarks/harness.py); the fastest call of each (on a shared
 machine interference only slows a call) and their ratio torch / attnx
-(above 1: attnx is faster) are printed. Both use the
+(above 1: attnx is faster) are printed, and each one's FLOP rate as a
+fraction of the machine's float32 multiply-add peak measured at the start
+of the run (harness.machine_peak; FLOPs counted: 7 products of 2 d FLOPs
+per visible query-key pair, forward 2 and backward 5). Both use the
 machine's threads (attnx's OpenMP pool, torch's intra-op pool) unless
 --threads sets both. On a machine shared with other work, every parallel
 region waits for its slowest thread; --threads 1 measures without that.
@@ -52,6 +55,16 @@ def inputs(shape, lengths, dtype, seed=0):
     return q, k, v, dout, mask
 
 
+def fwd_bwd_flops(shape, causal, lengths):
+    """7 products (forward 2, backward 5) of 2 d FLOPs per visible pair"""
+    B, H, n, d = shape
+    if lengths is not None:
+        pairs = n * sum(lengths)
+    else:
+        pairs = B * (n * (n + 1) // 2 if causal else n * n)
+    return 7 * 2 * H * pairs * d
+
+
 def fwd_bwd(attention, q, k, v, dout, mask, causal):
     def call():
         out = attention(q, k, v, attn_mask=mask, is_causal=causal)
@@ -74,7 +87,11 @@ def main():
     print(f"attnx {attnx.__version__}: {attnx.get_num_threads()} threads, bfloat16 conversion "
           f"{attnx.cpu_dispatch()['convert']}; torch {torch.__version__}: "
           f"{torch.get_num_threads()} threads")
-    print(f"{'case':<34} {'dtype':<9} {'torch ms':>10} {'attnx ms':>10} {'torch/attnx':>12} {'max |dq| diff':>14}")
+    peak = harness.machine_peak(attnx.get_num_threads())
+    if peak is not None:
+        print(peak.describe())
+    print(f"{'case':<34} {'dtype':<9} {'torch ms':>10} {'attnx ms':>10} {'torch/attnx':>12} "
+          f"{'torch %peak':>12} {'attnx %peak':>12} {'max |dq| diff':>14}")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name, shape, causal, lengths in cases():
@@ -93,8 +110,12 @@ def main():
                 valid = torch.arange(shape[2])[None, :] < torch.tensor(lengths)[:, None]
                 diff = diff[valid[:, None, :, None].expand_as(diff)]
             t, a = stats["torch"].min, stats["attnx"].min
+            flops = fwd_bwd_flops(shape, causal, lengths)
+            # bfloat16 is computed in float32 on both sides: the float32 peak
+            fractions = [f"{100 * peak.flops_fraction(flops / x):>11.0f}%" if peak else
+                         f"{'-':>12}" for x in (t, a)]
             print(f"{name:<34} {dtype_name:<9} {t * 1e3:>10.2f} {a * 1e3:>10.2f} {t / a:>12.2f} "
-                  f"{diff.max().item():>14.2e}", flush=True)
+                  f"{fractions[0]} {fractions[1]} {diff.max().item():>14.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@
 #define MK_KB(w) ((w) == 16 ? 8 : 4)
 /* every strip size divides this */
 #define MK_ROW_ALIGN 48
+/* query rows per call of the decoding scores kernel (mk_decode_scores):
+ * one load of a key serves this many rows */
+#define MK_DECODE_ROWS 4
 
 /* The tile: queries [i0, i0 + rows), keys [j0, j0 + cols), and the band
  * that decides which of them meet. */
@@ -283,10 +286,32 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
     return acc;
 }
 
+/* The sum of a vector's lanes (the decoding scores' dot products) */
+__attribute__((target("avx512f"))) static inline float mk_hsum_w16(__m512 x)
+{
+    return _mm512_reduce_add_ps(x);
+}
+__attribute__((target("avx512f"))) static inline double mk_hsum_d8(__m512d x)
+{
+    return _mm512_reduce_add_pd(x);
+}
+__attribute__((target("avx2"))) static inline float mk_hsum_w8(__m256 x)
+{
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+__attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
+{
+    __m128d half = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(half, _mm_unpackhi_pd(half, half)));
+}
+
 /* AVX-512: both products accumulate in 24 of the 32 zmm registers */
 #define MK_REAL float
 #define MK_W 16
 #define MK_SFX w16
+#define MK_HSUM(x) mk_hsum_w16((__m512)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) w16
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
@@ -298,6 +323,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 8
 #define MK_SFX d8
+#define MK_HSUM(x) mk_hsum_d8((__m512d)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) d8
 #define MK_KB_W 8
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_pd((__m512d)(a), (__m512d)(b)))
@@ -309,6 +335,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 8
 #define MK_SFX w8
+#define MK_HSUM(x) mk_hsum_w8((__m256)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) w8
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
@@ -319,6 +346,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 4
 #define MK_SFX d4
+#define MK_HSUM(x) mk_hsum_d4((__m256d)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) d4
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_pd((__m256d)(a), (__m256d)(b)))
@@ -337,6 +365,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL float
 #define MK_W 4
 #define MK_SFX n4
+#define MK_HSUM(x) vaddvq_f32((float32x4_t)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) n4
 #define MK_KB_W 4
 #define MK_VMAX(a, b) \
@@ -349,6 +378,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 #define MK_REAL double
 #define MK_W 2
 #define MK_SFX nd2
+#define MK_HSUM(x) vaddvq_f64((float64x2_t)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) nd2
 #define MK_KB_W 4
 #define MK_VMAX(a, b) \
@@ -652,6 +682,116 @@ static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv
 
 /* the softmax backward's products, at every width */
 #include "mk_backward.h"
+/* Decoding (softmax_decode.c): a few query rows against many keys, where
+ * reading the keys and values once is the cost, not the arithmetic. The
+ * rows are not packed: each key is loaded once per block of up to
+ * MK_DECODE_ROWS rows and multiplied along d, its dot products summed
+ * across the lanes at the end. */
+
+/* s[r s_ld + j] = scale q_r . k_j for the `rows` rows q[r] (a constant
+ * where this is inlined) and the keys j < keys, rows k_row apart. Two
+ * accumulators per row, the even and the odd vectors of d, halve the chain
+ * of dependent multiply-adds of each key. */
+static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)(
+    MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, const MK_REAL *k, ptrdiff_t k_row,
+    ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, const int rows)
+{
+    const ptrdiff_t pairs = d / (2 * MK_W) * (2 * MK_W), whole = d / MK_W * MK_W;
+    for (ptrdiff_t j = 0; j < keys; j++) {
+        const MK_REAL *k_j = k + j * k_row;
+        MK_VEC even[MK_DECODE_ROWS], odd[MK_DECODE_ROWS];
+        for (int r = 0; r < rows; r++) even[r] = odd[r] = (MK_VEC){0};
+        for (ptrdiff_t c = 0; c < pairs; c += 2 * MK_W) {
+            MK_VEC k_even = *(const MK_VEC *)(k_j + c), k_odd = *(const MK_VEC *)(k_j + c + MK_W);
+            for (int r = 0; r < rows; r++) {
+                even[r] += *(const MK_VEC *)(q[r] + c) * k_even;
+                odd[r] += *(const MK_VEC *)(q[r] + c + MK_W) * k_odd;
+            }
+        }
+        if (whole > pairs)
+            for (int r = 0; r < rows; r++)
+                even[r] += *(const MK_VEC *)(q[r] + pairs) * *(const MK_VEC *)(k_j + pairs);
+        for (int r = 0; r < rows; r++) {
+            MK_REAL dot = MK_HSUM(even[r] + odd[r]);
+            for (ptrdiff_t c = whole; c < d; c++) dot += q[r][c] * k_j[c];
+            s[r * s_ld + j] = dot * scale;
+        }
+    }
+}
+
+/* mk_decode_scores_rows for 1 to MK_DECODE_ROWS rows */
+static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode_scores_w8,
+                            mk_decode_scores_d4, mk_decode_scores_n4, mk_decode_scores_nd2)(
+    MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, ptrdiff_t rows, const MK_REAL *k,
+    ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, MK_REAL scale)
+{
+#define MK_ROWS(count) MK_NAME(mk_decode_scores_rows)(s, s_ld, q, k, k_row, keys, d, scale, count)
+    switch (rows) {
+    case 1: MK_ROWS(1); break;
+    case 2: MK_ROWS(2); break;
+    case 3: MK_ROWS(3); break;
+    default: MK_ROWS(MK_DECODE_ROWS); break;
+    }
+#undef MK_ROWS
+}
+
+/* acc (vectors W numbers) += sum_j p[j] v_j over the keys j < keys with
+ * p[j] != 0, for `vectors` (a constant: 8, 4, 2 or 1) vectors of columns:
+ * 8 / vectors sets of accumulators take the keys in turn, so that 8
+ * independent chains of multiply-adds hide their latency whatever the
+ * width of the group. */
+static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
+    MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
+    const int vectors)
+{
+    const int sets = 8 / vectors;
+    MK_VEC sum[8];
+    for (int g = 0; g < 8; g++) sum[g] = g < vectors ? *(const MK_VEC *)(acc + g * MK_W) : (MK_VEC){0};
+    ptrdiff_t j = 0;
+    for (; j + sets <= keys; j += sets)
+        for (int set = 0; set < sets; set++) {
+            MK_REAL p_j = p[j + set];
+            if (p_j == 0) continue;
+            const MK_REAL *v_j = v + (j + set) * v_row;
+            for (int g = 0; g < vectors; g++)
+                sum[set * vectors + g] += p_j * *(const MK_VEC *)(v_j + g * MK_W);
+        }
+    for (; j < keys; j++)
+        if (p[j] != 0)
+            for (int g = 0; g < vectors; g++) sum[g] += p[j] * *(const MK_VEC *)(v + j * v_row + g * MK_W);
+    for (int set = 1; set < sets; set++)
+        for (int g = 0; g < vectors; g++) sum[g] += sum[set * vectors + g];
+    for (int g = 0; g < vectors; g++) *(MK_VEC *)(acc + g * MK_W) = sum[g];
+}
+
+/* acc (e) += sum_j p[j] v_j over the keys j < keys with p[j] != 0, rows of
+ * v v_row apart: a key a row does not see (p = 0) adds nothing, not even
+ * the NaN of 0 times an inf or NaN value. Columns by groups of 8 vectors
+ * held in registers, then of 4, 2, 1, then one by one. */
+static inline void MK_TYPED(mk_decode_pv_w16, mk_decode_pv_d8, mk_decode_pv_w8, mk_decode_pv_d4,
+                            mk_decode_pv_n4, mk_decode_pv_nd2)(
+    MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
+    ptrdiff_t e)
+{
+    ptrdiff_t c0 = 0;
+    for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W)
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 8);
+    if (c0 + 4 * MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 4);
+        c0 += 4 * MK_W;
+    }
+    if (c0 + 2 * MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 2);
+        c0 += 2 * MK_W;
+    }
+    if (c0 + MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 1);
+        c0 += MK_W;
+    }
+    for (; c0 < e; c0++)
+        for (ptrdiff_t j = 0; j < keys; j++)
+            if (p[j] != 0) acc[c0] += p[j] * v[j * v_row + c0];
+}
 
 #if MK_W == 16
 /* 2^t for t <= 0 (and -inf, NaN) on AVX-512: t = n + f with n = floor(t)
@@ -732,6 +872,7 @@ MK_TARGET_POP
 #undef MK_TYPED
 #undef MK_KB_W
 #undef MK_VMAX
+#undef MK_HSUM
 #undef MK_TARGET
 #undef MK_TARGET_POP
 #undef MK_PAIRS

@@ -440,6 +440,8 @@ static void SFX(item_tile)(const SFX(softmax_backend) *be, const attnx_softmax_a
 
 int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args *a)
 {
+    /* a few queries against many keys: the keys split across threads */
+    if (SFX(softmax_decode_applies)(a)) return SFX(softmax_decode)(a);
     const SFX(softmax_backend) *be = SFX(softmax_choose_backend)(a);
     softmax_plan plan = {.q_tile = be->q_tile};
     plan.q_tiles = (a->n + plan.q_tile - 1) / plan.q_tile;

@@ -39,6 +39,14 @@
  * 32: a block is the rows of one product block. */
 #define AMX_Q_TILE 256
 
+/* Decoding (softmax_decode.c): calls with at most DECODE_MAX_QUERIES query
+ * rows per head and at least DECODE_MIN_KEYS keys split each head's keys
+ * across the threads; a group of heads that share their keys and values
+ * holds at most DECODE_MAX_ROWS query rows. */
+#define DECODE_MAX_QUERIES 8
+#define DECODE_MIN_KEYS 128
+#define DECODE_MAX_ROWS 32
+
 /* Values are checked for inf and NaN (see softmax_values_finite) in blocks
  * of this many keys, once per head and thread. */
 #define V_BLOCK 64
@@ -196,6 +204,11 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
                                   const mk_tile *t, SFX(tile_work) *w, const REAL *q,
                                   const REAL *k, const REAL *v, REAL *out, const REAL *bias,
                                   const unsigned char *mask, REAL scale2, int per_query);
+
+/* softmax_decode.c: 1 when the call is decoding's (few queries, many
+ * keys, no dropout nor gaussian key term), and its forward */
+int SFX(softmax_decode_applies)(const attnx_softmax_args *a);
+int SFX(softmax_decode)(const attnx_softmax_args *a);
 
 /* softmax_mk.c: the micro-kernels' backends, one per instruction set, and
  * the packing and transposes AMX uses too */
