@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attnx
-import reference as R
+import attnx.reference as R
 from helpers import assert_close, make, vscale
 
 
