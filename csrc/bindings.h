@@ -5,18 +5,18 @@
 
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args);
+PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *attnx_py_state_class(PyObject *self, PyObject *args);
 PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_linear_variants(PyObject *self, PyObject *unused);
 PyObject *attnx_py_linear_resolve(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
-PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args);
-PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args);
-PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args);
-PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args);
+PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
 int attnx_linear_names_init(void);
 /* the memory handler of attnx's results (output_cache.c) */
