@@ -1,7 +1,7 @@
 # Type stubs of the C extension (csrc/module.c and the py_*.c bindings).
 # The public functions are re-exported and documented by attnx/__init__.pyi;
 # the others are the front ends' plumbing.
-from typing import Any
+from typing import Any, Callable
 
 from numpy.typing import ArrayLike, NDArray
 
@@ -22,12 +22,26 @@ def softmax_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
                      dropout_p: float | None = None, seed: int | None = None,
                      bias_grad: bool = False, dq: NDArray[Any] | None = None,
                      dk: NDArray[Any] | None = None, dv: NDArray[Any] | None = None) -> Any: ...
-def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, variant: str, feature_map: str,
-                     causal: bool | str, key_mask: ArrayLike | None, mask: ArrayLike | None,
-                     window: Any, method: str | None, chunk_size: int | None, eps: float,
-                     projection: ArrayLike | None, p: float, M: float | None,
-                     initial_state: Any, return_state: bool, out: NDArray[Any] | None,
-                     normalise: bool) -> Any: ...
+def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, variant: str,
+                     feature_map: str = "elu", causal: bool | str = False,
+                     key_mask: ArrayLike | None = None, mask: ArrayLike | None = None,
+                     window: Any = None, method: str | None = None,
+                     chunk_size: int | None = None, eps: float = 1e-06,
+                     projection: ArrayLike | None = None, p: float = 3, M: float | None = None,
+                     initial_state: Any = None, return_state: bool = False,
+                     out: NDArray[Any] | None = None, normalise: bool = True,
+                     features: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None) -> Any: ...
+
+class LinearAttentionState:
+    z: NDArray[Any]
+    offset: int
+    def __init__(self, S: NDArray[Any], z: NDArray[Any], offset: int) -> None: ...
+    @property
+    def S(self) -> NDArray[Any]: ...
+    @S.setter
+    def S(self, value: NDArray[Any]) -> None: ...
+    def step(self, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+             out: NDArray[Any] | None = None) -> NDArray[Any]: ...
 def linear_attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
                               front: str, feature_map: str, causal: bool | str,
                               key_mask: ArrayLike | None, mask: ArrayLike | None, window: Any,
@@ -57,8 +71,6 @@ def delta_rule_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLik
                         l2norm: bool = False, chunk: int) -> Any: ...
 def causal_conv1d_update(x: NDArray[Any], state: NDArray[Any], weight: NDArray[Any],
                          bias: Any = None, *, silu: bool = False) -> NDArray[Any]: ...
-def state_class(cls: type, callable_features: Any) -> Any: ...
-def linear_flush(state: Any) -> None: ...
 def get_num_threads() -> int: ...
 def set_num_threads(num_threads: int, /) -> None: ...
 def set_output_cache(limit: int, /) -> int: ...
