@@ -431,16 +431,23 @@ static int held_keys_of(const linear_state *state, PyArrayObject *S, attnx_pendi
     return -1;
 }
 
-/* the held keys into S, with the GIL released; the state then holds none */
+/* the held keys into S, with the GIL released (S and the held keys'
+ * arrays held meanwhile: another thread may replace the state's); the
+ * state then holds none */
 static void held_keys_flush(linear_state *state, PyArrayObject *S, const attnx_pending *pending)
 {
     npy_intp nd = PyArray_NDIM(S), r = PyArray_DIM(S, nd - 2), e = PyArray_DIM(S, nd - 1);
     npy_intp heads = PyArray_SIZE(S) / (r * e > 0 ? r * e : 1);
     int threads = attnx_get_num_threads();
+    PyObject *pair = state->pending;
     if (pending->tick == 0) return;
+    Py_INCREF(S);
+    Py_XINCREF(pair);
     Py_BEGIN_ALLOW_THREADS
     flush_kernels[PyArray_TYPE(S) == NPY_DOUBLE](PyArray_DATA(S), pending, heads, r, e, threads);
     Py_END_ALLOW_THREADS
+    Py_DECREF(S);
+    Py_XDECREF(pair);
     state->tick = 0;
 }
 
@@ -607,6 +614,7 @@ static PyObject *state_make(PyObject *S, PyObject *z, npy_intp offset, const lin
 static PyObject *run_linear(const linear_call *c)
 {
     PyObject *initial_state = c->initial_state, *S_obj = NULL, *z_obj = NULL, *ret = NULL;
+    PyObject *held = NULL;  /* the held keys' arrays a step writes, held while it runs */
     PyArrayObject *projection = NULL;
     const char *variant = c->step ? NULL : PyUnicode_AsUTF8(c->variant);
     int in_place = c->step != NULL;
@@ -651,6 +659,8 @@ static PyObject *run_linear(const linear_call *c)
             (deferred && hold_keys(stepped, &call.batch, r, e, call.dtypes.compute, &pending) < 0))
             goto done;
         if (!deferred) held_keys_flush(stepped, S0_array, &pending);
+        held = stepped->pending;
+        Py_XINCREF(held);
     }
     if (!deferred) pending.psi = NULL;
 
@@ -711,6 +721,7 @@ done:
     Py_XDECREF(projection);
     Py_XDECREF(S_obj);
     Py_XDECREF(z_obj);
+    Py_XDECREF(held);
     return ret;
 }
 
@@ -955,10 +966,15 @@ static int lean_step(linear_state *state, const linear_call *c, PyObject **ret)
         .num_threads = attnx_get_num_threads(),
         .pending = pending,
     };
+    /* the state's arrays held while the GIL is released: another thread
+     * may replace the state's own */
+    PyObject *held[] = {S_obj, z_obj, state->pending};
+    for (int i = 0; i < 3; i++) Py_INCREF(held[i]);
     int kernel_status;
     Py_BEGIN_ALLOW_THREADS
     kernel_status = linear_kernels[typenum == NPY_DOUBLE](&kargs);
     Py_END_ALLOW_THREADS
+    for (int i = 0; i < 3; i++) Py_DECREF(held[i]);
     PyObject *next_offset = PyLong_FromSsize_t((Py_ssize_t)(offset + 1));
     if (attnx_check_status(kernel_status) < 0 || !next_offset) {
         Py_XDECREF(next_offset);
@@ -1473,11 +1489,10 @@ int attnx_linear_init(PyObject *module)
 
 /* ------------------------------------------------------------------------
  * The backward (linear.c, attnx_linear_bwd): _C.linear_attention_backward
- * takes every option positionally, already resolved by
- * attnx/_linear_grad.py (feature map and method as their ATTNX_* numbers,
- * cosFormer's M and the streaming offset as numbers), and returns the
- * gradients on the broadcast batch shape, which the Python side reduces to
- * each input's shape. */
+ * takes every option by name from attnx/_linear_grad.py (the variant by
+ * its front end's name, checked as the forward checks it, the streaming
+ * offset as a number), and returns the gradients on the broadcast batch
+ * shape, which the Python side reduces to each input's shape. */
 
 /* Chunk length of the backward's chunk method. Causal, chunks of 16 run
  * through fused AVX-512 kernels in float32 (linear.c, bwd_fused_chunk) and
