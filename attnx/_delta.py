@@ -202,9 +202,10 @@ class DeltaRuleState:
         """
         call = _Call(q, k, v, beta, g, self.S, self._scale)
         S = call.split(self.S, 3)
-        result = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel, S,
-                               call.split(out, 3), False, True, call.scale, self._qk_l2norm,
-                               True, 1)
+        result = _C.delta_rule(call.q, call.k, call.v, call.beta, g_scalar=call.g_scalar,
+                               g_channel=call.g_channel, initial_state=S, out=call.split(out, 3),
+                               in_place=True, scale=call.scale, l2norm=self._qk_l2norm,
+                               recurrent=True, chunk=1)
         return call.merge(result, 3) if out is None else out
 
 
@@ -421,9 +422,10 @@ def delta_rule_attention(q, k, v, beta, g=None, *, scale=None, qk_l2norm=False, 
     call = _Call(q, k, v, beta, g, S0, scale)
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-    result = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
-                           call.split(S0, 3), call.split(out, 3), return_state, False, call.scale,
-                           qk_l2norm, recurrent, chunk)
+    result = _C.delta_rule(call.q, call.k, call.v, call.beta, g_scalar=call.g_scalar,
+                           g_channel=call.g_channel, initial_state=call.split(S0, 3),
+                           out=call.split(out, 3), want_state=return_state, scale=call.scale,
+                           l2norm=qk_l2norm, recurrent=recurrent, chunk=chunk)
     if not return_state:
         return call.merge(result, 3) if out is None else out
     o, S = result
@@ -503,8 +505,9 @@ def delta_rule_attention_backward(dout, q, k, v, beta, g=None, *, scale=None, qk
         raise TypeError("dout is required, got None")
     call = _Call(q, k, v, beta, g, S0, scale)
     dq, dk, dv, dbeta, dg, dS = _C.delta_rule_backward(
-        call.split(dout, 3), call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
-        call.split(S0, 3), call.split(grad_state, 3), call.scale, qk_l2norm, chunk)
+        call.split(dout, 3), call.q, call.k, call.v, call.beta, g_scalar=call.g_scalar,
+        g_channel=call.g_channel, initial_state=call.split(S0, 3),
+        grad_state=call.split(grad_state, 3), scale=call.scale, l2norm=qk_l2norm, chunk=chunk)
     return DeltaRuleGradients(
         q=_deliver(dq, q, call, 3, key=True),
         k=_deliver(dk, k, call, 3, key=True),

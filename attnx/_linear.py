@@ -9,6 +9,7 @@ the feature maps and runs the chosen method with the GIL released. Only
 Python callables as feature maps and the random draw of Performer
 projections run in Python.
 """
+import functools
 import math
 import operator
 import os
@@ -19,116 +20,9 @@ from . import _C, _dwc
 from ._variants import VARIANTS
 
 
-class LinearAttentionState:
-    """The state kernelised attention carries between calls.
-
-    Returned by ``return_state=True`` and taken back by ``initial_state=``
-    (streaming a long sequence in pieces, decoding), or advanced in place by
-    `step`.
-
-    Parameters
-    ----------
-    S : ndarray, shape (..., r, e)
-        ``sum_j psi(k_j) v_j^T`` over the keys seen.
-    z : ndarray, shape (..., r)
-        ``sum_j psi(k_j)``.
-    offset : int
-        How many key positions were consumed (cosFormer numbers the next
-        call's positions after it).
-
-    Methods
-    -------
-    step(q, k, v, out=None)
-        Decode in place: the outputs of new tokens, their keys and values
-        absorbed into this state.
-
-    Raises
-    ------
-    ValueError
-        From `step`, for a state that cannot step (see there).
-
-    See Also
-    --------
-    linear_attention : Returns a state with ``return_state=True``.
-
-    Notes
-    -----
-    The arrays have the dtype the calls compute in (float32 for float16
-    inputs) and the broadcast batch shape of the calls. FAVOR+ key features
-    are stored divided by the constant ``exp(c)``, ``c = max_f |W_f|^2 /
-    2``, so a state only continues calls with the same feature map and
-    projection.
-
-    Passing a state as ``initial_state=`` never writes it; `step` is the
-    in-place alternative, which allocates nothing but its output (none with
-    ``out=``, nor when the output of the state's last step is no longer
-    held anywhere: the new one takes its memory).
-
-    A step of one token holds its key back from ``S`` (``z`` takes it at
-    once) and adds the keys a head holds into ``S`` 4 at a time, the heads
-    taking turns; its output counts them all. Most steps then only read
-    ``S`` instead of reading and writing it, which halves a step's memory
-    traffic. Reading ``state.S`` (or passing the state as
-    ``initial_state=``, or a step of several tokens) first adds every held
-    key in, in order. The state owns its arrays: an array taken from it
-    earlier changes with it (copy it to keep a snapshot), but between reads
-    of ``state.S`` it lags by the held keys. Assigning ``state.S`` replaces
-    the sum of every key so far, held ones included. Only a state returned
-    by a causal call with ``return_state=True`` can step, while ``S`` and
-    ``z`` stay writeable, C-contiguous arrays of the computing dtype with
-    the batch shape of the step's q, k, v.
-
-    Examples
-    --------
-    >>> import numpy as np, attnx
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((2, 10, 4)) for _ in range(3))
-    >>> o1, state = attnx.linear_attention(q[:, :6], k[:, :6], v[:, :6], causal=True,
-    ...                                    return_state=True)
-    >>> state
-    LinearAttentionState(S: float64(2, 4, 4), z: float64(2, 4), offset=6)
-    >>> o2, state = attnx.linear_attention(q[:, 6:], k[:, 6:], v[:, 6:], causal=True,
-    ...                                    initial_state=state, return_state=True)
-    >>> whole = attnx.linear_attention(q, k, v, causal=True)
-    >>> np.allclose(np.concatenate([o1, o2], axis=1), whole)
-    True
-    """
-
-    __slots__ = ("_S", "z", "offset", "_options", "_features", "_pending", "_tick", "_out")
-
-    def __init__(self, S, z, offset):
-        self._S = S
-        self.z = z
-        self.offset = offset
-        # what step() needs to repeat the call that made the state (set by
-        # _attend): (variant, feature_map, causal, eps, projection, p, M),
-        # and a callable feature map applied in Python; None: cannot step
-        self._options = None
-        self._features = None
-        # the keys single-token steps hold back from S: two arrays
-        # (..., 4, r) and (..., 4, e) made by the first such step, and the
-        # steps since S last held every key (0: it holds them all)
-        self._pending = None
-        self._tick = 0
-        # the output of the last single-token step, whose memory the next
-        # one takes when nothing else holds it any more
-        self._out = None
-
-    @property
-    def S(self):
-        """``sum_j psi(k_j) v_j^T`` over every key so far (held keys added in)."""
-        if self._tick:
-            _C.linear_flush(self)
-        return self._S
-
-    @S.setter
-    def S(self, value):
-        self._S = value
-        self._tick = 0
-
-    def __repr__(self):
-        return (f"LinearAttentionState(S: {self.S.dtype}{self.S.shape}, "
-                f"z: {self.z.dtype}{self.z.shape}, offset={self.offset})")
+# the state of return_state=True, advanced in place by its step method: a C
+# type (csrc/py_linear.c), so that a decoding step reads its fields in C
+LinearAttentionState = _C.LinearAttentionState
 
 
 def _attend(front, a, normalise=True):
@@ -141,37 +35,40 @@ def _attend(front, a, normalise=True):
     projection = a.get("projection")
     if front == "performer":
         projection = _performer_projection(a["q"], projection, a["num_features"], a["seed"])
-    return _run(front, feature_map, a["q"], a["k"], a["v"], a.get("causal", False),
-                a.get("key_mask"), a.get("mask"), a.get("window"), a.get("method"),
-                a.get("chunk_size"), a.get("eps", 1e-6), projection, a.get("p", 3), a.get("M"),
-                a.get("initial_state"), a.get("return_state", False), a.get("out"), normalise)
+    return _run(front, a["q"], a["k"], a["v"], feature_map=feature_map,
+                causal=a.get("causal", False), key_mask=a.get("key_mask"), mask=a.get("mask"),
+                window=a.get("window"), method=a.get("method"), chunk_size=a.get("chunk_size"),
+                eps=a.get("eps", 1e-6), projection=projection, p=a.get("p", 3), M=a.get("M"),
+                initial_state=a.get("initial_state"),
+                return_state=a.get("return_state", False), out=a.get("out"),
+                normalise=normalise)
 
 
-def _run(variant, feature_map, q, k, v, causal, key_mask, mask, window, method, chunk_size, eps,
-         projection, p, M, initial_state, return_state, out, normalise=True):
-    """The kernel with every option by position (the front ends' common
-    path, kept short: a decoding call through linear_attention spends
-    about a microsecond here)."""
+def _run(variant, q, k, v, *, feature_map, causal, key_mask, mask, window, method, chunk_size,
+         eps, projection, p, initial_state, return_state, out, M=None, normalise=True):
+    """The kernel with every option (the front ends' common path, kept
+    short: a decoding call through linear_attention spends about a
+    microsecond here). A callable feature map is applied here, and a
+    state remembers it for its steps."""
     features = None
     if callable(feature_map):
-        features = feature_map
-        q, k = _callable_features(feature_map, q, k, v)
+        features = functools.partial(_callable_features, feature_map)
+        q, k = features(q, k, v)
         feature_map = "identity"
-    result = _C.linear_attention(q, k, v, variant, feature_map, causal, key_mask, mask, window,
-                                 method, chunk_size, eps, projection, p, M, initial_state,
-                                 return_state, out, normalise)
-    if not return_state:
-        return result
-    out, S, z, offset = result
-    state = LinearAttentionState(S, z, offset)
-    if normalise:
-        # the options of this call, for state.step(); the projection in the
-        # state's dtype, so that a step converts nothing
-        if projection is not None:
-            projection = np.asarray(projection, dtype=S.dtype)
-        state._options = (variant, feature_map, causal, eps, projection, p, M)
-        state._features = features
-    return out, state
+    if projection is None and M is None and features is None and normalise is True:
+        # the options left at their defaults left out: CPython passes a
+        # call of more than 13 keywords through a dict, which would add
+        # half a microsecond to a decoding call
+        return _C.linear_attention(q, k, v, variant=variant, feature_map=feature_map,
+                                   causal=causal, key_mask=key_mask, mask=mask, window=window,
+                                   method=method, chunk_size=chunk_size, eps=eps, p=p,
+                                   initial_state=initial_state, return_state=return_state,
+                                   out=out)
+    return _C.linear_attention(q, k, v, variant=variant, feature_map=feature_map, causal=causal,
+                               key_mask=key_mask, mask=mask, window=window, method=method,
+                               chunk_size=chunk_size, eps=eps, projection=projection, p=p, M=M,
+                               initial_state=initial_state, return_state=return_state, out=out,
+                               normalise=normalise, features=features)
 
 
 def _result_dtype(*arrays):
@@ -206,10 +103,6 @@ def _checked_features(feature_map, x, name, dtype):
         raise ValueError(f"feature_map callable returned negative features for {name}; "
                          "features must be non-negative")
     return features.astype(dtype, copy=False)
-
-
-# state.step is a C method (csrc/py_linear.c): a decoding step is one C call
-LinearAttentionState.step = _C.state_class(LinearAttentionState, _callable_features)
 
 
 def _performer_projection(q, projection, num_features, seed):
@@ -333,8 +226,10 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, key_mask=None,
     ...     for m in ("recurrent", "cumsum", "quadratic"))
     True
     """
-    return _run("linear", feature_map, q, k, v, causal, key_mask, mask, window, method,
-                chunk_size, eps, projection, p, None, initial_state, return_state, out)
+    return _run("linear", q, k, v, feature_map=feature_map, causal=causal, key_mask=key_mask,
+                mask=mask, window=window, method=method, chunk_size=chunk_size, eps=eps,
+                projection=projection, p=p, initial_state=initial_state,
+                return_state=return_state, out=out)
 
 
 def cosformer_attention(q, k, v, *, causal=False, key_mask=None, M=None, mask=None, window=None,

@@ -209,8 +209,8 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0, *
     True
     """
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
-    result, lse = _C.lsh_attention(q, v, _rotations_for(q, n_buckets, n_hashes, seed), chunk,
-                                   causal, out)
+    result, lse = _C.lsh_attention(q, v, _rotations_for(q, n_buckets, n_hashes, seed),
+                                   chunk=chunk, causal=causal, out=out)
     return (result, lse) if return_lse else result
 
 
@@ -266,7 +266,8 @@ def lsh_attention_backward(dout, q, v, out, lse, n_buckets, n_hashes=1, chunk=64
     """
     n_buckets, n_hashes, seed = _hash_options(n_buckets, n_hashes, seed)
     grad_q, grad_v = _C.lsh_backward(dout, q, v, out, lse,
-                                     _rotations_for(q, n_buckets, n_hashes, seed), chunk, causal)
+                                     _rotations_for(q, n_buckets, n_hashes, seed), chunk=chunk,
+                                     causal=causal)
     return Gradients(q=deliver(grad_q, q, dq, "dq"), v=deliver(grad_v, v, dv, "dv"))
 
 

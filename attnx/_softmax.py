@@ -12,15 +12,16 @@ from . import _C
 from ._grad import Gradients, deliver, direct_output, register_vjp
 
 
-def _backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed,
-              bias_grad, dq, dk, dv):
+def _backward(dout, q, k, v, out, lse, *, mask, bias, bias_grad, dq, dk, dv, **options):
+    """The kernel's gradients delivered to the inputs; `options`: the
+    kernel's scale or sigma, causal, window, dropout_p, seed."""
     inputs = (dout, q, k, v, out)
     shapes = [np.shape(x)[:-2] for x in (dout, q, k, v, out, mask, bias) if x is not None]
     shapes.append(np.shape(lse)[:-1])
     direct = [direct_output(g, x, inputs, shapes) for g, x in ((dq, q), (dk, k), (dv, v))]
     grad_q, grad_k, grad_v, grad_bias = _C.softmax_backward(
-        dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed,
-        bool(bias_grad), *direct)
+        dout, q, k, v, out, lse, mask=mask, bias=bias, bias_grad=bool(bias_grad), dq=direct[0],
+        dk=direct[1], dv=direct[2], **options)
     return Gradients(q=deliver(grad_q, q, dq, "dq"), k=deliver(grad_k, k, dk, "dk"),
                      v=deliver(grad_v, v, dv, "dv"),
                      bias=None if grad_bias is None else deliver(grad_bias, bias, None, "dbias"))
@@ -100,8 +101,9 @@ def softmax_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=Fa
     >>> np.allclose(g.v, w.sum(0)[:, None] * np.ones((3, 2)))
     True
     """
-    return _backward(dout, q, k, v, out, lse, scale, None, causal, mask, bias, window, dropout_p,
-                     seed, bias_grad, dq, dk, dv)
+    return _backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, bias=bias,
+                     window=window, dropout_p=dropout_p, seed=seed, bias_grad=bias_grad, dq=dq,
+                     dk=dk, dv=dv)
 
 
 def gaussian_attention_backward(dout, q, k, v, out, lse, sigma=1.0, *, causal=False, mask=None,
@@ -168,8 +170,9 @@ def gaussian_attention_backward(dout, q, k, v, out, lse, sigma=1.0, *, causal=Fa
     >>> round(float(g.v.sum()), 6)                 # each output's weights sum to 1
     4.0
     """
-    return _backward(dout, q, k, v, out, lse, None, sigma, causal, mask, bias, window, dropout_p,
-                     seed, bias_grad, dq, dk, dv)
+    return _backward(dout, q, k, v, out, lse, sigma=sigma, causal=causal, mask=mask, bias=bias,
+                     window=window, dropout_p=dropout_p, seed=seed, bias_grad=bias_grad, dq=dq,
+                     dk=dk, dv=dv)
 
 
 def lse_vjp_rule(forward, backward):

@@ -1005,6 +1005,59 @@ int attnx_parse_dropout(PyObject *p_obj, PyObject *seed_obj, double *p, uint64_t
     return 0;
 }
 
+int attnx_parse_keywords(attnx_keywords *spec, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames, PyObject **found)
+{
+    if (!spec->interned[0])
+        for (int i = 0; i < spec->count; i++)
+            if (!(spec->interned[i] = PyUnicode_InternFromString(spec->names[i]))) return -1;
+    if (nargs > spec->positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)",
+                     spec->function, spec->positional, nargs);
+        return -1;
+    }
+    for (int i = 0; i < spec->count; i++) found[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t keywords = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    int next = 0;
+    for (Py_ssize_t j = 0; j < keywords; j++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+        int i = -1;
+        for (int tried = 0; tried < spec->count && i < 0; tried++) {
+            int at = (next + tried) % spec->count;
+            if (spec->interned[at] == name) i = at;
+        }
+        for (int at = 0; at < spec->count && i < 0; at++)
+            if (PyUnicode_Compare(spec->interned[at], name) == 0) i = at;
+        if (i < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R",
+                             spec->function, name);
+            return -1;
+        }
+        if (found[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'",
+                         spec->function, spec->names[i]);
+            return -1;
+        }
+        found[i] = args[nargs + j];
+        next = i + 1;
+    }
+    for (int i = 0; i < spec->required; i++)
+        if (!found[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", spec->function,
+                         spec->names[i]);
+            return -1;
+        }
+    return 0;
+}
+
+int attnx_required(const char *function, const char *name, PyObject *obj)
+{
+    if (obj) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() missing required keyword argument '%s'", function, name);
+    return -1;
+}
+
 /* attnx_interrupt's poll: Python's signal handlers, run with the GIL taken
  * for the moment; a handler that raises (KeyboardInterrupt) stops the call
  * and leaves its exception for attnx_check_status. */

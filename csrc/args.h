@@ -211,6 +211,30 @@ PyArrayObject *attnx_new_array(const attnx_batch *batch, const npy_intp *trailin
 PyArrayObject *attnx_new_aligned_array(const attnx_batch *batch, const npy_intp *trailing,
                                        int n_trailing, int typenum);
 
+/* The arguments of a METH_FASTCALL | METH_KEYWORDS entry point by name,
+ * for the ones a decoding call goes through (PyArg_ParseTupleAndKeywords
+ * packs them into a tuple and a dict first). A keyword is matched first by
+ * identity with the interned name (the names a call site spells out are
+ * interned), starting after the last one matched, so a call passing them
+ * in table order costs one pointer comparison each. */
+typedef struct {
+    const char *function;      /* for messages: "linear_attention" */
+    const char *const *names;  /* every argument, in order */
+    int count;
+    int positional;            /* names[0..positional) may also come by position */
+    int required;              /* names[0..required) must be given */
+    PyObject **interned;       /* count entries, NULL until the first call */
+} attnx_keywords;
+
+/* found[i] for names[i], borrowed (NULL where not given); TypeError with
+ * Python's own wording for an unknown, repeated or missing argument. */
+int attnx_parse_keywords(attnx_keywords *spec, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames, PyObject **found);
+
+/* A keyword-only argument without a default, which PyArg_ParseTupleAndKeywords
+ * cannot express: parsed as "O" left NULL, then checked here. */
+int attnx_required(const char *function, const char *name, PyObject *obj);
+
 /* Options shared by the front ends. */
 int attnx_parse_causal(PyObject *obj, int *causal);  /* 0 none, 1 lower right, 2 upper left */
 int attnx_parse_window(PyObject *obj, int *has_left, npy_intp *left, int *has_right,

@@ -5,20 +5,20 @@
 
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args);
-PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *attnx_py_state_class(PyObject *self, PyObject *args);
-PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state);
+PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames);
 PyObject *attnx_py_linear_attention_backward(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_linear_variants(PyObject *self, PyObject *unused);
 PyObject *attnx_py_linear_resolve(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args);
-PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args);
-PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args);
-PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args);
-PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args);
+PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
-int attnx_linear_names_init(void);
+/* adds LinearAttentionState to the module (py_linear.c) */
+int attnx_linear_init(PyObject *module);
 /* the memory handler of attnx's results (output_cache.c) */
 int attnx_output_cache_init(void);
 PyObject *attnx_py_set_output_cache(PyObject *self, PyObject *limit);
@@ -30,8 +30,6 @@ extern const char attnx_softmax_attention_doc[];
 extern const char attnx_gaussian_attention_doc[];
 extern const char attnx_softmax_backward_doc[];
 extern const char attnx_linear_attention_doc[];
-extern const char attnx_state_class_doc[];
-extern const char attnx_linear_flush_doc[];
 extern const char attnx_linear_attention_backward_doc[];
 extern const char attnx_linear_variants_doc[];
 extern const char attnx_linear_resolve_doc[];

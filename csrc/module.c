@@ -281,23 +281,20 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     KW_METHOD("softmax_attention", attnx_py_softmax_attention, attnx_softmax_attention_doc),
     KW_METHOD("gaussian_attention", attnx_py_gaussian_attention, attnx_gaussian_attention_doc),
-    {"softmax_backward", attnx_py_softmax_backward, METH_VARARGS, attnx_softmax_backward_doc},
-    {"linear_attention", (PyCFunction)(void (*)(void))attnx_py_linear_attention, METH_FASTCALL,
-     attnx_linear_attention_doc},
-    {"state_class", attnx_py_state_class, METH_VARARGS, attnx_state_class_doc},
-    {"linear_flush", attnx_py_linear_flush, METH_O, attnx_linear_flush_doc},
+    KW_METHOD("softmax_backward", attnx_py_softmax_backward, attnx_softmax_backward_doc),
+    {"linear_attention", (PyCFunction)(void (*)(void))attnx_py_linear_attention,
+     METH_FASTCALL | METH_KEYWORDS, attnx_linear_attention_doc},
     {"linear_attention_backward", (PyCFunction)(void (*)(void))attnx_py_linear_attention_backward,
      METH_VARARGS | METH_KEYWORDS, attnx_linear_attention_backward_doc},
     {"linear_variants", attnx_py_linear_variants, METH_NOARGS, attnx_linear_variants_doc},
     {"linear_resolve", (PyCFunction)(void (*)(void))attnx_py_linear_resolve,
      METH_VARARGS | METH_KEYWORDS, attnx_linear_resolve_doc},
-    {"lsh_attention", attnx_py_lsh_attention, METH_VARARGS, attnx_lsh_attention_doc},
-    {"delta_rule", attnx_py_delta_rule, METH_VARARGS, attnx_delta_rule_doc},
-    {"delta_rule_backward", attnx_py_delta_rule_backward, METH_VARARGS,
-     attnx_delta_rule_backward_doc},
-    {"causal_conv1d_update", attnx_py_causal_conv1d_update, METH_VARARGS,
-     attnx_causal_conv1d_update_doc},
-    {"lsh_backward", attnx_py_lsh_backward, METH_VARARGS, attnx_lsh_backward_doc},
+    KW_METHOD("lsh_attention", attnx_py_lsh_attention, attnx_lsh_attention_doc),
+    KW_METHOD("delta_rule", attnx_py_delta_rule, attnx_delta_rule_doc),
+    KW_METHOD("delta_rule_backward", attnx_py_delta_rule_backward, attnx_delta_rule_backward_doc),
+    KW_METHOD("causal_conv1d_update", attnx_py_causal_conv1d_update,
+              attnx_causal_conv1d_update_doc),
+    KW_METHOD("lsh_backward", attnx_py_lsh_backward, attnx_lsh_backward_doc),
     {"lsh_buckets", attnx_py_lsh_buckets, METH_VARARGS, attnx_lsh_buckets_doc},
     {"set_output_cache", attnx_py_set_output_cache, METH_O,
      "set_output_cache(limit, /)\n"
@@ -439,7 +436,9 @@ PyMODINIT_FUNC PyInit__C(void)
     import_array();
     attnx_runtime_init();
     if (dispatch_init() < 0) return NULL;
-    if (attnx_linear_names_init() < 0 || attnx_output_cache_init() < 0) return NULL;
+    if (attnx_output_cache_init() < 0) return NULL;
     attnx_interrupt_init();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && attnx_linear_init(m) < 0) Py_CLEAR(m);
+    return m;
 }

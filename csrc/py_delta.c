@@ -43,15 +43,36 @@ static int check_options(double scale, Py_ssize_t chunk)
     return 0;
 }
 
-PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args)
+/* scale and chunk, keyword-only without a default: "O" converted as "d" and "n" */
+static int scale_and_chunk(const char *function, PyObject *scale_obj, PyObject *chunk_obj,
+                           double *scale, Py_ssize_t *chunk)
 {
-    PyObject *objs[F_NPARAMS] = {NULL}, *ret = NULL;
-    int want_state, in_place, l2norm, recurrent;
+    if (attnx_required(function, "scale", scale_obj) < 0 ||
+        attnx_required(function, "chunk", chunk_obj) < 0 || !PyArg_Parse(scale_obj, "d", scale) ||
+        !PyArg_Parse(chunk_obj, "n", chunk))
+        return -1;
+    return 0;
+}
+
+PyObject *attnx_py_delta_rule(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"q", "k", "v", "beta", "g_scalar", "g_channel", "initial_state",
+                               "out", "want_state", "in_place", "scale", "l2norm", "recurrent",
+                               "chunk", NULL};
+    PyObject *objs[F_NPARAMS] = {NULL}, *scale_obj = NULL, *recurrent_obj = NULL,
+             *chunk_obj = NULL, *ret = NULL;
+    int want_state = 0, in_place = 0, l2norm = 0, recurrent;
     double scale;
     Py_ssize_t chunk;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOppdppn:delta_rule", &objs[F_Q], &objs[F_K], &objs[F_V],
-                          &objs[F_BETA], &objs[F_GS], &objs[F_GC], &objs[F_S0], &objs[F_OUT],
-                          &want_state, &in_place, &scale, &l2norm, &recurrent, &chunk))
+    objs[F_GS] = objs[F_GC] = objs[F_S0] = objs[F_OUT] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOppOpOO:delta_rule", keywords,
+                                     &objs[F_Q], &objs[F_K], &objs[F_V], &objs[F_BETA],
+                                     &objs[F_GS], &objs[F_GC], &objs[F_S0], &objs[F_OUT],
+                                     &want_state, &in_place, &scale_obj, &l2norm, &recurrent_obj,
+                                     &chunk_obj) ||
+        attnx_required("delta_rule", "recurrent", recurrent_obj) < 0 ||
+        (recurrent = PyObject_IsTrue(recurrent_obj)) < 0 ||
+        scale_and_chunk("delta_rule", scale_obj, chunk_obj, &scale, &chunk) < 0)
         return NULL;
     if (check_options(scale, chunk) < 0) return NULL;
     if (objs[F_GS] != Py_None && objs[F_GC] != Py_None) {
@@ -123,15 +144,20 @@ static const attnx_param backward_params[B_NPARAMS] = {
     [B_DS0] = {"dstate", "d e", ATTNX_OUTPUT, ATTNX_DR_DS0},
 };
 
-PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args)
+PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *objs[B_NPARAMS] = {NULL}, *ret = NULL;
-    int l2norm;
+    static char *keywords[] = {"dout", "q", "k", "v", "beta", "g_scalar", "g_channel",
+                               "initial_state", "grad_state", "scale", "l2norm", "chunk", NULL};
+    PyObject *objs[B_NPARAMS] = {NULL}, *scale_obj = NULL, *chunk_obj = NULL, *ret = NULL;
+    int l2norm = 0;
     double scale;
     Py_ssize_t chunk;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOdpn:delta_rule_backward", &objs[B_DOUT], &objs[B_Q],
-                          &objs[B_K], &objs[B_V], &objs[B_BETA], &objs[B_GS], &objs[B_GC],
-                          &objs[B_S0], &objs[B_DS1], &scale, &l2norm, &chunk))
+    objs[B_GS] = objs[B_GC] = objs[B_S0] = objs[B_DS1] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|$OOOOOpO:delta_rule_backward",
+                                     keywords, &objs[B_DOUT], &objs[B_Q], &objs[B_K], &objs[B_V],
+                                     &objs[B_BETA], &objs[B_GS], &objs[B_GC], &objs[B_S0],
+                                     &objs[B_DS1], &scale_obj, &l2norm, &chunk_obj) ||
+        scale_and_chunk("delta_rule_backward", scale_obj, chunk_obj, &scale, &chunk) < 0)
         return NULL;
     if (check_options(scale, chunk) < 0) return NULL;
     if (objs[B_GS] != Py_None && objs[B_GC] != Py_None) {
@@ -189,30 +215,32 @@ done:
 }
 
 const char attnx_delta_rule_doc[] = (
-"delta_rule(q, k, v, beta, g_scalar, g_channel, initial_state, out, want_state, in_place, scale, l2norm, recurrent, chunk)\n"
+"delta_rule(q, k, v, beta, *, g_scalar=None, g_channel=None, initial_state=None, out=None, want_state=False, in_place=False, scale, l2norm=False, recurrent, chunk)\n"
 "--\n\n"
-"The kernel behind attnx.delta_rule_attention (every argument positional;\n"
-"use the front end). Returns out, or (out, state) with want_state; with\n"
+"The kernel behind attnx.delta_rule_attention (options by keyword; use the\n"
+"front end). Returns out, or (out, state) with want_state; with\n"
 "in_place, initial_state is the state, updated where it lies.");
 
 const char attnx_delta_rule_backward_doc[] = (
-"delta_rule_backward(dout, q, k, v, beta, g_scalar, g_channel, initial_state, grad_state, scale, l2norm, chunk)\n"
+"delta_rule_backward(dout, q, k, v, beta, *, g_scalar=None, g_channel=None, initial_state=None, grad_state=None, scale, l2norm=False, chunk)\n"
 "--\n\n"
 "The kernel behind attnx.delta_rule_attention_backward. Returns\n"
 "(dq, dk, dv, dbeta, dg or None, dstate) on the broadcast batch shape.");
 
-/* _C.causal_conv1d_update(x, state, weight, bias, silu): the private kernel
+/* _C.causal_conv1d_update(x, state, weight, bias, *, silu): the private kernel
  * behind attnx.torch's causal_conv1d_update (attnx/_torch_delta.py, which
  * checks devices and dtypes first): x (B, D, L) any strides, state (B, D, W)
  * C order updated in place, weight (D, W) C order, bias (D,) or None, one
  * float dtype. Returns out (B, D, L). */
-PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args)
+PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *keywords[] = {"x", "state", "weight", "bias", "silu", NULL};
     PyArrayObject *x, *state, *weight;
-    PyObject *bias_obj;
-    int silu;
-    if (!PyArg_ParseTuple(args, "O!O!O!Op:causal_conv1d_update", &PyArray_Type, &x,
-                          &PyArray_Type, &state, &PyArray_Type, &weight, &bias_obj, &silu))
+    PyObject *bias_obj = Py_None;
+    int silu = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!|O$p:causal_conv1d_update", keywords,
+                                     &PyArray_Type, &x, &PyArray_Type, &state, &PyArray_Type,
+                                     &weight, &bias_obj, &silu))
         return NULL;
     PyArrayObject *bias = NULL;
     if (bias_obj != Py_None) {
@@ -268,7 +296,7 @@ PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args)
 }
 
 const char attnx_causal_conv1d_update_doc[] = (
-"causal_conv1d_update(x, state, weight, bias, silu)\n"
+"causal_conv1d_update(x, state, weight, bias=None, *, silu=False)\n"
 "--\n\n"
 "The kernel behind attnx.torch.causal_conv1d_update: the depthwise causal\n"
 "conv1d's decoding step, state updated in place. Returns out (B, D, L).");

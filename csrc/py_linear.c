@@ -1,13 +1,14 @@
 /* py_linear.c - the Python entry of kernelised (linear) attention: parse,
  * validate, allocate, release the GIL, call linear.c.
  *
- * One private function, _C.linear_attention, takes every option in a fixed
- * order; the public front ends (attnx/_linear.py) are thin wrappers around
- * it, so that all validation happens here, in C, and a decoding step pays
- * for no numpy work in Python. _C.linear_step, behind
- * LinearAttentionState.step, is the same call with the options the state
- * remembers, writing the new state into the state's own arrays. */
+ * One private function, _C.linear_attention, takes every option by name;
+ * the public front ends (attnx/_linear.py) are thin wrappers around it, so
+ * that all validation happens here, in C, and a decoding step pays for no
+ * numpy work in Python. LinearAttentionState, the state it returns, is a
+ * type of this file: its step method is the same call with the options the
+ * state remembers, writing the new state into the state's own arrays. */
 #include "args.h"
+#include <stddef.h>       /* offsetof */
 #include <structmember.h> /* T_OBJECT_EX */
 
 #include <limits.h>
@@ -315,67 +316,73 @@ static int projection_convert(PyObject *projection_obj, const attnx_call *call,
     return -1;
 }
 
-/* The attributes of a LinearAttentionState, interned once: a decoding
- * step reads six of them and writes two, and a name made from a C string
- * on every call costs about as much as the lookup. `S` is a property that
- * first adds the held keys (below); a step reads the array behind it. */
-static PyObject *name_S, *name_own_S, *name_z, *name_offset, *name_options, *name_pending,
-    *name_tick, *name_features;
-
-int attnx_linear_names_init(void)
-{
-    name_S = PyUnicode_InternFromString("S");
-    name_own_S = PyUnicode_InternFromString("_S");
-    name_z = PyUnicode_InternFromString("z");
-    name_offset = PyUnicode_InternFromString("offset");
-    name_options = PyUnicode_InternFromString("_options");
-    name_pending = PyUnicode_InternFromString("_pending");
-    name_tick = PyUnicode_InternFromString("_tick");
-    name_features = PyUnicode_InternFromString("_features");
-    return name_S && name_own_S && name_z && name_offset && name_options && name_pending &&
-                   name_tick && name_features
-               ? 0
-               : -1;
-}
-
 /* Single-token steps hold their keys back from S (linear.c,
- * deferred_step) in state._pending, a pair of arrays (..., HELD_KEYS, r)
- * and (..., HELD_KEYS, e), for state._tick steps (attnx.h, attnx_pending).
+ * deferred_step) in the state's pending pair of arrays (..., HELD_KEYS, r)
+ * and (..., HELD_KEYS, e), for `tick` steps (attnx.h, attnx_pending).
  * A step of several tokens, or reading state.S, first adds them in.
  * Holding keys beat the RNN step that writes S each time, and with the
  * AVX-512 decoding kernel 4 held keys were as fast as any count tried
  * (docs/performance.md, the C code's choices). */
 #define HELD_KEYS 4
 
-/* initial_state: its S (new references; NULL for None), z and offset;
- * S through the property, or, for a step (own), the array behind it */
+/* LinearAttentionState: the state of a call with return_state=True, a C
+ * type so that a decoding step reads and writes its fields directly. The
+ * attributes users see are S (a property: the held keys added in first),
+ * z and offset; the others, with a leading underscore, are the step's.
+ * offset stays a Python object, checked where it is used (an int >= 0),
+ * as any initial_state's is. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *S;            /* _S: the array behind the property S */
+    PyObject *z;
+    PyObject *offset;
+    PyObject *pending;      /* _pending: None or the held keys' pair of arrays */
+    Py_ssize_t tick;        /* _tick: single-token steps since S held every key */
+    PyObject *last_out;     /* the output of the last single-token step, whose
+                               memory the next takes when nothing else holds it */
+    /* what a step repeats of the call that made the state (NULL options:
+     * it cannot step): (variant, feature_map, causal, eps, projection, p,
+     * M) as that call passed them, the projection in the state's dtype,
+     * and those parsed for a causal step of any length */
+    PyObject *options;
+    PyObject *features;     /* a callable feature map's (q, k, v) -> (phi_q, phi_k), or NULL */
+    linear_options step;
+    int made_causal;
+} linear_state;
+
+static PyTypeObject state_type;
+
+/* The attributes read of any other initial_state, and the defaults of the
+ * options linear_attention may leave out, made once. */
+static PyObject *name_S, *name_z, *name_offset, *default_feature_map, *default_eps, *default_p;
+
+/* initial_state: its S (new references; NULL for None), z and offset; a
+ * LinearAttentionState's S with the held keys added in (state.S), or, for
+ * a step (own), as it is */
+static int state_flush(linear_state *state);
+
 static int state_get(PyObject *state, int own, PyObject **S, PyObject **z, npy_intp *offset)
 {
     *S = *z = NULL;
     *offset = 0;
     if (state == Py_None) return 0;
-    PyObject *S_name = own ? name_own_S : name_S;
-    if (!own) {
-        /* a LinearAttentionState's S without its property's Python call:
-         * the held keys added in when there are any (what the property
-         * does), then the array behind it; other objects through S */
-        PyObject *tick = PyObject_GetAttr(state, name_tick);
-        if (tick) {
-            int held = PyObject_IsTrue(tick);
-            Py_DECREF(tick);
-            PyObject *flushed = held > 0 ? attnx_py_linear_flush(NULL, state) : NULL;
-            if (held < 0 || (held > 0 && !flushed)) return -1;
-            Py_XDECREF(flushed);
-            S_name = name_own_S;
-        } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-        } else {
-            return -1;
+    PyObject *offset_obj = NULL;
+    if (PyObject_TypeCheck(state, &state_type)) {
+        linear_state *self = (linear_state *)state;
+        if (!own && self->tick && state_flush(self) < 0) return -1;
+        if (self->S && self->z && self->offset) {
+            Py_INCREF(self->S);
+            Py_INCREF(self->z);
+            Py_INCREF(self->offset);
+            *S = self->S;
+            *z = self->z;
+            offset_obj = self->offset;
         }
+    } else {
+        *S = PyObject_GetAttr(state, name_S);
+        *z = *S ? PyObject_GetAttr(state, name_z) : NULL;
+        offset_obj = *z ? PyObject_GetAttr(state, name_offset) : NULL;
     }
-    *S = PyObject_GetAttr(state, S_name);
-    *z = *S ? PyObject_GetAttr(state, name_z) : NULL;
-    PyObject *offset_obj = *z ? PyObject_GetAttr(state, name_offset) : NULL;
     if (!offset_obj) {
         PyErr_Format(PyExc_TypeError,
                      "initial_state must be the state a call with return_state=True returned "
@@ -393,18 +400,17 @@ static int state_get(PyObject *state, int own, PyObject **S, PyObject **z, npy_i
     return status;
 }
 
-/* The held keys of a stepping state whose S is (..., r, e): the arrays
- * of state._pending when they fit S (pending->psi NULL when there are
- * none yet, or S was replaced), and state._tick. The arrays are the
- * state's private ones, made by hold_keys; held keys that do not fit S
- * were set by hand. */
-static int held_keys_of(PyObject *tick_obj, PyObject *pair, PyArrayObject *S,
-                        attnx_pending *pending)
+/* The held keys of a stepping state whose S is (..., r, e): its pending
+ * arrays when they fit S (pending->psi NULL when there are none yet, or S
+ * was replaced), and its tick. The arrays are the state's private ones,
+ * made by hold_keys; held keys that do not fit S were set by hand. */
+static int held_keys_of(const linear_state *state, PyArrayObject *S, attnx_pending *pending)
 {
+    PyObject *pair = state->pending;
     pending->psi = pending->v = NULL;
     pending->capacity = HELD_KEYS;
-    pending->tick = PyLong_Check(tick_obj) ? PyLong_AsSsize_t(tick_obj) : -1;
-    int nd = PyArray_NDIM(S), fits = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+    pending->tick = state->tick;
+    int nd = PyArray_NDIM(S), fits = pair && PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
     for (int i = 0; fits && i < 2; i++) {
         PyArrayObject *held = (PyArrayObject *)PyTuple_GET_ITEM(pair, i);
         fits = PyArray_Check(held) && PyArray_TYPE(held) == PyArray_TYPE(S) &&
@@ -419,49 +425,35 @@ static int held_keys_of(PyObject *tick_obj, PyObject *pair, PyArrayObject *S,
     }
     /* steps store ticks below 2 HELD_KEYS (attnx_pending_next) */
     if (pending->tick == 0 || (fits && pending->tick > 0 && pending->tick < 2 * HELD_KEYS)) return 0;
-    PyErr_Clear();
     PyErr_SetString(PyExc_ValueError,
                     "this state's held decoding keys (_pending, _tick) do not fit its S: they "
                     "were changed by hand; assign state.S to start again from a given S");
     return -1;
 }
 
-/* held_keys_of the state's _tick and _pending */
-static int held_keys_get(PyObject *state, PyArrayObject *S, attnx_pending *pending)
-{
-    PyObject *tick_obj = PyObject_GetAttr(state, name_tick);
-    PyObject *pair = tick_obj ? PyObject_GetAttr(state, name_pending) : NULL;
-    int status = pair ? held_keys_of(tick_obj, pair, S, pending) : -1;
-    Py_XDECREF(tick_obj);
-    Py_XDECREF(pair);
-    return status;
-}
-
-/* obj.name = value */
-static int set_int_attr(PyObject *obj, PyObject *name, Py_ssize_t value)
-{
-    PyObject *number = PyLong_FromSsize_t(value);
-    int status = number ? PyObject_SetAttr(obj, name, number) : -1;
-    Py_XDECREF(number);
-    return status;
-}
-
-/* the held keys into S, with the GIL released; the state then holds none */
-static int held_keys_flush(PyObject *state, PyArrayObject *S, const attnx_pending *pending)
+/* the held keys into S, with the GIL released (S and the held keys'
+ * arrays held meanwhile: another thread may replace the state's); the
+ * state then holds none */
+static void held_keys_flush(linear_state *state, PyArrayObject *S, const attnx_pending *pending)
 {
     npy_intp nd = PyArray_NDIM(S), r = PyArray_DIM(S, nd - 2), e = PyArray_DIM(S, nd - 1);
     npy_intp heads = PyArray_SIZE(S) / (r * e > 0 ? r * e : 1);
     int threads = attnx_get_num_threads();
-    if (pending->tick == 0) return 0;
+    PyObject *pair = state->pending;
+    if (pending->tick == 0) return;
+    Py_INCREF(S);
+    Py_XINCREF(pair);
     Py_BEGIN_ALLOW_THREADS
     flush_kernels[PyArray_TYPE(S) == NPY_DOUBLE](PyArray_DATA(S), pending, heads, r, e, threads);
     Py_END_ALLOW_THREADS
-    return set_int_attr(state, name_tick, 0);
+    Py_DECREF(S);
+    Py_XDECREF(pair);
+    state->tick = 0;
 }
 
-/* A single-token step's keys go into state._pending, made when there are
- * no arrays that fit S. */
-static int hold_keys(PyObject *state, const attnx_batch *batch, npy_intp r, npy_intp e,
+/* A single-token step's keys go into the state's pending pair, made when
+ * there are no arrays that fit S. */
+static int hold_keys(linear_state *state, const attnx_batch *batch, npy_intp r, npy_intp e,
                      int typenum, attnx_pending *pending)
 {
     if (pending->psi) return 0;
@@ -469,15 +461,14 @@ static int hold_keys(PyObject *state, const attnx_batch *batch, npy_intp r, npy_
     PyArrayObject *keys = attnx_new_aligned_array(batch, keys_shape, 2, typenum);
     PyArrayObject *values = keys ? attnx_new_aligned_array(batch, values_shape, 2, typenum) : NULL;
     PyObject *pair = values ? PyTuple_Pack(2, keys, values) : NULL;
-    int status = pair ? PyObject_SetAttr(state, name_pending, pair) : -1;
-    if (status == 0) {
+    if (pair) {
+        Py_XSETREF(state->pending, pair);
         pending->psi = PyArray_DATA(keys);
         pending->v = PyArray_DATA(values);
     }
     Py_XDECREF(keys);
     Py_XDECREF(values);
-    Py_XDECREF(pair);
-    return status;
+    return pair ? 0 : -1;
 }
 
 /* The method, from the options: mask and window need the quadratic form. */
@@ -608,34 +599,45 @@ static const attnx_param step_params[NPARAMS] = LINEAR_PARAMS("state", ATTNX_IN_
 
 /* One call's arguments, as Python passed them. */
 typedef struct {
-    PyObject *q, *k, *v, *feature_map, *causal, *key_mask, *mask, *window, *method, *chunk_size,
-        *eps, *projection, *p, *M, *initial_state, *out;
-    const char *variant;
+    PyObject *q, *k, *v, *variant, *feature_map, *causal, *key_mask, *mask, *window, *method,
+        *chunk_size, *eps, *projection, *p, *M, *initial_state, *out;
+    PyObject *features;  /* a callable feature map's (q, k, v) -> (phi_q, phi_k), or None */
     int return_state, normalise;
-    int in_place;  /* a decoding step: initial_state's own S, z receive the new state */
+    /* a decoding step: initial_state's own S, z receive the new state, and
+     * its parsed options are the call's */
+    const linear_options *step;
 } linear_call;
+
+static PyObject *state_make(PyObject *S, PyObject *z, npy_intp offset, const linear_call *c,
+                            PyArrayObject *projection);
 
 static PyObject *run_linear(const linear_call *c)
 {
     PyObject *initial_state = c->initial_state, *S_obj = NULL, *z_obj = NULL, *ret = NULL;
+    PyObject *held = NULL;  /* the held keys' arrays a step writes, held while it runs */
     PyArrayObject *projection = NULL;
+    const char *variant = c->step ? NULL : PyUnicode_AsUTF8(c->variant);
+    int in_place = c->step != NULL;
     linear_options o;
     attnx_call call;
     npy_intp offset;
-    attnx_call_init(&call, c->in_place ? step_params : linear_params, NPARAMS, ATTNX_LIN_NOPS,
+    attnx_call_init(&call, in_place ? step_params : linear_params, NPARAMS, ATTNX_LIN_NOPS,
                     "demr");
     call.legend = "r: the features of this feature map";
-    if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
-                      c->eps, c->p, c->M, initial_state != Py_None || c->return_state, &o) < 0 ||
-        check_cumsum_size(&o, c->q, c->k, c->v, c->projection) < 0 ||
+    if (in_place) o = *c->step;
+    else if (!variant ||
+             parse_options(variant, c->feature_map, c->causal, c->window, c->method, c->chunk_size,
+                           c->eps, c->p, c->M, initial_state != Py_None || c->return_state, &o) < 0)
+        goto done;
+    if (check_cumsum_size(&o, c->q, c->k, c->v, c->projection) < 0 ||
         feature_size(&o, c->projection, &call) < 0 ||
-        state_get(initial_state, c->in_place, &S_obj, &z_obj, &offset) < 0)
+        state_get(initial_state, in_place, &S_obj, &z_obj, &offset) < 0)
         goto done;
     PyObject *const objs[NPARAMS] = {
         [Q] = c->q, [K] = c->k, [V] = c->v, [KEY_MASK] = c->key_mask, [MASK] = c->mask,
         [S0] = S_obj, [Z0] = z_obj, [OUT] = c->out,
-        [S_OUT] = c->in_place ? S_obj : c->return_state ? Py_None : NULL,
-        [Z_OUT] = c->in_place ? z_obj : c->return_state ? Py_None : NULL,
+        [S_OUT] = in_place ? S_obj : c->return_state ? Py_None : NULL,
+        [Z_OUT] = in_place ? z_obj : c->return_state ? Py_None : NULL,
     };
     if (attnx_bind(&call, objs) < 0) goto done;
 
@@ -649,17 +651,21 @@ static PyObject *run_linear(const linear_call *c)
     if (resolve_method(&o, call.ops[MASK].array != NULL, n) < 0 || check_period(&o, n, m, offset) < 0)
         goto done;
     attnx_pending pending = {NULL};
-    int deferred = c->in_place && n == 1 && m == 1 && o.method == ATTNX_METHOD_RECURRENT;
+    int deferred = in_place && n == 1 && m == 1 && o.method == ATTNX_METHOD_RECURRENT;
     PyArrayObject *S0_array = call.ops[S0].array;
-    if (c->in_place &&
-        (held_keys_get(initial_state, S0_array, &pending) < 0 ||
-         (deferred ? hold_keys(initial_state, &call.batch, r, e, call.dtypes.compute, &pending)
-                   : held_keys_flush(initial_state, S0_array, &pending)) < 0))
-        goto done;
+    linear_state *stepped = in_place ? (linear_state *)initial_state : NULL;
+    if (stepped) {
+        if (held_keys_of(stepped, S0_array, &pending) < 0 ||
+            (deferred && hold_keys(stepped, &call.batch, r, e, call.dtypes.compute, &pending) < 0))
+            goto done;
+        if (!deferred) held_keys_flush(stepped, S0_array, &pending);
+        held = stepped->pending;
+        Py_XINCREF(held);
+    }
     if (!deferred) pending.psi = NULL;
 
     attnx_interrupt interrupt = attnx_interrupt_for_call();
-    int stoppable = !c->in_place &&
+    int stoppable = !in_place &&
                     interruptible(call.batch.heads, n, m, r, e, o.method == ATTNX_METHOD_QUADRATIC);
     /* a chunk longer than the sequence is the sequence */
     npy_intp longest = n > m ? n : m, chunk = o.chunk ? o.chunk : default_chunk(o.method, r);
@@ -694,18 +700,18 @@ static PyObject *run_linear(const linear_call *c)
     Py_END_ALLOW_THREADS
     if (attnx_check_status(status) < 0 || attnx_finish(&call) < 0) goto done;
     PyObject *result = (PyObject *)call.results[OUT];
-    if (c->in_place) {
-        if (set_int_attr(initial_state, name_offset, (Py_ssize_t)(offset + m)) == 0 &&
-            (!deferred || set_int_attr(initial_state, name_tick,
-                                       attnx_pending_next(pending.tick, HELD_KEYS)) == 0)) {
-            ret = result;
-            Py_INCREF(ret);
-        }
-    } else if (c->return_state) {
+    if (stepped) {
         PyObject *next_offset = PyLong_FromSsize_t((Py_ssize_t)(offset + m));
-        ret = next_offset ? PyTuple_Pack(4, result, call.results[S_OUT], call.results[Z_OUT],
-                                         next_offset) : NULL;
-        Py_XDECREF(next_offset);
+        if (!next_offset) goto done;
+        Py_XSETREF(stepped->offset, next_offset);
+        if (deferred) stepped->tick = attnx_pending_next(pending.tick, HELD_KEYS);
+        ret = result;
+        Py_INCREF(ret);
+    } else if (c->return_state) {
+        PyObject *state = state_make((PyObject *)call.results[S_OUT],
+                                     (PyObject *)call.results[Z_OUT], offset + m, c, projection);
+        ret = state ? PyTuple_Pack(2, result, state) : NULL;
+        Py_XDECREF(state);
     } else {
         ret = result;
         Py_INCREF(ret);
@@ -715,36 +721,51 @@ done:
     Py_XDECREF(projection);
     Py_XDECREF(S_obj);
     Py_XDECREF(z_obj);
+    Py_XDECREF(held);
     return ret;
 }
 
-/* A flag passed as any object, by its truth (what "p" of PyArg_ParseTuple does) */
-static int flag_of(PyObject *obj, int *flag)
-{
-    *flag = PyObject_IsTrue(obj);
-    return *flag < 0 ? -1 : 0;
-}
+/* the arguments of _C.linear_attention, by name (attnx_parse_keywords) */
+enum { A_Q, A_K, A_V, A_VARIANT, A_FEATURE_MAP, A_CAUSAL, A_KEY_MASK, A_MASK, A_WINDOW,
+       A_METHOD, A_CHUNK_SIZE, A_EPS, A_PROJECTION, A_P, A_M, A_INITIAL_STATE, A_RETURN_STATE,
+       A_OUT, A_NORMALISE, A_FEATURES, A_COUNT };
+static const char *const linear_argument_names[A_COUNT] = {
+    "q", "k", "v", "variant", "feature_map", "causal", "key_mask", "mask", "window", "method",
+    "chunk_size", "eps", "projection", "p", "M", "initial_state", "return_state", "out",
+    "normalise", "features"};
+static PyObject *linear_argument_interned[A_COUNT];
+static attnx_keywords linear_arguments = {"linear_attention", linear_argument_names, A_COUNT, 3,
+                                          4, linear_argument_interned};
 
-/* METH_FASTCALL: the arguments come as an array, not a tuple parsed by a
- * format string (which took a tenth of a decoding call's binding) */
-PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* METH_FASTCALL | METH_KEYWORDS: the arguments come as an array and a
+ * tuple of names, not a tuple and a dict parsed by a format string (which
+ * took a tenth of a decoding call's binding) */
+PyObject *attnx_py_linear_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
 {
-    if (nargs != 19) {
-        PyErr_Format(PyExc_TypeError, "linear_attention takes 19 positional arguments (%zd given)",
-                     nargs);
+    PyObject *a[A_COUNT];
+    if (attnx_parse_keywords(&linear_arguments, args, PyVectorcall_NARGS(nargs), kwnames, a) < 0)
         return NULL;
-    }
-    linear_call c = {.q = args[0], .k = args[1], .v = args[2], .feature_map = args[4],
-                     .causal = args[5], .key_mask = args[6], .mask = args[7], .window = args[8],
-                     .method = args[9], .chunk_size = args[10], .eps = args[11],
-                     .projection = args[12], .p = args[13], .M = args[14],
-                     .initial_state = args[15], .out = args[17], .in_place = 0};
-    if (!PyUnicode_Check(args[3])) {
+    /* the options left out take their defaults */
+    if (!a[A_FEATURE_MAP]) a[A_FEATURE_MAP] = default_feature_map;
+    if (!a[A_EPS]) a[A_EPS] = default_eps;
+    if (!a[A_P]) a[A_P] = default_p;
+    for (int i = A_CAUSAL; i < A_COUNT; i++)
+        if (!a[i]) a[i] = i == A_CAUSAL || i == A_RETURN_STATE ? Py_False
+                          : i == A_NORMALISE ? Py_True : Py_None;
+    linear_call c = {.q = a[A_Q], .k = a[A_K], .v = a[A_V], .variant = a[A_VARIANT],
+                     .feature_map = a[A_FEATURE_MAP],
+                     .causal = a[A_CAUSAL], .key_mask = a[A_KEY_MASK], .mask = a[A_MASK],
+                     .window = a[A_WINDOW], .method = a[A_METHOD], .chunk_size = a[A_CHUNK_SIZE],
+                     .eps = a[A_EPS], .projection = a[A_PROJECTION], .p = a[A_P],
+                     .M = a[A_M], .initial_state = a[A_INITIAL_STATE], .out = a[A_OUT],
+                     .features = a[A_FEATURES]};
+    if (!PyUnicode_Check(c.variant)) {
         PyErr_SetString(PyExc_TypeError, "linear_attention: variant must be a str");
         return NULL;
     }
-    if (!(c.variant = PyUnicode_AsUTF8(args[3])) || flag_of(args[16], &c.return_state) < 0 ||
-        flag_of(args[18], &c.normalise) < 0)
+    if ((c.return_state = PyObject_IsTrue(a[A_RETURN_STATE])) < 0 ||
+        (c.normalise = PyObject_IsTrue(a[A_NORMALISE])) < 0)
         return NULL;
     return run_linear(&c);
 }
@@ -785,53 +806,7 @@ static int lean_meet(const void *a, npy_intp a_bytes, const void *b, npy_intp b_
     return a_bytes > 0 && b_bytes > 0 && a_lo < b_lo + b_bytes && b_lo < a_lo + a_bytes;
 }
 
-/* LinearAttentionState (attnx/_linear.py) as the binding knows it,
- * registered once by _C.state_class: the offsets of its slots, which the
- * lean step of that exact class reads and writes in place (getattr and
- * setattr of eight of them took a seventh of a one-head step), and the
- * function that applies a callable feature map. Another class, a subclass
- * included, goes the general way, through getattr. */
-enum { SLOT_S, SLOT_Z, SLOT_OFFSET, SLOT_OPTIONS, SLOT_FEATURES, SLOT_PENDING, SLOT_TICK, SLOT_OUT,
-       NSLOTS };
-static const char *const slot_names[NSLOTS] = {"_S", "z", "offset", "_options", "_features",
-                                               "_pending", "_tick", "_out"};
-static PyTypeObject *state_type;
-static Py_ssize_t slot_offsets[NSLOTS];
-static PyObject *callable_features;
-
-/* slot i of a state of exactly state_type (borrowed; NULL when unset) */
-static PyObject *slot_get(PyObject *state, int i)
-{
-    return *(PyObject **)((char *)state + slot_offsets[i]);
-}
-
-/* slot i = value (a new reference, which the slot takes) */
-static void slot_put(PyObject *state, int i, PyObject *value)
-{
-    PyObject **slot = (PyObject **)((char *)state + slot_offsets[i]);
-    Py_XSETREF(*slot, value);
-}
-
 #define LEAN_HEADS 64
-
-/* The options of the last lean step, parsed: state._options is made once
- * per state, so while it is the same tuple of the same immutable values
- * (the tuple is held here, so its address is not reused) its parse is the
- * same (parsing took a tenth of a one-head step). */
-static PyObject *lean_options_of;
-static linear_options lean_options;
-
-/* are the options tuple's items values that cannot change? */
-static int options_immutable(PyObject *options)
-{
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(options); i++) {
-        PyObject *item = PyTuple_GET_ITEM(options, i);
-        if (item != Py_None && !PyBool_Check(item) && !PyUnicode_CheckExact(item) &&
-            !PyLong_CheckExact(item) && !PyFloat_CheckExact(item))
-            return 0;
-    }
-    return 1;
-}
 
 /* the offset table of `heads` C-ordered heads */
 static void lean_offsets(ptrdiff_t *offsets, npy_intp heads, npy_intp d, npy_intp e, npy_intp r,
@@ -882,46 +857,30 @@ static const ptrdiff_t *lean_kept_table(npy_intp heads, npy_intp d, npy_intp e, 
 }
 
 /* 1: the step ran (*ret the output), 0: not a lean call, -1: error */
-static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
+static int lean_step(linear_state *state, const linear_call *c, PyObject **ret)
 {
-    PyObject *state = c->initial_state;
-    linear_options o;
+    linear_options o = state->step;
     PyArrayObject *out = NULL;
     /* the offset table: kept_table's, else one on the stack for up to
      * LEAN_HEADS heads, so that a step allocates nothing but its output,
      * and not that when the output of the last step is free (below) */
     ptrdiff_t table[LEAN_HEADS * ATTNX_LIN_NOPS];
     const ptrdiff_t *offsets = NULL, *kept = NULL;
-    if (Py_TYPE(state) != state_type || c->projection != Py_None)
+    PyObject *S_obj = state->S, *z_obj = state->z, *offset_obj = state->offset;
+    PyObject *last = state->last_out;
+    if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY || o.kind == ATTNX_FM_COSFORMER ||
+        o.kind == ATTNX_FM_EFFICIENT || resolve_method(&o, 0, 1) < 0 ||
+        o.method != ATTNX_METHOD_RECURRENT) {
+        PyErr_Clear();
         return 0;
-    PyObject *S_obj = slot_get(state, SLOT_S), *z_obj = slot_get(state, SLOT_Z);
-    PyObject *offset_obj = slot_get(state, SLOT_OFFSET), *tick_obj = slot_get(state, SLOT_TICK);
-    PyObject *pair = slot_get(state, SLOT_PENDING), *last = slot_get(state, SLOT_OUT);
-    if (!S_obj || !z_obj || !offset_obj || !tick_obj || !pair || !PyLong_CheckExact(offset_obj) ||
+    }
+    if (!S_obj || !z_obj || !offset_obj || !state->pending || !PyLong_CheckExact(offset_obj) ||
         !PyArray_Check(S_obj) || PyArray_NDIM((PyArrayObject *)S_obj) < 2)
         return 0;
     npy_intp offset = PyLong_AsSsize_t(offset_obj);
     if (offset < 0) {
         PyErr_Clear();
         return 0;
-    }
-    if (options == lean_options_of) {
-        o = lean_options;
-    } else {
-        if (parse_options(c->variant, c->feature_map, c->causal, c->window, c->method,
-                          c->chunk_size, c->eps, c->p, c->M, 1, &o) < 0)
-            return -1;
-        if (o.kind == ATTNX_FM_FAVOR || o.kind == ATTNX_FM_IDENTITY ||
-            o.kind == ATTNX_FM_COSFORMER || o.kind == ATTNX_FM_EFFICIENT ||
-            resolve_method(&o, 0, 1) < 0 || o.method != ATTNX_METHOD_RECURRENT) {
-            PyErr_Clear();
-            return 0;
-        }
-        if (options_immutable(options)) {
-            Py_INCREF(options);
-            Py_XSETREF(lean_options_of, options);
-            lean_options = o;
-        }
     }
     PyArrayObject *S = (PyArrayObject *)S_obj, *z = (PyArrayObject *)z_obj;
     if (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE) return 0;
@@ -938,7 +897,7 @@ static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
                                !PyArray_ISWRITEABLE((PyArrayObject *)c->out))))
         return 0;
     attnx_pending pending;
-    if (held_keys_of(tick_obj, pair, S, &pending) < 0) return -1;
+    if (held_keys_of(state, S, &pending) < 0) return -1;
     if (!pending.psi) return 0;  /* the first step makes the held keys' arrays */
     npy_intp heads = 1, item = PyArray_ITEMSIZE(S);
     for (int ax = 0; ax < lead; ax++) heads *= batch[ax];
@@ -1007,23 +966,25 @@ static int lean_step(const linear_call *c, PyObject *options, PyObject **ret)
         .num_threads = attnx_get_num_threads(),
         .pending = pending,
     };
+    /* the state's arrays held while the GIL is released: another thread
+     * may replace the state's own */
+    PyObject *held[] = {S_obj, z_obj, state->pending};
+    for (int i = 0; i < 3; i++) Py_INCREF(held[i]);
     int kernel_status;
     Py_BEGIN_ALLOW_THREADS
     kernel_status = linear_kernels[typenum == NPY_DOUBLE](&kargs);
     Py_END_ALLOW_THREADS
+    for (int i = 0; i < 3; i++) Py_DECREF(held[i]);
     PyObject *next_offset = PyLong_FromSsize_t((Py_ssize_t)(offset + 1));
-    PyObject *next_tick = next_offset ? PyLong_FromSsize_t(attnx_pending_next(pending.tick, HELD_KEYS))
-                                      : NULL;
-    if (attnx_check_status(kernel_status) < 0 || !next_tick) {
+    if (attnx_check_status(kernel_status) < 0 || !next_offset) {
         Py_XDECREF(next_offset);
-        Py_XDECREF(next_tick);
         goto done;
     }
-    slot_put(state, SLOT_OFFSET, next_offset);
-    slot_put(state, SLOT_TICK, next_tick);
+    Py_SETREF(state->offset, next_offset);
+    state->tick = attnx_pending_next(pending.tick, HELD_KEYS);
     if (c->out == Py_None && (PyObject *)out != last) {
         Py_INCREF(out);
-        slot_put(state, SLOT_OUT, (PyObject *)out);
+        Py_XSETREF(state->last_out, (PyObject *)out);
     }
     *ret = (PyObject *)out;
     out = NULL;
@@ -1035,117 +996,298 @@ done:
     return status;
 }
 
-/* The arguments of state.step(q, k, v, out=None) from a vectorcall: found
- * (q, k, v, out), borrowed */
-static int step_arguments(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                          PyObject *found[4])
-{
-    static const char *const names[4] = {"q", "k", "v", "out"};
-    Py_ssize_t keywords = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs > 4) {
-        PyErr_Format(PyExc_TypeError, "step() takes q, k, v and optionally out (%zd given)", nargs);
-        return -1;
-    }
-    for (int i = 0; i < 4; i++) found[i] = i < nargs ? args[i] : NULL;
-    for (Py_ssize_t j = 0; j < keywords; j++) {
-        PyObject *name = PyTuple_GET_ITEM(kwnames, j);
-        int i = 0;
-        while (i < 4 && PyUnicode_CompareWithASCIIString(name, names[i]) != 0) i++;
-        if (i == 4) {
-            PyErr_Format(PyExc_TypeError, "step() got an unexpected keyword argument %R", name);
-            return -1;
-        }
-        if (found[i]) {
-            PyErr_Format(PyExc_TypeError, "step() got multiple values for argument '%s'", names[i]);
-            return -1;
-        }
-        found[i] = args[nargs + j];
-    }
-    for (int i = 0; i < 3; i++)
-        if (!found[i]) {
-            PyErr_Format(PyExc_TypeError, "step() missing required argument '%s'", names[i]);
-            return -1;
-        }
-    if (!found[3]) found[3] = Py_None;
-    return 0;
-}
-
-/* an attribute of the state: its slot when the state is of exactly
- * state_type and the slot is set, else getattr (new reference) */
-static PyObject *state_attr(PyObject *state, int slot, PyObject *name)
-{
-    PyObject *value = Py_TYPE(state) == state_type ? slot_get(state, slot) : NULL;
-    if (!value) return PyObject_GetAttr(state, name);
-    Py_INCREF(value);
-    return value;
-}
+/* the arguments of state.step(q, k, v, out=None), by name */
+static const char *const step_argument_names[4] = {"q", "k", "v", "out"};
+static PyObject *step_argument_interned[4];
+static attnx_keywords step_arguments = {"step", step_argument_names, 4, 4, 3,
+                                        step_argument_interned};
 
 /* state.step(q, k, v, out=None): the causal call that continues `state`,
- * with the options of the call that made it (state._options: variant,
- * feature_map, causal, eps, projection, p, M), writing the new state into
- * the state's own arrays and advancing its offset. A method descriptor of
- * LinearAttentionState (_C.state_class), so that a step is one C call. */
-static PyObject *state_step(PyObject *state, PyObject *const *args, Py_ssize_t nargs,
+ * with the options of the call that made it (state->step), writing the
+ * new state into the state's own arrays and advancing its offset. */
+static PyObject *state_step(linear_state *state, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames)
 {
-    linear_call c = {.key_mask = Py_None, .mask = Py_None, .window = Py_None, .method = Py_None,
-                     .chunk_size = Py_None, .causal = Py_True, .normalise = 1, .in_place = 1,
-                     .initial_state = state};
-    PyObject *found[4], *options = NULL, *features = NULL, *mapped = NULL, *ret = NULL;
-    if (step_arguments(args, PyVectorcall_NARGS(nargs), kwnames, found) < 0) return NULL;
+    linear_call c = {.key_mask = Py_None, .mask = Py_None, .normalise = 1,
+                     .initial_state = (PyObject *)state, .step = &state->step};
+    PyObject *found[4], *mapped = NULL, *ret = NULL;
+    nargs = PyVectorcall_NARGS(nargs);
+    if (nargs > 4) {
+        PyErr_Format(PyExc_TypeError, "step() takes q, k, v and optionally out (%zd given)", nargs);
+        return NULL;
+    }
+    if (attnx_parse_keywords(&step_arguments, args, nargs, kwnames, found) < 0) return NULL;
     c.q = found[0];
     c.k = found[1];
     c.v = found[2];
-    c.out = found[3];
+    c.out = found[3] ? found[3] : Py_None;
     /* a callable feature map runs in Python (attnx/_linear.py), and its
      * features enter the kernel as q and k */
-    if (!(features = state_attr(state, SLOT_FEATURES, name_features))) return NULL;
-    if (features != Py_None) {
-        mapped = PyObject_CallFunctionObjArgs(callable_features, features, c.q, c.k, c.v, NULL);
-        if (!mapped) goto done;
+    if (state->features) {
+        mapped = PyObject_CallFunctionObjArgs(state->features, c.q, c.k, c.v, NULL);
+        if (!mapped) return NULL;
         if (!PyTuple_Check(mapped) || PyTuple_GET_SIZE(mapped) != 2) {
-            PyErr_SetString(PyExc_SystemError, "_callable_features must return (phi_q, phi_k)");
+            PyErr_SetString(PyExc_SystemError, "features must return (phi_q, phi_k)");
             goto done;
         }
         c.q = PyTuple_GET_ITEM(mapped, 0);
         c.k = PyTuple_GET_ITEM(mapped, 1);
     }
-    if (!(options = state_attr(state, SLOT_OPTIONS, name_options))) goto done;
-    if (!PyTuple_Check(options) || PyTuple_GET_SIZE(options) != 7 ||
-        !PyUnicode_Check(PyTuple_GET_ITEM(options, 0))) {
+    if (!state->options) {
         PyErr_SetString(PyExc_ValueError,
                         "step() needs a state returned by an attnx call with return_state=True "
                         "(it remembers that call's feature map and options); this state was "
                         "built by hand");
         goto done;
     }
-    int causal;
-    PyObject *made_causal = PyTuple_GET_ITEM(options, 2);
-    if (attnx_parse_causal(made_causal, &causal) < 0 || !causal) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError,
-                            "step() continues causal decoding only: this state comes from a "
-                            "non-causal call (causal=False)");
+    if (!state->made_causal) {
+        PyErr_SetString(PyExc_ValueError,
+                        "step() continues causal decoding only: this state comes from a "
+                        "non-causal call (causal=False)");
         goto done;
     }
-    c.variant = PyUnicode_AsUTF8(PyTuple_GET_ITEM(options, 0));
-    c.feature_map = PyTuple_GET_ITEM(options, 1);
-    c.eps = PyTuple_GET_ITEM(options, 3);
-    c.projection = PyTuple_GET_ITEM(options, 4);
-    c.p = PyTuple_GET_ITEM(options, 5);
-    c.M = PyTuple_GET_ITEM(options, 6);
-    int lean = c.variant ? lean_step(&c, options, &ret) : -1;
+    c.projection = PyTuple_GET_ITEM(state->options, 4);
+    int lean = lean_step(state, &c, &ret);
     if (lean == 0) ret = run_linear(&c);
 done:
-    /* after the call: the tuples own the borrowed items */
-    Py_XDECREF(options);
     Py_XDECREF(mapped);
-    Py_DECREF(features);
     return ret;
 }
 
-static PyMethodDef state_step_def = {
-    "step", (PyCFunction)(void (*)(void))state_step, METH_FASTCALL | METH_KEYWORDS,
+/* state.S: the held keys of single-token steps added in first */
+static int state_flush(linear_state *state)
+{
+    PyArrayObject *S = (PyArrayObject *)state->S;
+    attnx_pending pending;
+    if (!S || !PyArray_Check(S) || PyArray_NDIM(S) < 2 || !PyArray_IS_C_CONTIGUOUS(S) ||
+        !PyArray_ISWRITEABLE(S) || (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "this state holds decoding keys back from S, but its S was changed by "
+                        "hand (no longer a writeable, C-contiguous float array)");
+        return -1;
+    }
+    if (held_keys_of(state, S, &pending) < 0) return -1;
+    held_keys_flush(state, S, &pending);
+    return 0;
+}
+
+/* the options of the call that made a state, as it passed them (variant,
+ * feature_map, causal, eps, projection, p, M), parsed for its steps: a
+ * causal call of any length from the state */
+static int state_set_options(linear_state *state, PyObject *options)
+{
+    if (!PyTuple_Check(options) || PyTuple_GET_SIZE(options) != 7 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(options, 0))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a LinearAttentionState's options are (variant, feature_map, causal, eps, "
+                        "projection, p, M)");
+        return -1;
+    }
+    const char *variant = PyUnicode_AsUTF8(PyTuple_GET_ITEM(options, 0));
+    PyObject *const *item = &PyTuple_GET_ITEM(options, 0);
+    linear_options step;
+    int causal;
+    if (!variant || attnx_parse_causal(item[2], &causal) < 0 ||
+        parse_options(variant, item[1], Py_True, Py_None, Py_None, Py_None, item[3], item[5],
+                      item[6], 1, &step) < 0)
+        return -1;
+    Py_INCREF(options);
+    Py_XSETREF(state->options, options);
+    state->step = step;
+    state->made_causal = causal != 0;
+    return 0;
+}
+
+/* the state a call with return_state=True returns: S, z and offset, and
+ * with them, unless the call returned similarities (normalise=False), its
+ * options for step() */
+static PyObject *state_make(PyObject *S, PyObject *z, npy_intp offset, const linear_call *c,
+                            PyArrayObject *projection)
+{
+    linear_state *state = (linear_state *)state_type.tp_alloc(&state_type, 0);
+    if (!state) return NULL;
+    Py_INCREF(S);
+    Py_INCREF(z);
+    Py_INCREF(Py_None);
+    state->S = S;
+    state->z = z;
+    state->pending = Py_None;
+    if (!(state->offset = PyLong_FromSsize_t((Py_ssize_t)offset))) goto fail;
+    if (c->normalise) {
+        PyObject *options = PyTuple_Pack(7, c->variant, c->feature_map, c->causal, c->eps,
+                                         projection ? (PyObject *)projection : Py_None, c->p,
+                                         c->M);
+        int status = options ? state_set_options(state, options) : -1;
+        Py_XDECREF(options);
+        if (status < 0) goto fail;
+        if (c->features != Py_None) {
+            Py_INCREF(c->features);
+            state->features = c->features;
+        }
+    }
+    return (PyObject *)state;
+fail:
+    Py_DECREF(state);
+    return NULL;
+}
+
+static PyObject *state_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    linear_state *state = (linear_state *)type->tp_alloc(type, 0);
+    if (state) {
+        Py_INCREF(Py_None);
+        state->pending = Py_None;
+    }
+    return (PyObject *)state;
+}
+
+static int state_init(linear_state *state, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"S", "z", "offset", NULL};
+    PyObject *S, *z, *offset;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:LinearAttentionState", keywords, &S, &z,
+                                     &offset))
+        return -1;
+    Py_INCREF(S);
+    Py_INCREF(z);
+    Py_INCREF(offset);
+    Py_INCREF(Py_None);
+    Py_XSETREF(state->S, S);
+    Py_XSETREF(state->z, z);
+    Py_XSETREF(state->offset, offset);
+    Py_XSETREF(state->pending, Py_None);
+    Py_CLEAR(state->last_out);
+    Py_CLEAR(state->options);
+    Py_CLEAR(state->features);
+    state->tick = 0;
+    return 0;
+}
+
+static int state_traverse(linear_state *state, visitproc visit, void *arg)
+{
+    Py_VISIT(state->S);
+    Py_VISIT(state->z);
+    Py_VISIT(state->offset);
+    Py_VISIT(state->pending);
+    Py_VISIT(state->last_out);
+    Py_VISIT(state->options);
+    Py_VISIT(state->features);
+    return 0;
+}
+
+static int state_clear(linear_state *state)
+{
+    Py_CLEAR(state->S);
+    Py_CLEAR(state->z);
+    Py_CLEAR(state->offset);
+    Py_CLEAR(state->pending);
+    Py_CLEAR(state->last_out);
+    Py_CLEAR(state->options);
+    Py_CLEAR(state->features);
+    return 0;
+}
+
+static void state_dealloc(linear_state *state)
+{
+    PyObject_GC_UnTrack(state);
+    state_clear(state);
+    Py_TYPE(state)->tp_free((PyObject *)state);
+}
+
+static PyObject *state_get_S(linear_state *state, void *unused)
+{
+    if (state->tick && state_flush(state) < 0) return NULL;
+    if (!state->S) {
+        PyErr_SetString(PyExc_AttributeError, "'LinearAttentionState' object has no attribute 'S'");
+        return NULL;
+    }
+    Py_INCREF(state->S);
+    return state->S;
+}
+
+static int state_set_S(linear_state *state, PyObject *value, void *unused)
+{
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "can't delete attribute 'S'");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_XSETREF(state->S, value);
+    state->tick = 0;
+    return 0;
+}
+
+static PyObject *state_get_options(linear_state *state, void *unused)
+{
+    PyObject *options = state->options ? state->options : Py_None;
+    Py_INCREF(options);
+    return options;
+}
+
+static int state_put_options(linear_state *state, PyObject *options, void *unused)
+{
+    if (options && options != Py_None) return state_set_options(state, options);
+    Py_CLEAR(state->options);
+    return 0;
+}
+
+static PyObject *state_repr(linear_state *state)
+{
+    PyObject *S = state_get_S(state, NULL), *ret = NULL;
+    PyObject *S_dtype = S ? PyObject_GetAttrString(S, "dtype") : NULL;
+    PyObject *S_shape = S_dtype ? PyObject_GetAttrString(S, "shape") : NULL;
+    PyObject *z = S_shape ? PyObject_GetAttr((PyObject *)state, name_z) : NULL;
+    PyObject *z_dtype = z ? PyObject_GetAttrString(z, "dtype") : NULL;
+    PyObject *z_shape = z_dtype ? PyObject_GetAttrString(z, "shape") : NULL;
+    PyObject *offset = z_shape ? PyObject_GetAttr((PyObject *)state, name_offset) : NULL;
+    if (offset)
+        ret = PyUnicode_FromFormat("LinearAttentionState(S: %S%S, z: %S%S, offset=%S)", S_dtype,
+                                   S_shape, z_dtype, z_shape, offset);
+    Py_XDECREF(S);
+    Py_XDECREF(S_dtype);
+    Py_XDECREF(S_shape);
+    Py_XDECREF(z);
+    Py_XDECREF(z_dtype);
+    Py_XDECREF(z_shape);
+    Py_XDECREF(offset);
+    return ret;
+}
+
+/* pickle and copy: the constructor's arguments (S as it lies, held keys
+ * apart), then the step's fields */
+static PyObject *state_reduce(linear_state *state, PyObject *unused)
+{
+    if (!state->S || !state->z || !state->offset) {
+        PyErr_SetString(PyExc_TypeError,
+                        "cannot pickle a LinearAttentionState without its S, z or offset");
+        return NULL;
+    }
+    return Py_BuildValue("O(OOO)(OOOn)", (PyObject *)Py_TYPE(state), state->S, state->z,
+                         state->offset, state->options ? state->options : Py_None,
+                         state->features ? state->features : Py_None,
+                         state->pending ? state->pending : Py_None, state->tick);
+}
+
+static PyObject *state_setstate(linear_state *state, PyObject *fields)
+{
+    PyObject *options, *features, *pending;
+    Py_ssize_t tick;
+    if (!PyArg_ParseTuple(fields, "OOOn:__setstate__", &options, &features, &pending, &tick) ||
+        (options != Py_None && state_set_options(state, options) < 0))
+        return NULL;
+    Py_INCREF(pending);
+    Py_XSETREF(state->pending, pending);
+    Py_CLEAR(state->features);
+    if (features != Py_None) {
+        Py_INCREF(features);
+        state->features = features;
+    }
+    state->tick = tick;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef state_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))state_step, METH_FASTCALL | METH_KEYWORDS,
     "step($self, q, k, v, out=None)\n"
     "--\n"
     "\n"
@@ -1207,68 +1349,150 @@ static PyMethodDef state_step_def = {
     "6\n"
     ">>> whole = attnx.linear_attention(q, k, v, causal=True)\n"
     ">>> np.allclose(np.concatenate([o, o5, o6]), whole)\n"
-    "True"};
+    "True"},
+    {"__reduce__", (PyCFunction)state_reduce, METH_NOARGS, NULL},
+    {"__setstate__", (PyCFunction)state_setstate, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
 
-/* _C.state_class(cls, callable_features): registers LinearAttentionState
- * (its slots) and the function applying a callable feature map; returns
- * the step method for the class */
-PyObject *attnx_py_state_class(PyObject *self, PyObject *args)
-{
-    PyObject *cls, *function;
-    Py_ssize_t offsets[NSLOTS];
-    if (!PyArg_ParseTuple(args, "O!O:state_class", &PyType_Type, &cls, &function)) return NULL;
-    for (int i = 0; i < NSLOTS; i++) {
-        PyObject *descr = PyObject_GetAttrString(cls, slot_names[i]);
-        if (!descr) return NULL;
-        int is_slot = Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
-                      ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
-        offsets[i] = is_slot ? ((PyMemberDescrObject *)descr)->d_member->offset : -1;
-        Py_DECREF(descr);
-        if (!is_slot) {
-            PyErr_Format(PyExc_TypeError, "state_class: %s is not a slot of %R", slot_names[i], cls);
-            return NULL;
-        }
-    }
-    PyObject *step = PyDescr_NewMethod((PyTypeObject *)cls, &state_step_def);
-    if (!step) return NULL;
-    memcpy(slot_offsets, offsets, sizeof offsets);
-    Py_INCREF(cls);
-    Py_XSETREF(state_type, (PyTypeObject *)cls);
-    Py_INCREF(function);
-    Py_XSETREF(callable_features, function);
-    return step;
-}
+static PyGetSetDef state_getset[] = {
+    {"S", (getter)state_get_S, (setter)state_set_S,
+     "``sum_j psi(k_j) v_j^T`` over every key so far (held keys added in).", NULL},
+    {"_options", (getter)state_get_options, (setter)state_put_options,
+     "The options of the call that made the state (variant, feature_map, causal, eps, "
+     "projection, p, M), None when it cannot step.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
-/* state.S: the held keys of single-token steps into the state's S */
-PyObject *attnx_py_linear_flush(PyObject *self, PyObject *state)
+static PyMemberDef state_members[] = {
+    {"z", T_OBJECT_EX, offsetof(linear_state, z), 0, "``sum_j psi(k_j)``."},
+    {"offset", T_OBJECT_EX, offsetof(linear_state, offset), 0,
+     "How many key positions were consumed."},
+    {"_S", T_OBJECT_EX, offsetof(linear_state, S), 0, "S as it lies, held keys apart."},
+    {"_pending", T_OBJECT_EX, offsetof(linear_state, pending), 0,
+     "The keys single-token steps hold back from S."},
+    {"_tick", T_PYSSIZET, offsetof(linear_state, tick), 0,
+     "The single-token steps since S last held every key."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject state_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "attnx._linear.LinearAttentionState",
+    .tp_basicsize = sizeof(linear_state),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc =
+"LinearAttentionState(S, z, offset)\n"
+"--\n"
+"\n"
+"The state kernelised attention carries between calls.\n"
+"\n"
+"Returned by ``return_state=True`` and taken back by ``initial_state=``\n"
+"(streaming a long sequence in pieces, decoding), or advanced in place by\n"
+"`step`.\n"
+"\n"
+"Parameters\n"
+"----------\n"
+"S : ndarray, shape (..., r, e)\n"
+"    ``sum_j psi(k_j) v_j^T`` over the keys seen.\n"
+"z : ndarray, shape (..., r)\n"
+"    ``sum_j psi(k_j)``.\n"
+"offset : int\n"
+"    How many key positions were consumed (cosFormer numbers the next\n"
+"    call's positions after it).\n"
+"\n"
+"Methods\n"
+"-------\n"
+"step(q, k, v, out=None)\n"
+"    Decode in place: the outputs of new tokens, their keys and values\n"
+"    absorbed into this state.\n"
+"\n"
+"Raises\n"
+"------\n"
+"ValueError\n"
+"    From `step`, for a state that cannot step (see there).\n"
+"\n"
+"See Also\n"
+"--------\n"
+"linear_attention : Returns a state with ``return_state=True``.\n"
+"\n"
+"Notes\n"
+"-----\n"
+"The arrays have the dtype the calls compute in (float32 for float16\n"
+"inputs) and the broadcast batch shape of the calls. FAVOR+ key features\n"
+"are stored divided by the constant ``exp(c)``, ``c = max_f |W_f|^2 /\n"
+"2``, so a state only continues calls with the same feature map and\n"
+"projection.\n"
+"\n"
+"Passing a state as ``initial_state=`` never writes it; `step` is the\n"
+"in-place alternative, which allocates nothing but its output (none with\n"
+"``out=``, nor when the output of the state's last step is no longer\n"
+"held anywhere: the new one takes its memory).\n"
+"\n"
+"A step of one token holds its key back from ``S`` (``z`` takes it at\n"
+"once) and adds the keys a head holds into ``S`` 4 at a time, the heads\n"
+"taking turns; its output counts them all. Most steps then only read\n"
+"``S`` instead of reading and writing it, which halves a step's memory\n"
+"traffic. Reading ``state.S`` (or passing the state as\n"
+"``initial_state=``, or a step of several tokens) first adds every held\n"
+"key in, in order. The state owns its arrays: an array taken from it\n"
+"earlier changes with it (copy it to keep a snapshot), but between reads\n"
+"of ``state.S`` it lags by the held keys. Assigning ``state.S`` replaces\n"
+"the sum of every key so far, held ones included. Only a state returned\n"
+"by a causal call with ``return_state=True`` can step, while ``S`` and\n"
+"``z`` stay writeable, C-contiguous arrays of the computing dtype with\n"
+"the batch shape of the step's q, k, v.\n"
+"\n"
+"Examples\n"
+"--------\n"
+">>> import numpy as np, attnx\n"
+">>> rng = np.random.default_rng(0)\n"
+">>> q, k, v = (rng.standard_normal((2, 10, 4)) for _ in range(3))\n"
+">>> o1, state = attnx.linear_attention(q[:, :6], k[:, :6], v[:, :6], causal=True,\n"
+"...                                    return_state=True)\n"
+">>> state\n"
+"LinearAttentionState(S: float64(2, 4, 4), z: float64(2, 4), offset=6)\n"
+">>> o2, state = attnx.linear_attention(q[:, 6:], k[:, 6:], v[:, 6:], causal=True,\n"
+"...                                    initial_state=state, return_state=True)\n"
+">>> whole = attnx.linear_attention(q, k, v, causal=True)\n"
+">>> np.allclose(np.concatenate([o1, o2], axis=1), whole)\n"
+"True",
+    .tp_new = state_new,
+    .tp_init = (initproc)state_init,
+    .tp_dealloc = (destructor)state_dealloc,
+    .tp_traverse = (traverseproc)state_traverse,
+    .tp_clear = (inquiry)state_clear,
+    .tp_repr = (reprfunc)state_repr,
+    .tp_methods = state_methods,
+    .tp_getset = state_getset,
+    .tp_members = state_members,
+};
+
+int attnx_linear_init(PyObject *module)
 {
-    PyArrayObject *S = (PyArrayObject *)PyObject_GetAttr(state, name_own_S);
-    attnx_pending pending;
-    PyObject *ret = NULL;
-    if (!S) return NULL;
-    if (!PyArray_Check(S) || PyArray_NDIM(S) < 2 || !PyArray_IS_C_CONTIGUOUS(S) ||
-        !PyArray_ISWRITEABLE(S) || (PyArray_TYPE(S) != NPY_FLOAT && PyArray_TYPE(S) != NPY_DOUBLE)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "this state holds decoding keys back from S, but its S was changed by "
-                        "hand (no longer a writeable, C-contiguous float array)");
-        goto done;
+    name_S = PyUnicode_InternFromString("S");
+    name_z = PyUnicode_InternFromString("z");
+    name_offset = PyUnicode_InternFromString("offset");
+    default_feature_map = PyUnicode_InternFromString("elu");
+    default_eps = PyFloat_FromDouble(1e-6);
+    default_p = PyLong_FromLong(3);
+    if (!name_S || !name_z || !name_offset || !default_feature_map || !default_eps ||
+        !default_p || PyType_Ready(&state_type) < 0)
+        return -1;
+    Py_INCREF(&state_type);
+    if (PyModule_AddObject(module, "LinearAttentionState", (PyObject *)&state_type) < 0) {
+        Py_DECREF(&state_type);
+        return -1;
     }
-    if (held_keys_get(state, S, &pending) == 0 && held_keys_flush(state, S, &pending) == 0) {
-        ret = Py_None;
-        Py_INCREF(ret);
-    }
-done:
-    Py_DECREF(S);
-    return ret;
+    return 0;
 }
 
 /* ------------------------------------------------------------------------
  * The backward (linear.c, attnx_linear_bwd): _C.linear_attention_backward
- * takes every option positionally, already resolved by
- * attnx/_linear_grad.py (feature map and method as their ATTNX_* numbers,
- * cosFormer's M and the streaming offset as numbers), and returns the
- * gradients on the broadcast batch shape, which the Python side reduces to
- * each input's shape. */
+ * takes every option by name from attnx/_linear_grad.py (the variant by
+ * its front end's name, checked as the forward checks it, the streaming
+ * offset as a number), and returns the gradients on the broadcast batch
+ * shape, which the Python side reduces to each input's shape. */
 
 /* Chunk length of the backward's chunk method. Causal, chunks of 16 run
  * through fused AVX-512 kernels in float32 (linear.c, bwd_fused_chunk) and
@@ -1508,24 +1732,13 @@ PyObject *attnx_py_linear_resolve(PyObject *self, PyObject *args, PyObject *kwar
 }
 
 const char attnx_linear_attention_doc[] = (
-"linear_attention(q, k, v, variant, feature_map, causal, key_mask, mask, window, method, chunk_size, eps, projection, p, M, initial_state, return_state, out, normalise)\n"
+"linear_attention(q, k, v, *, variant, feature_map='elu', causal=False, key_mask=None, mask=None, window=None, method=None, chunk_size=None, eps=1e-06, projection=None, p=3, M=None, initial_state=None, return_state=False, out=None, normalise=True, features=None)\n"
 "--\n\n"
 "The kernel behind attnx.linear_attention and the other kernelised front ends\n"
-"(every argument positional; use the front ends). Returns out, or\n"
-"(out, S, z, offset) with return_state.");
-
-const char attnx_state_class_doc[] = (
-"state_class(cls, callable_features)\n"
-"--\n\n"
-"Registers attnx.LinearAttentionState (its slots, read in place by a\n"
-"decoding step) and the function that applies a callable feature map;\n"
-"returns the class's step method.");
-
-const char attnx_linear_flush_doc[] = (
-"linear_flush(state)\n"
-"--\n\n"
-"Adds the keys single-token steps held back into state's S (behind the\n"
-"attnx.LinearAttentionState.S property).");
+"(use those). Returns out, or (out, state) with return_state: a\n"
+"LinearAttentionState that remembers this call's options for its steps, and\n"
+"`features`, a callable feature map's (q, k, v) -> (phi_q, phi_k) that they\n"
+"apply (q and k here are already its features).");
 
 const char attnx_linear_attention_backward_doc[] = (
 "linear_attention_backward(dout, q, k, v, front, feature_map, causal, key_mask, mask, window, method, chunk_size, eps, p, M, projection, S0, z0, dS, dz, offset, projection_grad, dq=None, dk=None, dv=None)\n"

@@ -110,14 +110,18 @@ static int check_hash_sizes(const attnx_call *call)
     return 0;
 }
 
-/* _C.lsh_attention(q, v, rotations, chunk, causal, out) -> (out, lse) */
-PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args)
+/* _C.lsh_attention(q, v, rotations, *, chunk, causal, out) -> (out, lse) */
+PyObject *attnx_py_lsh_attention(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *objs[NPARAMS] = {NULL}, *chunk_obj, *causal_obj, *ret = NULL;
+    static char *keywords[] = {"q", "v", "rotations", "chunk", "causal", "out", NULL};
+    PyObject *objs[NPARAMS] = {NULL}, *chunk_obj = NULL, *causal_obj = Py_False, *ret = NULL;
     Py_ssize_t chunk;
     int causal;
-    if (!PyArg_ParseTuple(args, "OOOOOO:lsh_attention", &objs[Q], &objs[V], &objs[ROT],
-                          &chunk_obj, &causal_obj, &objs[OUT]))
+    objs[OUT] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOO:lsh_attention", keywords,
+                                     &objs[Q], &objs[V], &objs[ROT], &chunk_obj, &causal_obj,
+                                     &objs[OUT]) ||
+        attnx_required("lsh_attention", "chunk", chunk_obj) < 0)
         return NULL;
     if (parse_options(chunk_obj, causal_obj, &chunk, &causal) < 0) return NULL;
     attnx_call call;
@@ -138,15 +142,19 @@ done:
     return ret;
 }
 
-/* _C.lsh_backward(dout, q, v, out, lse, rotations, chunk, causal) -> (dq, dv),
- * per head of the broadcast batch, in the compute dtype */
-PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args)
+/* _C.lsh_backward(dout, q, v, out, lse, rotations, *, chunk, causal) ->
+ * (dq, dv), per head of the broadcast batch, in the compute dtype */
+PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *objs[NPARAMS] = {NULL}, *chunk_obj, *causal_obj, *ret = NULL;
+    static char *keywords[] = {"dout", "q", "v", "out", "lse", "rotations", "chunk", "causal",
+                               NULL};
+    PyObject *objs[NPARAMS] = {NULL}, *chunk_obj = NULL, *causal_obj = Py_False, *ret = NULL;
     Py_ssize_t chunk;
     int causal;
-    if (!PyArg_ParseTuple(args, "OOOOOOOO:lsh_backward", &objs[DOUT], &objs[Q], &objs[V],
-                          &objs[OUT_IN], &objs[LSE_IN], &objs[ROT], &chunk_obj, &causal_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OO:lsh_backward", keywords,
+                                     &objs[DOUT], &objs[Q], &objs[V], &objs[OUT_IN],
+                                     &objs[LSE_IN], &objs[ROT], &chunk_obj, &causal_obj) ||
+        attnx_required("lsh_backward", "chunk", chunk_obj) < 0)
         return NULL;
     if (parse_options(chunk_obj, causal_obj, &chunk, &causal) < 0) return NULL;
     attnx_call call;
@@ -195,13 +203,13 @@ done:
 }
 
 const char attnx_lsh_attention_doc[] = (
-"lsh_attention(q, v, rotations, chunk, causal, out)\n"
+"lsh_attention(q, v, rotations, *, chunk, causal=False, out=None)\n"
 "--\n\n"
 "Private: (out, lse) of Reformer's LSH attention with the given rotations\n"
 "(n_hashes, d, n_buckets / 2); see attnx.lsh_attention.");
 
 const char attnx_lsh_backward_doc[] = (
-"lsh_backward(dout, q, v, out, lse, rotations, chunk, causal)\n"
+"lsh_backward(dout, q, v, out, lse, rotations, *, chunk, causal=False)\n"
 "--\n\n"
 "Private: per-head gradients (dq, dv) of LSH attention; see attnx.lsh_attention_backward.");
 

@@ -28,24 +28,29 @@ static const attnx_param backward_params[NPARAMS] = {
     [DBIAS] = {"dbias", "n m", ATTNX_OUTPUT, ATTNX_SMB_DBIAS},
 };
 
-/* _C.softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask,
- * bias, window, dropout_p, seed, bias_grad[, dq, dk, dv]) -> (dq, dk, dv,
+/* _C.softmax_backward(dout, q, k, v, out, lse, *, scale, sigma, causal, mask,
+ * bias, window, dropout_p, seed, bias_grad, dq, dk, dv) -> (dq, dk, dv,
  * dbias or None), each of the broadcast batch shape in the compute dtype,
  * written into the dq, dk, dv given (None: allocated). sigma None:
  * softmax (scale None: 1/sqrt(d)); sigma given: gaussian attention. */
-PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args)
+PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *objs[NPARAMS] = {NULL}, *scale_obj, *sigma_obj, *causal_obj, *window_obj,
-             *dropout_obj, *seed_obj, *ret = NULL;
-    int bias_grad, causal, has_left, has_right;
+    static char *keywords[] = {"dout", "q", "k", "v", "out", "lse", "scale", "sigma", "causal",
+                               "mask", "bias", "window", "dropout_p", "seed", "bias_grad", "dq",
+                               "dk", "dv", NULL};
+    PyObject *objs[NPARAMS] = {NULL}, *scale_obj = Py_None, *sigma_obj = Py_None,
+             *causal_obj = Py_False, *window_obj = Py_None, *dropout_obj = Py_None,
+             *seed_obj = Py_None, *ret = NULL;
+    int bias_grad = 0, causal, has_left, has_right;
     npy_intp left, right;
     double scale = 0, sigma = 0, dropout_p;
     uint64_t seed;
-    objs[DQ] = objs[DK] = objs[DV] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOp|OOO:softmax_backward", &objs[DOUT], &objs[Q],
-                          &objs[K], &objs[V], &objs[OUT], &objs[LSE], &scale_obj, &sigma_obj,
-                          &causal_obj, &objs[MASK], &objs[BIAS], &window_obj, &dropout_obj,
-                          &seed_obj, &bias_grad, &objs[DQ], &objs[DK], &objs[DV]))
+    objs[MASK] = objs[BIAS] = objs[DQ] = objs[DK] = objs[DV] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OOOOOOOOpOOO:softmax_backward",
+                                     keywords, &objs[DOUT], &objs[Q], &objs[K], &objs[V],
+                                     &objs[OUT], &objs[LSE], &scale_obj, &sigma_obj, &causal_obj,
+                                     &objs[MASK], &objs[BIAS], &window_obj, &dropout_obj,
+                                     &seed_obj, &bias_grad, &objs[DQ], &objs[DK], &objs[DV]))
         return NULL;
     if (attnx_parse_causal(causal_obj, &causal) < 0 ||
         attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0 ||
@@ -115,7 +120,7 @@ done:
 }
 
 const char attnx_softmax_backward_doc[] = (
-"softmax_backward(dout, q, k, v, out, lse, scale, sigma, causal, mask, bias, window, dropout_p, seed, bias_grad, dq=None, dk=None, dv=None)\n"
+"softmax_backward(dout, q, k, v, out, lse, *, scale=None, sigma=None, causal=False, mask=None, bias=None, window=None, dropout_p=None, seed=None, bias_grad=False, dq=None, dk=None, dv=None)\n"
 "--\n\n"
 "Private: per-head gradients (dq, dk, dv, dbias or None) of softmax or gaussian\n"
 "attention over the broadcast batch; see attnx.softmax_attention_backward.");

@@ -39,9 +39,10 @@ def _delta_forward(q, k, v, beta, g, initial_state, scale, l2norm, recurrent, ch
     out = np.empty((B, n, Hv, dv), dtype=q_.dtype)
     S0 = None if initial_state is None else _np(initial_state, q.dtype)
     call = _delta._Call(q_, k_, v_, beta_, g_, S0, scale)
-    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, call.g_scalar, call.g_channel,
-                         call.split(S0, 3), call.split(out.swapaxes(1, 2), 3), True, False,
-                         call.scale, l2norm, recurrent, chunk)
+    _, S = _C.delta_rule(call.q, call.k, call.v, call.beta, g_scalar=call.g_scalar,
+                         g_channel=call.g_channel, initial_state=call.split(S0, 3),
+                         out=call.split(out.swapaxes(1, 2), 3), want_state=True,
+                         scale=call.scale, l2norm=l2norm, recurrent=recurrent, chunk=chunk)
     return torch.from_numpy(out), torch.from_numpy(call.merge(S, 3))
 
 
@@ -421,7 +422,7 @@ def _conv1d_update_for(original):
             hidden_states.detach().resolve_neg().numpy(), conv_state.detach().numpy(),
             weight.detach().contiguous().resolve_neg().numpy(),
             None if bias is None else bias.detach().contiguous().resolve_neg().numpy(),
-            activation is not None)
+            silu=activation is not None)
         return torch.from_numpy(out)
 
     causal_conv1d_update.attnx_replaces = original
