@@ -13,9 +13,9 @@ tests/run_sanitizers.sh).
 Compilers: gcc or clang (CC=clang) on Linux, x86-64 and aarch64 (OpenMP
 from libgomp, or LLVM's libomp with clang: Debian's libomp-dev); Apple
 clang on macOS with LLVM's libomp (Homebrew's, or the prefix in
-OpenMP_ROOT). Windows: not yet (POSIX threads, posix_memalign; csrc/portable.h
-holds what is already spelled per platform): a build stops with a message
-saying so.
+OpenMP_ROOT). Windows: not yet (the kernels' GNU C vector extensions, which
+MSVC lacks; .ci/windows builds and tests the kernels with mingw-w64 under
+wine): a build stops with a message saying so.
 
 The only run path written into the module is the package's own folder
 ($ORIGIN / @loader_path): the build machine's library paths that Python's
@@ -129,10 +129,11 @@ def openmp_flags():
 
 
 if sys.platform == "win32":
-    fail("Windows is not supported yet: the kernels use GCC vector extensions (MSVC\n"
-         "  lacks them; clang-cl has them), POSIX threads (csrc/team.c) and\n"
-         "  posix_memalign / aligned_alloc memory released by free, which the\n"
-         "  Microsoft C runtime lacks. Use WSL or Linux.")
+    fail("Windows is not supported yet: the kernels use GNU C vector extensions,\n"
+         "  which MSVC (the compiler setuptools uses on Windows) lacks. They build\n"
+         "  with mingw-w64's gcc and clang and pass their C tests under wine\n"
+         "  (.ci/windows), but this module has not been built or tested on Windows.\n"
+         "  Use WSL or Linux.")
 
 debug = os.environ.get("ATTNX_DEBUG", "") not in ("", "0")
 if debug:

@@ -61,6 +61,14 @@
 #define ATTNX_TARGET_POP ATTNX_PRAGMA(GCC pop_options)
 #endif
 
+/* a function or object not exported from the module (calls between its
+ * files stay direct); a DLL exports only what it names */
+#ifdef _WIN32
+#define ATTNX_HIDDEN
+#else
+#define ATTNX_HIDDEN __attribute__((visibility("hidden")))
+#endif
+
 /* `bytes` (at least one) aligned to `alignment`, a power of two and a
  * multiple of sizeof(void *); NULL when out of memory. Released only by
  * attnx_aligned_free: Windows' C library has neither aligned_alloc nor

@@ -470,9 +470,8 @@ int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args
     item_range *shares = malloc((size_t)threads * sizeof *shares);
     softmax_memory memory = {{NULL}};
     int status = ATTNX_ENOMEM;
-    if (!v_states || !works || !shares ||
-        posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
-        goto done;
+    scratch = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(REAL));
+    if (!v_states || !works || !shares || !scratch) goto done;
     for (int t = 0; t < threads; t++) {
         REAL *st = scratch + per_thread * t, *lane = st + tile + key_terms;
         works[t] = (SFX(tile_work)){
@@ -511,8 +510,9 @@ int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args
     }
     status = a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;
 done:
-    for (int b = 0; b < SOFTMAX_BLOCKS; b++) free(memory.blocks[b]);
-    free(scratch);
+    attnx_aligned_free(memory.blocks[0]);
+    for (int b = 1; b < SOFTMAX_BLOCKS; b++) free(memory.blocks[b]);
+    attnx_aligned_free(scratch);
     free(v_states);
     free(works);
     free(shares);

@@ -157,7 +157,7 @@ static int amx_setup(const softmax_backend_f32 *be, const attnx_softmax_args *a,
     memory->blocks[1] = amx_packed;
     memory->blocks[2] = amxs;
     if (!amx_packed || !amxs ||
-        posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(float)))
+        !(scratch = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(float))))
         return ATTNX_ENOMEM;
     memory->blocks[0] = scratch;
     for (int t = 0; t < threads; t++) {

@@ -282,9 +282,8 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
     if ((double)a->heads * n * a->m * (a->d + a->e) < 1e6 || threads < 1) threads = 1;
     const ptrdiff_t per_thread = softmax_lines(DECODE_MAX_ROWS * DECODE_CHUNK, sizeof(REAL));
     shares = malloc((size_t)threads * sizeof *shares);
-    if (!shares ||
-        posix_memalign((void **)&scores, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
-        goto done;
+    scores = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(REAL));
+    if (!shares || !scores) goto done;
     const SFX(decode_call) call = {a, SFX(decode_choose)(), chunks, group_first, partials};
 
     if (threads == 1) {
@@ -313,7 +312,7 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
 done:
     free(group_first);
     free(partials);
-    free(scores);
+    attnx_aligned_free(scores);
     free(shares);
     return status;
 }

@@ -68,8 +68,7 @@ typedef struct {
  * none is left. A thread slowed by other work on its core then does not
  * hold up the call, and a head's query tiles still mostly go to one
  * thread, which packs the head's keys and values once. */
-ptrdiff_t softmax_claim_item(item_range *shares, int threads, int self)
-    __attribute__((visibility("hidden")));
+ptrdiff_t softmax_claim_item(item_range *shares, int threads, int self) ATTNX_HIDDEN;
 
 /* count numbers of `size` bytes rounded up to whole cache lines: each
  * part of a thread's scratch starts on its own line */
@@ -80,7 +79,9 @@ static inline ptrdiff_t softmax_lines(ptrdiff_t count, ptrdiff_t size)
 }
 
 /* What a backend allocates for one call (its per-thread operands); the
- * driver frees every block with free() when the call ends. */
+ * driver releases them when the call ends: blocks[0] with
+ * attnx_aligned_free (the aligned scratch, from attnx_aligned_alloc), the
+ * others with free(). */
 #define SOFTMAX_BLOCKS 4
 typedef struct {
     void *blocks[SOFTMAX_BLOCKS];

@@ -306,7 +306,7 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     memory->blocks[2] = pks;
     memory->blocks[3] = exact;
     if (!owners || !pks || (pairs && !exact) ||
-        posix_memalign((void **)&scratch, 64, (size_t)(per_thread * threads) * sizeof(REAL)))
+        !(scratch = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(REAL))))
         return ATTNX_ENOMEM;
     memory->blocks[0] = scratch;
     for (int t = 0; t < threads; t++) {

@@ -52,15 +52,9 @@ def _softmax_kernels(variant):
     raise ValueError(f"unknown variant {variant!r}")
 
 
-@torch.library.custom_op("attnx::softmax_attention", mutates_args=(), device_types="cpu")
-def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
-                variant: str, param: Optional[float], causal: str, window: Optional[List[int]],
-                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Softmax (variant "softmax", param = scale) or gaussian (param =
-    sigma) attention: returns out (..., n, e) in q's dtype, lse (..., n)
-    in the dtype computed in, and for half-precision inputs the unrounded
-    float32 out the backward reads (empty otherwise). Half inputs are
-    widened here, each in one pass, and out rounded once."""
+def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
+    """The operator's computation (_softmax_op), which calls that build no
+    graph run directly (_softmax_apply)"""
     forward, _ = _softmax_kernels(variant)
     dtype = _compute_dtype(q.dtype)
     shape = _batch_shape(q, k, v, mask, bias)
@@ -81,6 +75,18 @@ def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     if q.dtype == dtype:
         return wide, lse, q.new_empty((0,))
     return _narrowed(wide.numpy(), q.dtype), lse, wide
+
+
+@torch.library.custom_op("attnx::softmax_attention", mutates_args=(), device_types="cpu")
+def _softmax_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+                variant: str, param: Optional[float], causal: str, window: Optional[List[int]],
+                dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Softmax (variant "softmax", param = scale) or gaussian (param =
+    sigma) attention: returns out (..., n, e) in q's dtype, lse (..., n)
+    in the dtype computed in, and for half-precision inputs the unrounded
+    float32 out the backward reads (empty otherwise). Half inputs are
+    widened here, each in one pass, and out rounded once."""
+    return _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed)
 
 
 @_softmax_op.register_fake
@@ -163,8 +169,17 @@ def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_
     cross into the operator as they are: it converts them in one pass."""
     if bias is not None and bias.dtype != q.dtype and bias.dtype != _compute_dtype(q.dtype):
         bias = bias.to(_compute_dtype(q.dtype))
-    out, lse, _ = torch.ops.attnx.softmax_attention(q, k, v, mask, bias, variant, param, causal,
-                                                    window, dropout_p, seed)
+    args = (q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed)
+    # the operator's dispatch (autograd, the fake kernel) costs some 100 us
+    # a call, as much as a decoding step against a few thousand keys: a
+    # call that builds no graph and is not being traced runs the
+    # computation itself
+    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                        for t in (q, k, v, bias))) \
+            or torch.compiler.is_compiling():
+        out, lse, _ = torch.ops.attnx.softmax_attention(*args)
+    else:
+        out, lse, _ = _softmax_forward(*args)
     return out, lse
 
 
