@@ -248,3 +248,56 @@ def test_import_without_torch_says_what_to_install(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "attnx.torch needs PyTorch" in result.stdout
     assert "whl/cpu" in result.stdout
+
+
+PLAIN_CALLS = {
+    "heads": (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 5)), {}),
+    "causal": (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 5)), {"is_causal": True}),
+    "scale": (((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), {"scale": 0.3}),
+    "int scale": (((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), {"scale": 2}),
+    "decoding step": (((1, 4, 1, 16), (1, 4, 300, 16), (1, 4, 300, 16)), {}),
+    "grouped": (((2, 6, 3, 8), (2, 2, 7, 8), (2, 2, 7, 4)), {"enable_gqa": True}),
+    "grouped causal": (((1, 4, 3, 8), (1, 2, 7, 8), (1, 2, 7, 4)),
+                       {"enable_gqa": True, "is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(PLAIN_CALLS))
+def test_calls_without_graph_equal_torch_and_the_differentiable_path(case, dtype):
+    """A call that needs no gradient takes a shorter path (decoding steps):
+    its result equals torch's and that of the same call with gradients
+    (the operator), strided inputs read in place, inputs untouched."""
+    shapes, options = PLAIN_CALLS[case]
+    gen = torch.Generator().manual_seed(7)
+    # the query as a transposed view: last axis contiguous, others strided
+    q = torch.randn(*shapes[0][:-3], shapes[0][-2], shapes[0][-3], shapes[0][-1], dtype=dtype,
+                    generator=gen).transpose(-3, -2)
+    k, v = (torch.randn(*s, dtype=dtype, generator=gen) for s in shapes[1:])
+    copies = [t.clone() for t in (q, k, v)]
+    with torch.no_grad():
+        got = at.scaled_dot_product_attention(q, k, v, **options)
+    want = F.scaled_dot_product_attention(q, k, v, **options)
+    differentiable = at.scaled_dot_product_attention(*(t.clone().requires_grad_()
+                                                       for t in (q, k, v)), **options)
+    assert got.shape == want.shape and got.dtype == dtype
+    _close(got, want, dtype)
+    _close(got, differentiable.detach(), dtype)
+    for t, copy in zip((q, k, v), copies):
+        assert torch.equal(t, copy)
+
+
+def test_calls_without_graph_still_refuse_what_torch_refuses():
+    """Grouped heads without enable_gqa, a head count that does not divide,
+    zero and negative scales: the short path leaves them to the checks of
+    the general one (the last two are valid and must equal torch)."""
+    q, k, v = _q(1, 4, 3, 8), _q(1, 2, 5, 8), _q(1, 2, 5, 8)
+    with pytest.raises(RuntimeError):
+        at.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError):
+        at.scaled_dot_product_attention(_q(1, 3, 3, 8), k, v, enable_gqa=True)
+    q, k, v = _q(1, 2, 3, 8), _q(1, 2, 5, 8), _q(1, 2, 5, 8)
+    for scale in (0.0, -0.5):
+        torch.testing.assert_close(at.scaled_dot_product_attention(q, k, v, scale=scale),
+                                   F.scaled_dot_product_attention(q, k, v, scale=scale),
+                                   rtol=2e-5, atol=2e-5)
