@@ -425,12 +425,15 @@ void attnx_conv1d_update_f64(ptrdiff_t B, ptrdiff_t D, ptrdiff_t L, ptrdiff_t W,
 int attnx_get_num_threads(void);
 void attnx_set_num_threads(int num_threads);
 /* Work too short for an OpenMP parallel region (a decoding step) split
- * over helper threads of attnx's own (team.c): task(context, member,
- * members) runs for member 0 (on the caller) to members - 1, and returns
- * when all have. 0 without running the task where no team is available
- * (another caller holds it, members < 2, no threads on this platform);
- * the caller then runs the work its usual way. */
-typedef void (*attnx_team_task)(void *context, int member, int members);
+ * over helper threads of attnx's own (team.c): task(context, member, range,
+ * ranges) runs once for each range 0 .. ranges - 1 (ranges = members), on
+ * the member that took it (member 0 is the caller; member m takes range m
+ * first, and the members that finish take the ranges nobody has started);
+ * `member` names the member's own scratch. Returns when every range is
+ * done. 0 without running the task where no team is available (another
+ * caller holds it, members < 2, no threads on this platform); the caller
+ * then runs the work its usual way. */
+typedef void (*attnx_team_task)(void *context, int member, int range, int ranges);
 int attnx_team_run(int members, attnx_team_task task, void *context);
 /* The team's helpers stop spinning, and the next decoding step goes to
  * OpenMP: the call of every OpenMP region of more than one thread, as

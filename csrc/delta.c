@@ -459,13 +459,14 @@ typedef struct {
     size_t per_thread;
 } SFX(recurrent_task);
 
-static void SFX(recurrent_share)(void *context, int me, int members)
+static void SFX(recurrent_share)(void *context, int me, int range, int ranges)
 {
     const SFX(recurrent_task) *task = context;
     const attnx_delta_args *a = task->a;
     const ptrdiff_t K = a->dk, V = a->dv;
     REAL *scratch = task->scratch + task->per_thread * (size_t)me;
-    for (ptrdiff_t h = a->heads * me / members, end = a->heads * (me + 1) / members; h < end; h++) {
+    for (ptrdiff_t h = a->heads * range / ranges, end = a->heads * (range + 1) / ranges; h < end;
+         h++) {
         if (a->interrupt && attnx_interrupted(a->interrupt, me == 0)) break;
         REAL *S1 = a->S1 ? (REAL *)SFX(head)(a, a->S1, h, ATTNX_DR_S1) : scratch + 3 * (K + V);
         SFX(recurrent_head)(a, h, S1, scratch);
@@ -488,10 +489,11 @@ static int SFX(recurrent_fwd)(const attnx_delta_args *a)
      * and joins far sooner than a parallel region, when the team is free */
     int decoding = a->n <= 1;
     if (threads == 1) {
-        SFX(recurrent_share)(&task, 0, 1);
+        SFX(recurrent_share)(&task, 0, 0, 1);
     } else if (!decoding || !attnx_team_run(threads, SFX(recurrent_share), &task)) {
 #pragma omp parallel num_threads(decoding ? threads : attnx_omp_threads(threads))
-        SFX(recurrent_share)(&task, omp_get_thread_num(), omp_get_num_threads());
+        SFX(recurrent_share)(&task, omp_get_thread_num(), omp_get_thread_num(),
+                             omp_get_num_threads());
     }
     attnx_aligned_free(scratch);
     return a->interrupt && a->interrupt->stopped ? ATTNX_EINTR : ATTNX_OK;

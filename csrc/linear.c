@@ -1005,11 +1005,12 @@ static void SFX(segment_rows)(const linear_plan *p, SFX(rows_fn) rows_fn, ptrdif
  * keeps its own, py_linear.c's kept_table), so the others' first reads of
  * it could miss one after another: their part is requested up front. */
 static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *starts,
-                            REAL *scratch, size_t per_thread, ptrdiff_t me, ptrdiff_t team)
+                            REAL *scratch, size_t per_thread, ptrdiff_t me, ptrdiff_t range,
+                            ptrdiff_t ranges)
 {
     const attnx_linear_args *a = p->a;
-    ptrdiff_t items = a->heads * p->segs, first = items * me / team;
-    ptrdiff_t end = items * (me + 1) / team;
+    ptrdiff_t items = a->heads * p->segs, first = items * range / ranges;
+    ptrdiff_t end = items * (range + 1) / ranges;
     const char *table = (const char *)(a->offsets + first / p->segs * ATTNX_LIN_NOPS);
     size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
     for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
@@ -1046,10 +1047,11 @@ typedef struct {
     size_t per_thread;
 } SFX(scan_task);
 
-static void SFX(scan_member)(void *context, int member, int members)
+static void SFX(scan_member)(void *context, int member, int range, int ranges)
 {
     const SFX(scan_task) *t = context;
-    SFX(scan_share)(t->p, t->rows_fn, t->starts, t->scratch, t->per_thread, member, members);
+    SFX(scan_share)(t->p, t->rows_fn, t->starts, t->scratch, t->per_thread, member, range,
+                    ranges);
 }
 
 static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
@@ -1086,12 +1088,12 @@ static int SFX(run_scan)(const linear_plan *p, REAL *scratch, size_t per_thread)
     int decoding = a->n <= 1 && a->m <= 1;
     SFX(scan_task) task = {p, rows_fn, starts, scratch, per_thread};
     if (p->threads == 1) {
-        SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 1);
+        SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, 0, 0, 1);
     } else if (!decoding || !attnx_team_run(p->threads, SFX(scan_member), &task)) {
 #pragma omp parallel num_threads(decoding ? p->threads : attnx_omp_threads(p->threads))
         {
             SFX(scan_share)(p, rows_fn, starts, scratch, per_thread, omp_get_thread_num(),
-                            omp_get_num_threads());
+                            omp_get_thread_num(), omp_get_num_threads());
             linear_share_done(a->interrupt, &finished, omp_get_num_threads());
         }
     }
