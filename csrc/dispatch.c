@@ -72,6 +72,8 @@ static const kernel_row linear_table[] = {
 static const kernel_row decode_table[] = {
     {ATTNX_KERNELS_AVX512_GROUP, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
+    {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
+    {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
 static const kernel_row lsh_table[] = {PLAIN_ROW, END_ROW};
