@@ -708,8 +708,8 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
 static SFX(values) SFX(token_features)(const linear_plan *p, const SFX(head) *hd,
                                        const SFX(scratch) *w, int lanes)
 {
-    const attnx_linear_args *a = p->a;
 #if defined(MK_HAVE_X86)
+    const attnx_linear_args *a = p->a;
     if (lanes == 16 && a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
         mk_elu_rows_w16(hd->q, hd->k, a->d, w->phi, w->psi);
         w->log_scale[0] = 0;
