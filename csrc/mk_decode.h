@@ -67,9 +67,9 @@ static inline void MK_TYPED(mk_decode_take_w16, mk_decode_take_d8, mk_decode_tak
 }
 
 /* weights[t] = phi . keys_t over the `held` held keys */
-static inline void MK_NAME(mk_decode_weights)(const MK_REAL *phi, ptrdiff_t r,
-                                              const MK_REAL *keys, ptrdiff_t held,
-                                              MK_REAL *weights)
+static inline void MK_TYPED(mk_decode_weights_w16, mk_decode_weights_d8, mk_decode_weights_w8,
+                            mk_decode_weights_d4, mk_decode_weights_n4, mk_decode_weights_nd2)(
+    const MK_REAL *phi, ptrdiff_t r, const MK_REAL *keys, ptrdiff_t held, MK_REAL *weights)
 {
     for (ptrdiff_t t = 0; t < held; t++) {
         MK_VEC sum = {0};
@@ -81,20 +81,25 @@ static inline void MK_NAME(mk_decode_weights)(const MK_REAL *phi, ptrdiff_t r,
 
 /* row[0, nv) += sum_t weights[t] values_t (values positioned at the row's
  * first column, rows e apart) */
-static inline __attribute__((always_inline)) void MK_NAME(mk_decode_held_terms)(
+static inline __attribute__((always_inline)) void MK_TYPED(
+    mk_decode_held_terms_w16, mk_decode_held_terms_d8, mk_decode_held_terms_w8,
+    mk_decode_held_terms_d4, mk_decode_held_terms_n4, mk_decode_held_terms_nd2)(
     int nv, MK_VEC row[4], const MK_REAL *weights, const MK_REAL *values, ptrdiff_t e,
     ptrdiff_t held)
 {
     for (ptrdiff_t t = 0; t < held; t++) {
         MK_VEC weight = weights[t] - (MK_VEC){0};
 #pragma GCC unroll 4
-        for (int h = 0; h < nv; h++) row[h] += weight * *(const MK_VEC *)(values + t * e + h * MK_W);
+        for (int h = 0; h < nv; h++)
+            row[h] += weight * *(const MK_VEC *)(values + t * e + h * MK_W);
     }
 }
 
 /* out[0, W nv) = phi S + sum_t weights[t] values_t over S's columns
  * [0, W nv) (S and values positioned there, rows e apart) */
-static inline __attribute__((always_inline)) void MK_NAME(mk_decode_read)(
+static inline __attribute__((always_inline)) void MK_TYPED(
+    mk_decode_read_w16, mk_decode_read_d8, mk_decode_read_w8, mk_decode_read_d4, mk_decode_read_n4,
+    mk_decode_read_nd2)(
     int nv, const MK_REAL *phi, ptrdiff_t r, const MK_REAL *S, ptrdiff_t e,
     const MK_REAL *weights, const MK_REAL *values, ptrdiff_t held, MK_REAL *out)
 {
@@ -129,7 +134,8 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_turn)(
         for (ptrdiff_t t = 0; t < count; t++) {
             MK_VEC key = keys[t * r + f] - (MK_VEC){0};
 #pragma GCC unroll 4
-            for (int h = 0; h < nv; h++) acc[h] += key * *(const MK_VEC *)(values + t * e + h * MK_W);
+            for (int h = 0; h < nv; h++)
+                acc[h] += key * *(const MK_VEC *)(values + t * e + h * MK_W);
         }
         MK_VEC phi_f = phi[f] - (MK_VEC){0};
 #pragma GCC unroll 4
@@ -348,7 +354,8 @@ static inline void MK_TYPED(mk_decode_step_w16, mk_decode_step_d8, mk_decode_ste
 #if MK_W == 16
 #define MK_FLUSH(nv) mk_decode_flush_w16(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
 #else
-#define MK_FLUSH(nv) MK_NAME(mk_decode_turn)(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
+#define MK_FLUSH(nv) \
+    MK_NAME(mk_decode_turn)(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
 #endif
         MK_DECODE_COLUMNS(e, MK_FLUSH)
 #undef MK_FLUSH
@@ -356,7 +363,8 @@ static inline void MK_TYPED(mk_decode_step_w16, mk_decode_step_d8, mk_decode_ste
     }
     MK_REAL weights[MK_DECODE_HELD];
     MK_NAME(mk_decode_weights)(phi, r, keys, held, weights);
-#define MK_READ(nv) MK_NAME(mk_decode_read)(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
+#define MK_READ(nv) \
+    MK_NAME(mk_decode_read)(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
     MK_DECODE_COLUMNS(e, MK_READ)
 #undef MK_READ
 }
