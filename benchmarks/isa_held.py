@@ -20,7 +20,12 @@ Float32, shapes (1, 8, n, 64):
 - causal linear attention (elu + 1) forward + backward at n = 4096: attnx
   (linear_attention, linear_attention_backward, into the same outputs every
   call) beside linear_grad.py's two torch chunk-64 formulations under
-  autograd.
+  autograd;
+- softmax decoding, one query row per head against (1, 8, m, d) keys and
+  values, m = 4096 with d = 64 and m = 16384 with d = 128 (one call per
+  sample, as softmax_decode.py): also the bytes of K and V read per second,
+  beside the read bandwidth harness.machine_peak measures on the same
+  threads.
 The fastest call of each (on a shared machine interference only slows a
 call) and the ratio torch / attnx of the fastest calls (above 1: attnx is
 faster) are printed, with the medians. Elementwise loops that GCC compiled
@@ -68,7 +73,7 @@ def main():
     import torch.nn.functional as F
 
     import attnx
-    from harness import Settings, measure
+    from harness import Settings, machine_peak, measure
     from linear_grad import torch_forms
 
     attnx.set_num_threads(args.threads)
@@ -153,6 +158,40 @@ def main():
                 np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
     report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
            [form for form in calls if form != "attnx"])
+    # decoding: one query row per head against a KV cache (softmax_decode.c),
+    # memory bound: the rate is the bytes of K and V read per second, beside
+    # the read bandwidth measured on the same threads (harness.machine_peak)
+    peak = machine_peak(args.threads)
+    if peak:
+        print(peak.describe())
+    single = dict(min_sample_s=0.0, pause_s=0.02)
+    decode_settings = (Settings(min_rounds=20, max_rounds=60, budget_s=3.0, **single)
+                       if args.quick else
+                       Settings(min_rounds=50, max_rounds=200, budget_s=10.0, **single))
+    for heads, m, d in ((8, 4096, 64), (8, 16384, 128)):
+        q = rng.standard_normal((1, heads, 1, d), dtype=np.float32)
+        k, v = (rng.standard_normal((1, heads, m, d), dtype=np.float32) for _ in range(2))
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+
+        def attnx_decode():
+            return attnx.softmax_attention(q, k, v)
+
+        def torch_decode():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(tq, tk, tv)
+
+        stats, first, failed = measure({"attnx": attnx_decode, "torch": torch_decode},
+                                       decode_settings)
+        assert not failed, failed
+        np.testing.assert_allclose(first["attnx"], first["torch"].numpy(), rtol=1e-4, atol=1e-5)
+        case = f"softmax decoding (1, {heads}, 1, {m}, {d})"
+        report(case, stats, "attnx", ["torch"])
+        rate = (k.nbytes + v.nbytes) / stats["attnx"].min
+        rows[-1]["attnx_kv_gb_per_s"] = rate / 1e9
+        rows[-1]["attnx_read_fraction"] = peak.read_fraction(rate) if peak else None
+        print(f"{'':42s} attnx reads K, V at {rate / 1e9:.1f} GB/s"
+              + (f", {100 * peak.read_fraction(rate):.0f}% of the read bandwidth" if peak else ""),
+              flush=True)
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:

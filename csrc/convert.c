@@ -109,6 +109,21 @@ __attribute__((target("avx512f,avx512bf16"))) static void narrow_row_avx512(
 }
 #endif
 
+/* the rows in vectors: AVX2 (8 lanes), NEON (4) */
+#if defined(ATTNX_X86_KERNELS)
+#define CV_LANES 8
+#define CV_SFX avx2
+#define CV_TARGET ATTNX_TARGET_PUSH("avx2")
+#define CV_TARGET_POP ATTNX_TARGET_POP
+#include "convert_vec.h"
+#elif defined(ATTNX_NEON_KERNELS)
+#define CV_LANES 4
+#define CV_SFX neon
+#define CV_TARGET
+#define CV_TARGET_POP
+#include "convert_vec.h"
+#endif
+
 /* ---------------------------------------------------------- the walk */
 
 /* the source layout with size-1 axes dropped and axes that step through
@@ -202,7 +217,13 @@ static int convert(widen_fn widen, narrow_fn narrow, void *dst, const void *src,
 int attnx_bf16_to_float(float *dst, const uint16_t *src, int ndim, const ptrdiff_t *shape,
                         const ptrdiff_t *src_strides)
 {
-    return convert(widen_row, NULL, dst, src, ndim, shape, src_strides);
+    widen_fn widen = widen_row;
+#if defined(ATTNX_X86_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) widen = widen_row_avx2;
+#elif defined(ATTNX_NEON_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) widen = widen_row_neon;
+#endif
+    return convert(widen, NULL, dst, src, ndim, shape, src_strides);
 }
 
 int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff_t *shape,
@@ -212,6 +233,11 @@ int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff
 #ifdef ATTNX_CONVERT_X86
     if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX512_BF16)
         narrow = narrow_row_avx512;
+#endif
+#if defined(ATTNX_X86_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) narrow = narrow_row_avx2;
+#elif defined(ATTNX_NEON_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) narrow = narrow_row_neon;
 #endif
     return convert(NULL, narrow, dst, src, ndim, shape, src_strides);
 }

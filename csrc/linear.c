@@ -74,9 +74,11 @@ typedef struct {
     ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
     int threads;
     int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
-    int decode_kernel;        /* single-token steps go through decode_kernel (likewise) */
-    int decode_group;         /* and four heads at once through decode_group */
-    int step_kernel;          /* a one-token causal call goes through fused_step (likewise) */
+    int decode_kernel;        /* single-token steps go through decode_kernel: its float32
+                                 lanes (16, 8, 4; mk_decode.h), 0 for none */
+    int decode_group;         /* and four heads at once through decode_group (AVX-512) */
+    int step_kernel;          /* a one-token causal call goes through fused_step: its
+                                 lanes, as decode_kernel */
 } linear_plan;
 
 /* What every head of one backward call shares. */
@@ -698,27 +700,59 @@ static void SFX(chunk_rows)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
     if (last) SFX(absorb)(p, hd, lo, a->m, w, st);
 }
 
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && (defined(MK_HAVE_X86) || defined(MK_HAVE_NEON))
 /* phi and psi of a head's one query and one key, and the key's values,
- * for the single-token kernels: elu features computed in place
- * (mk_elu_rows_w16, the same numbers as features.c), the others by the
- * general code */
+ * for the single-token kernels of `lanes` lanes: on AVX-512 elu features
+ * computed in place (mk_elu_rows_w16, the same numbers as features.c),
+ * the others by the general code */
 static SFX(values) SFX(token_features)(const linear_plan *p, const SFX(head) *hd,
-                                       const SFX(scratch) *w)
+                                       const SFX(scratch) *w, int lanes)
 {
+#if defined(MK_HAVE_X86)
     const attnx_linear_args *a = p->a;
-    if (a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
+    if (lanes == 16 && a->features.kind == ATTNX_FM_ELU && !hd->key_mask) {
         mk_elu_rows_w16(hd->q, hd->k, a->d, w->phi, w->psi);
         w->log_scale[0] = 0;
         return (SFX(values)){hd->v, a->v_row};
     }
+#endif
+    (void)lanes;
     SFX(query_block)(p, hd, 0, 1, w);
     return SFX(key_block)(p, hd, 0, 1, w);
+}
+
+/* the single-token kernels of `lanes` lanes (mk_decode.h) */
+static void SFX(rnn_step_kernel)(int lanes, const float *phi, const float *psi, ptrdiff_t r,
+                                 const float *v, const float *S0, ptrdiff_t S0_row,
+                                 const float *z0, ptrdiff_t e, float *S, float *z, float *out,
+                                 float *den)
+{
+#if defined(MK_HAVE_X86)
+    if (lanes == 16) mk_rnn_step_w16(phi, psi, r, v, S0, S0_row, z0, e, S, z, out, den);
+    else mk_rnn_step_w8(phi, psi, r, v, S0, S0_row, z0, e, S, z, out, den);
+#else
+    (void)lanes;
+    mk_rnn_step_n4(phi, psi, r, v, S0, S0_row, z0, e, S, z, out, den);
+#endif
+}
+
+static void SFX(decode_step_kernel)(int lanes, const float *phi, const float *psi, ptrdiff_t r,
+                                    const float *v, ptrdiff_t e, float *S, float *z, float *keys,
+                                    float *values, ptrdiff_t held, int adds, float *out,
+                                    float *den)
+{
+#if defined(MK_HAVE_X86)
+    if (lanes == 16) mk_decode_step_w16(phi, psi, r, v, e, S, z, keys, values, held, adds, out, den);
+    else mk_decode_step_w8(phi, psi, r, v, e, S, z, keys, values, held, adds, out, den);
+#else
+    (void)lanes;
+    mk_decode_step_n4(phi, psi, r, v, e, S, z, keys, values, held, adds, out, den);
+#endif
 }
 #endif
 
 /* The functional single-token call (n = m = 1, causal, query 0 sees key
- * 0) through the float32 AVX-512 kernel (mk_decode.h, mk_rnn_step_w16):
+ * 0) through the float32 kernel (mk_decode.h, mk_rnn_step_w16, _w8, _n4):
  * the key's RNN step from `from` into st and the query's row read from
  * it, one pass over the state, where the general path below takes
  * state_pass plus a dot product. A key removed by key_mask takes no step
@@ -726,12 +760,12 @@ static SFX(values) SFX(token_features)(const linear_plan *p, const SFX(head) *hd
 static int SFX(fused_step)(const linear_plan *p, const SFX(head) *hd, SFX(view) from,
                            const SFX(scratch) *w, SFX(state) st)
 {
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && (defined(MK_HAVE_X86) || defined(MK_HAVE_NEON))
     const attnx_linear_args *a = p->a;
     if (!p->step_kernel || !SFX(key_kept)(p, hd, 0)) return 0;
-    SFX(values) vals = SFX(token_features)(p, hd, w);
-    mk_rnn_step_w16(w->phi, w->psi, p->r, vals.v, from.S, from.S_row, from.z, a->e, st.S, st.z,
-                    hd->out, w->den);
+    SFX(values) vals = SFX(token_features)(p, hd, w, p->step_kernel);
+    SFX(rnn_step_kernel)(p->step_kernel, w->phi, w->psi, p->r, vals.v, from.S, from.S_row,
+                         from.z, a->e, st.S, st.z, hd->out, w->den);
     SFX(finish_rows)(p, 1, w, hd->out);
     return 1;
 #else
@@ -781,8 +815,8 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
     }
 }
 
-/* One single-token decoding step of a head through the float32 AVX-512
- * kernel (mk_decode.h, mk_decode_step_w16): the generic steps of
+/* One single-token decoding step of a head through the float32 kernel
+ * (mk_decode.h, mk_decode_step_w16, _w8, _n4): the generic steps of
  * deferred_step below in one pass over S, elu features computed in place
  * (mk_elu_rows_w16, the same numbers as features.c). Returns 0 where it
  * does not apply (float64, other CPUs, r or e not whole vectors), leaving
@@ -790,12 +824,13 @@ static ATTNX_HOT void SFX(add_held_terms)(ptrdiff_t r, ptrdiff_t e, const REAL *
 static int SFX(decode_kernel)(const linear_plan *p, const SFX(head) *hd, const SFX(scratch) *w,
                               SFX(state) st)
 {
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && (defined(MK_HAVE_X86) || defined(MK_HAVE_NEON))
     const attnx_linear_args *a = p->a;
     if (!p->decode_kernel) return 0;
-    SFX(values) vals = SFX(token_features)(p, hd, w);
-    mk_decode_step_w16(w->phi, w->psi, p->r, vals.v, a->e, st.S, st.z, hd->held_keys,
-                       hd->held_values, hd->held, hd->adds_held, hd->out, w->den);
+    SFX(values) vals = SFX(token_features)(p, hd, w, p->decode_kernel);
+    SFX(decode_step_kernel)(p->decode_kernel, w->phi, w->psi, p->r, vals.v, a->e, st.S, st.z,
+                            hd->held_keys, hd->held_values, hd->held, hd->adds_held, hd->out,
+                            w->den);
     return 1;
 #else
     (void)p, (void)hd, (void)w, (void)st;
@@ -1165,18 +1200,20 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
     /* the fused kernel: whole chunks of 16 under a causal band that opens
      * at key 0, features in blocks of 8, values in whole vectors */
-    int decode_set = attnx_kernels(ATTNX_FAMILY_DECODE);
     p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512 &&
                      p.C == KERNEL_CHUNK && p.r % 8 == 0 && a->e % 16 == 0 && !a->band.has_lo;
-    p.decode_kernel = attnx_kernels_width(decode_set) == 16 && a->pending.psi && p.r % 16 == 0 &&
-                      a->e % 16 == 0 && a->pending.capacity <= MK_DECODE_HELD;
-    p.decode_group = p.decode_kernel && decode_set == ATTNX_KERNELS_AVX512_GROUP &&
+#endif
+#if !REAL_IS_DOUBLE && (defined(MK_HAVE_X86) || defined(MK_HAVE_NEON))
+    /* the decoding kernels of the decoding family's set: r and e whole vectors */
+    int decode_set = attnx_kernels(ATTNX_FAMILY_DECODE), lanes = attnx_kernels_width(decode_set);
+    int whole = lanes && p.r % lanes == 0 && a->e % lanes == 0;
+    p.decode_kernel = whole && a->pending.psi && a->pending.capacity <= MK_DECODE_HELD ? lanes : 0;
+    p.decode_group = p.decode_kernel == 16 && decode_set == ATTNX_KERNELS_AVX512_GROUP &&
                      a->features.kind == ATTNX_FM_ELU && a->normalise;
     /* the single-token call: its query sees its key, and no segments */
-    p.step_kernel = attnx_kernels_width(decode_set) == 16 && !a->pending.psi &&
-                    a->method == ATTNX_METHOD_RECURRENT && a->n == 1 && a->m == 1 &&
-                    !a->band.has_lo && attnx_band_end(&a->band, 0) == 1 && p.r % 16 == 0 &&
-                    a->e % 16 == 0;
+    p.step_kernel = whole && !a->pending.psi && a->method == ATTNX_METHOD_RECURRENT &&
+                    a->n == 1 && a->m == 1 && !a->band.has_lo &&
+                    attnx_band_end(&a->band, 0) == 1 ? lanes : 0;
 #endif
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     ptrdiff_t threads = ATTNX_MAX(a->num_threads, 1);

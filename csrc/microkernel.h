@@ -1,7 +1,7 @@
 /* microkernel.h - register-blocked kernels for the softmax tiles, float32
  * and float64, for AVX-512 and AVX2+FMA, picked at import (dispatch.h);
  * for AVX-512 float32 it also includes the linear family's chunk kernels
- * (mk_linear.h) and the decoding steps' (mk_decode.h).
+ * (mk_linear.h), and at every width the decoding steps' (mk_decode.h).
  * Header functions are static inline, so that a file that uses some of
  * them compiles without the others.
  *
@@ -854,9 +854,13 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
     _mm_setcsr(csr);
 }
 
-/* the linear family's chunk kernels, then the decoding steps' (which use them) */
+/* the linear family's chunk kernels (the decoding steps' turns use them) */
 #include "mk_linear.h"
+#endif
+
+/* the linear family's single-token decoding steps, at every width */
 #include "mk_decode.h"
+#if MK_W == 16
 #undef MK_CHUNK_COLUMNS
 #endif
 

@@ -1,9 +1,14 @@
-/* mk_decode.h - the AVX-512 float32 kernels of single-token decoding
- * (linear.c: deferred_step, decode_group, fused_step), and the elu feature
- * rows they and features.c share. Included by microkernel.h in its AVX-512
- * float32 body (MK_W == 16), after mk_linear.h. */
-#if !defined(MK_W) || MK_W != 16
-#error "mk_decode.h is included by microkernel.h, in its AVX-512 float32 body"
+/* mk_decode.h - the kernels of single-token decoding (linear.c:
+ * deferred_step, decode_group, fused_step), float32, at every vector
+ * width: included by microkernel.h in each of its bodies (MK_W, MK_REAL,
+ * MK_VEC, MK_TYPED defined), after mk_linear.h in the AVX-512 float32 one,
+ * so that one source gives the AVX-512, AVX2+FMA and NEON steps. The
+ * AVX-512 body also has a head's turn in blocks of 4 rows of S
+ * (mk_linear.h's mk_rank_w16), four heads' steps at once
+ * (mk_decode_group_w16) and the elu feature rows that it and features.c
+ * share. */
+#ifndef MK_W
+#error "mk_decode.h is included by microkernel.h, in each of its bodies"
 #endif
 
 /* ------------------------------------------------------------------------
@@ -19,80 +24,137 @@
  * registers, one accumulator per vector of columns, rows in order: the
  * loads set the pace, not the multiply-adds' latency (with two sets of
  * accumulators, even and odd rows, a loop of reads was slower:
- * docs/performance.md, the C code's choices). Four heads can also take their steps together
- * (mk_decode_group_w16, below), with the same numbers.
- * S (r, e) contiguous; r % 16 == 0, e % 16 == 0, held < MK_DECODE_HELD. */
+ * docs/performance.md, the C code's choices). On AVX-512 four heads can
+ * also take their steps together (mk_decode_group_w16, below), with the
+ * same numbers. Every entry of S is the general path's (linear.c's
+ * add_held, state_pass) bit for bit: the held keys' terms added in key
+ * order, one fused multiply-add each.
+ * S (r, e) contiguous; r and e whole vectors, held < MK_DECODE_HELD.
+ * A number x is put in every lane as x - 0, which is x for every x (x + 0
+ * would turn -0 into +0). */
+#ifndef MK_DECODE_HELD
 #define MK_DECODE_HELD 16
+#endif
+
+/* one call per block of up to 4 vectors of columns, nv a constant in each */
+#define MK_DECODE_COLUMNS(e, CALL)                                \
+    for (ptrdiff_t c0 = 0; c0 < (e); c0 += 4 * MK_W) {            \
+        switch ((e) - c0 >= 4 * MK_W ? 4 : ((e) - c0) / MK_W) {   \
+        case 4: CALL(4); break;                                   \
+        case 3: CALL(3); break;                                   \
+        case 2: CALL(2); break;                                   \
+        default: CALL(1); break;                                  \
+        }                                                         \
+    }
 
 /* the step's key joins z and the held keys (as key `held`); den = phi . z */
-static inline void mk_decode_take_w16(const float *phi, const float *psi, ptrdiff_t r,
-                                      const float *v, ptrdiff_t e, float *z, float *keys,
-                                      float *values, ptrdiff_t held, float *den)
+static inline void MK_TYPED(mk_decode_take_w16, mk_decode_take_d8, mk_decode_take_w8,
+                            mk_decode_take_d4, mk_decode_take_n4, mk_decode_take_nd2)(
+    const MK_REAL *phi, const MK_REAL *psi, ptrdiff_t r, const MK_REAL *v, ptrdiff_t e,
+    MK_REAL *z, MK_REAL *keys, MK_REAL *values, ptrdiff_t held, MK_REAL *den)
 {
-    __m512 dot = _mm512_setzero_ps();
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
-        __m512 psi_f = _mm512_loadu_ps(psi + f0), z_f = _mm512_loadu_ps(z + f0);
-        _mm512_storeu_ps(keys + held * r + f0, psi_f);
-        z_f = _mm512_add_ps(z_f, psi_f);
-        _mm512_storeu_ps(z + f0, z_f);
-        dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), z_f, dot);
+    MK_VEC dot = {0};
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += MK_W) {
+        MK_VEC psi_f = *(const MK_VEC *)(psi + f0);
+        MK_VEC z_f = *(const MK_VEC *)(z + f0) + psi_f;
+        *(MK_VEC *)(keys + held * r + f0) = psi_f;
+        *(MK_VEC *)(z + f0) = z_f;
+        dot += *(const MK_VEC *)(phi + f0) * z_f;
     }
-    *den = _mm512_reduce_add_ps(dot);
-    for (ptrdiff_t c0 = 0; c0 < e; c0 += 16)
-        _mm512_storeu_ps(values + held * e + c0, _mm512_loadu_ps(v + c0));
+    *den = MK_HSUM(dot);
+    for (ptrdiff_t c0 = 0; c0 < e; c0 += MK_W)
+        *(MK_VEC *)(values + held * e + c0) = *(const MK_VEC *)(v + c0);
 }
 
 /* weights[t] = phi . keys_t over the `held` held keys */
-static inline void mk_decode_weights_w16(const float *phi, ptrdiff_t r, const float *keys,
-                                         ptrdiff_t held, float *weights)
+static inline void MK_TYPED(mk_decode_weights_w16, mk_decode_weights_d8, mk_decode_weights_w8,
+                            mk_decode_weights_d4, mk_decode_weights_n4, mk_decode_weights_nd2)(
+    const MK_REAL *phi, ptrdiff_t r, const MK_REAL *keys, ptrdiff_t held, MK_REAL *weights)
 {
     for (ptrdiff_t t = 0; t < held; t++) {
-        __m512 sum = _mm512_setzero_ps();
-        for (ptrdiff_t f0 = 0; f0 < r; f0 += 16)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), _mm512_loadu_ps(keys + t * r + f0), sum);
-        weights[t] = _mm512_reduce_add_ps(sum);
+        MK_VEC sum = {0};
+        for (ptrdiff_t f0 = 0; f0 < r; f0 += MK_W)
+            sum += *(const MK_VEC *)(phi + f0) * *(const MK_VEC *)(keys + t * r + f0);
+        weights[t] = MK_HSUM(sum);
     }
 }
 
 /* row[0, nv) += sum_t weights[t] values_t (values positioned at the row's
  * first column, rows e apart) */
-static inline __attribute__((always_inline)) void mk_decode_held_terms_w16(
-    int nv, __m512 row[4], const float *weights, const float *values, ptrdiff_t e, ptrdiff_t held)
+static inline __attribute__((always_inline)) void MK_TYPED(
+    mk_decode_held_terms_w16, mk_decode_held_terms_d8, mk_decode_held_terms_w8,
+    mk_decode_held_terms_d4, mk_decode_held_terms_n4, mk_decode_held_terms_nd2)(
+    int nv, MK_VEC row[4], const MK_REAL *weights, const MK_REAL *values, ptrdiff_t e,
+    ptrdiff_t held)
 {
     for (ptrdiff_t t = 0; t < held; t++) {
-        __m512 weight = _mm512_set1_ps(weights[t]);
+        MK_VEC weight = weights[t] - (MK_VEC){0};
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++)
-            row[h] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + t * e + h * 16), row[h]);
+            row[h] += weight * *(const MK_VEC *)(values + t * e + h * MK_W);
     }
 }
 
-/* out[0, 16 nv) = phi S + sum_t weights[t] values_t over S's columns
- * [0, 16 nv) (S and values positioned there, rows e apart) */
-static inline __attribute__((always_inline)) void mk_decode_read_w16(
-    int nv, const float *phi, ptrdiff_t r, const float *S, ptrdiff_t e, const float *weights,
-    const float *values, ptrdiff_t held, float *out)
+/* out[0, W nv) = phi S + sum_t weights[t] values_t over S's columns
+ * [0, W nv) (S and values positioned there, rows e apart) */
+static inline __attribute__((always_inline)) void MK_TYPED(
+    mk_decode_read_w16, mk_decode_read_d8, mk_decode_read_w8, mk_decode_read_d4, mk_decode_read_n4,
+    mk_decode_read_nd2)(
+    int nv, const MK_REAL *phi, ptrdiff_t r, const MK_REAL *S, ptrdiff_t e,
+    const MK_REAL *weights, const MK_REAL *values, ptrdiff_t held, MK_REAL *out)
 {
-    __m512 row[4];
+    MK_VEC row[4];
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) row[h] = _mm512_setzero_ps();
+    for (int h = 0; h < nv; h++) row[h] = (MK_VEC){0};
     for (ptrdiff_t f = 0; f < r; f++) {
-        __m512 phi_f = _mm512_set1_ps(phi[f]);
+        MK_VEC phi_f = phi[f] - (MK_VEC){0};
 #pragma GCC unroll 4
-        for (int h = 0; h < nv; h++)
-            row[h] = _mm512_fmadd_ps(phi_f, _mm512_loadu_ps(S + f * e + h * 16), row[h]);
+        for (int h = 0; h < nv; h++) row[h] += phi_f * *(const MK_VEC *)(S + f * e + h * MK_W);
     }
-    mk_decode_held_terms_w16(nv, row, weights, values, e, held);
+    MK_NAME(mk_decode_held_terms)(nv, row, weights, values, e, held);
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
+    for (int h = 0; h < nv; h++) *(MK_VEC *)(out + h * MK_W) = row[h];
 }
 
+/* A head's turn, one row of S at a time: the row of S[:, 0, W nv) takes
+ * the `count` held keys in key order, and out[0, W nv) = phi S from the
+ * rows just written, still in registers (AVX-512 takes 4 rows at a time,
+ * mk_decode_flush_w16) */
+static inline __attribute__((always_inline)) void MK_NAME(mk_decode_turn)(
+    int nv, const MK_REAL *phi, const MK_REAL *keys, ptrdiff_t r, const MK_REAL *values,
+    ptrdiff_t e, ptrdiff_t count, MK_REAL *S, MK_REAL *out)
+{
+    MK_VEC row[4];
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) row[h] = (MK_VEC){0};
+    for (ptrdiff_t f = 0; f < r; f++) {
+        MK_VEC acc[4];
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) acc[h] = *(const MK_VEC *)(S + f * e + h * MK_W);
+        for (ptrdiff_t t = 0; t < count; t++) {
+            MK_VEC key = keys[t * r + f] - (MK_VEC){0};
+#pragma GCC unroll 4
+            for (int h = 0; h < nv; h++)
+                acc[h] += key * *(const MK_VEC *)(values + t * e + h * MK_W);
+        }
+        MK_VEC phi_f = phi[f] - (MK_VEC){0};
+#pragma GCC unroll 4
+        for (int h = 0; h < nv; h++) {
+            *(MK_VEC *)(S + f * e + h * MK_W) = acc[h];
+            row[h] += phi_f * acc[h];
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nv; h++) *(MK_VEC *)(out + h * MK_W) = row[h];
+}
+
+#if MK_W == 16
 /* rows [f0, f0 + mr) of S[:, 0, 16 nv) += keys^T values over `count`
  * keys, in key order (what mk_add_keys_w16 computes), and row += phi S
  * over those rows, from the rows just written, still in registers */
 static inline __attribute__((always_inline)) void mk_decode_turn_rows_w16(
     int mr, int nv, ptrdiff_t f0, const float *phi, const float *keys, ptrdiff_t r,
-    const float *values, ptrdiff_t e, ptrdiff_t count, float *S, __m512 row[4])
+    const float *values, ptrdiff_t e, ptrdiff_t count, float *S, MK_VEC row[4])
 {
     __m512 acc[6][4];
 #pragma GCC unroll 4
@@ -106,7 +168,7 @@ static inline __attribute__((always_inline)) void mk_decode_turn_rows_w16(
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++) {
             _mm512_storeu_ps(S + (f0 + i) * e + h * 16, acc[i][h]);
-            row[h] = _mm512_fmadd_ps(phi_f, acc[i][h], row[h]);
+            row[h] = (MK_VEC)_mm512_fmadd_ps(phi_f, acc[i][h], (__m512)row[h]);
         }
     }
 }
@@ -117,13 +179,13 @@ static inline __attribute__((always_inline)) void mk_decode_flush_w16(
     int nv, const float *phi, const float *keys, ptrdiff_t r, const float *values, ptrdiff_t e,
     ptrdiff_t count, float *S, float *out)
 {
-    __m512 row[4];
+    MK_VEC row[4];
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) row[h] = _mm512_setzero_ps();
+    for (int h = 0; h < nv; h++) row[h] = (MK_VEC){0};
     for (ptrdiff_t f0 = 0; f0 < r; f0 += 4)
         mk_decode_turn_rows_w16(4, nv, f0, phi, keys, r, values, e, count, S, row);
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
+    for (int h = 0; h < nv; h++) *(MK_VEC *)(out + h * 16) = row[h];
 }
 
 /* elu(x) + 1 on AVX-512, the algorithm of features.c's elu_row (vec_real.h's
@@ -177,27 +239,6 @@ static inline void mk_elu_rows_w16(const float *q, const float *k, ptrdiff_t d, 
     }
 }
 
-/* The step */
-static inline void mk_decode_step_w16(const float *phi, const float *psi, ptrdiff_t r,
-                                      const float *v, ptrdiff_t e, float *S, float *z,
-                                      float *keys, float *values, ptrdiff_t held, int adds,
-                                      float *out, float *den)
-{
-    mk_decode_take_w16(phi, psi, r, v, e, z, keys, values, held, den);
-    held++;
-    if (adds) {
-#define MK_FLUSH(nv) mk_decode_flush_w16(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
-        MK_CHUNK_COLUMNS(e, MK_FLUSH)
-#undef MK_FLUSH
-        return;
-    }
-    float weights[MK_DECODE_HELD];
-    mk_decode_weights_w16(phi, r, keys, held, weights);
-#define MK_READ(nv) mk_decode_read_w16(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
-    MK_CHUNK_COLUMNS(e, MK_READ)
-#undef MK_READ
-}
-
 /* Four heads' steps in one pass over their states, one of them at its
  * turn. Alone, a read streams S from L2 with the multiply-add units half
  * idle, and a turn keeps them busy (a multiply-add per held key and S
@@ -220,7 +261,7 @@ typedef struct {
 } mk_decode_head;
 
 /* out[0, 16 nv) = row / max(den, eps), or zeros where den == 0 */
-static inline __attribute__((always_inline)) void mk_decode_store_w16(int nv, const __m512 row[4],
+static inline __attribute__((always_inline)) void mk_decode_store_w16(int nv, const MK_VEC row[4],
                                                                       float den, float eps,
                                                                       float *out)
 {
@@ -228,7 +269,7 @@ static inline __attribute__((always_inline)) void mk_decode_store_w16(int nv, co
 #pragma GCC unroll 4
     for (int h = 0; h < nv; h++)
         _mm512_storeu_ps(out + h * 16,
-                         den == 0 ? _mm512_setzero_ps() : _mm512_mul_ps(row[h], scale));
+                         den == 0 ? _mm512_setzero_ps() : _mm512_mul_ps((__m512)row[h], scale));
 }
 
 /* columns [c0, c0 + 16 nv) of the four heads' rows: turn the head at its
@@ -244,20 +285,20 @@ static inline __attribute__((always_inline)) void mk_decode_group_cols_w16(
     const float *phi = turn->phi, *keys = turn->keys, *values = turn->values + c0;
     float *S = turn->S + c0;
     const ptrdiff_t held = turn->held;
-    __m512 row_a[4], row_b[4], row_c[4], row[4];
+    MK_VEC row_a[4], row_b[4], row_c[4], row[4];
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) row_a[h] = row_b[h] = row_c[h] = row[h] = _mm512_setzero_ps();
+    for (int h = 0; h < nv; h++) row_a[h] = row_b[h] = row_c[h] = row[h] = (MK_VEC){0};
     for (ptrdiff_t f = 0; f < r; f += 2) {
 #pragma GCC unroll 2
         for (int i = 0; i < 2; i++) {
-            __m512 phi_af = _mm512_set1_ps(phi_a[f + i]), phi_bf = _mm512_set1_ps(phi_b[f + i]);
-            __m512 phi_cf = _mm512_set1_ps(phi_c[f + i]);
+            MK_VEC phi_af = phi_a[f + i] - (MK_VEC){0}, phi_bf = phi_b[f + i] - (MK_VEC){0};
+            MK_VEC phi_cf = phi_c[f + i] - (MK_VEC){0};
             ptrdiff_t at = (f + i) * e;
 #pragma GCC unroll 4
             for (int h = 0; h < nv; h++) {
-                row_a[h] = _mm512_fmadd_ps(phi_af, _mm512_loadu_ps(S_a + at + h * 16), row_a[h]);
-                row_b[h] = _mm512_fmadd_ps(phi_bf, _mm512_loadu_ps(S_b + at + h * 16), row_b[h]);
-                row_c[h] = _mm512_fmadd_ps(phi_cf, _mm512_loadu_ps(S_c + at + h * 16), row_c[h]);
+                row_a[h] += phi_af * *(const MK_VEC *)(S_a + at + h * 16);
+                row_b[h] += phi_bf * *(const MK_VEC *)(S_b + at + h * 16);
+                row_c[h] += phi_cf * *(const MK_VEC *)(S_c + at + h * 16);
             }
         }
         mk_decode_turn_rows_w16(2, nv, f, phi, keys, r, values, e, held, S, row);
@@ -298,6 +339,36 @@ static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, 
     else mk_decode_group_body_w16(heads, turn, r, e, eps);
 }
 
+#endif
+
+/* The step */
+static inline void MK_TYPED(mk_decode_step_w16, mk_decode_step_d8, mk_decode_step_w8,
+                            mk_decode_step_d4, mk_decode_step_n4, mk_decode_step_nd2)(
+    const MK_REAL *phi, const MK_REAL *psi, ptrdiff_t r, const MK_REAL *v, ptrdiff_t e,
+    MK_REAL *S, MK_REAL *z, MK_REAL *keys, MK_REAL *values, ptrdiff_t held, int adds,
+    MK_REAL *out, MK_REAL *den)
+{
+    MK_NAME(mk_decode_take)(phi, psi, r, v, e, z, keys, values, held, den);
+    held++;
+    if (adds) {
+#if MK_W == 16
+#define MK_FLUSH(nv) mk_decode_flush_w16(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
+#else
+#define MK_FLUSH(nv) \
+    MK_NAME(mk_decode_turn)(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
+#endif
+        MK_DECODE_COLUMNS(e, MK_FLUSH)
+#undef MK_FLUSH
+        return;
+    }
+    MK_REAL weights[MK_DECODE_HELD];
+    MK_NAME(mk_decode_weights)(phi, r, keys, held, weights);
+#define MK_READ(nv) \
+    MK_NAME(mk_decode_read)(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
+    MK_DECODE_COLUMNS(e, MK_READ)
+#undef MK_READ
+}
+
 /* ------------------------------------------------------------------------
  * One RNN step of one head from a given state (linear.c, fused_step: the
  * functional single-token call): S = S0 + psi v^T, z = z0 + psi, and the
@@ -305,50 +376,55 @@ static inline void mk_decode_group_w16(const mk_decode_head heads[4], int turn, 
  *   out = phi S,  den = phi . z
  * in one pass over S0 and S: each row of S is written and multiplied into
  * the row in registers, one accumulator chain per vector of columns as in
- * mk_decode_read_w16 (two, even and odd rows, were slower:
+ * mk_decode_read (two, even and odd rows, were slower:
  * docs/performance.md, the C code's choices). S's entries are the
  * general path's (state_pass) bit for bit: one fused multiply-add each.
  * S0 rows S0_row apart (0: one zero row serves all), S (r, e) contiguous
  * and may be S0 itself (each entry is read before it is written);
- * r % 16 == 0, e % 16 == 0. */
+ * r and e whole vectors. */
 
-/* S[:, 0, 16 nv) and out[0, 16 nv) (S0, S, v positioned there) */
-static inline __attribute__((always_inline)) void mk_step_rows_w16(
-    int nv, const float *phi, const float *psi, ptrdiff_t r, const float *v, const float *S0,
-    ptrdiff_t S0_row, ptrdiff_t e, float *S, float *out)
+/* S[:, 0, W nv) and out[0, W nv) (S0, S, v positioned there) */
+static inline __attribute__((always_inline)) void MK_NAME(mk_step_rows)(
+    int nv, const MK_REAL *phi, const MK_REAL *psi, ptrdiff_t r, const MK_REAL *v,
+    const MK_REAL *S0, ptrdiff_t S0_row, ptrdiff_t e, MK_REAL *S, MK_REAL *out)
 {
-    __m512 row[4], value[4];
+    MK_VEC row[4], value[4];
 #pragma GCC unroll 4
     for (int h = 0; h < nv; h++) {
-        value[h] = _mm512_loadu_ps(v + h * 16);
-        row[h] = _mm512_setzero_ps();
+        value[h] = *(const MK_VEC *)(v + h * MK_W);
+        row[h] = (MK_VEC){0};
     }
     for (ptrdiff_t f = 0; f < r; f++) {
-        __m512 key_f = _mm512_set1_ps(psi[f]), phi_f = _mm512_set1_ps(phi[f]);
+        MK_VEC key_f = psi[f] - (MK_VEC){0}, phi_f = phi[f] - (MK_VEC){0};
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++) {
-            __m512 s_f = _mm512_fmadd_ps(key_f, value[h], _mm512_loadu_ps(S0 + f * S0_row + h * 16));
-            _mm512_storeu_ps(S + f * e + h * 16, s_f);
-            row[h] = _mm512_fmadd_ps(phi_f, s_f, row[h]);
+            MK_VEC s_f = key_f * value[h] + *(const MK_VEC *)(S0 + f * S0_row + h * MK_W);
+            *(MK_VEC *)(S + f * e + h * MK_W) = s_f;
+            row[h] += phi_f * s_f;
         }
     }
 #pragma GCC unroll 4
-    for (int h = 0; h < nv; h++) _mm512_storeu_ps(out + h * 16, row[h]);
+    for (int h = 0; h < nv; h++) *(MK_VEC *)(out + h * MK_W) = row[h];
 }
 
 /* The step */
-static inline void mk_rnn_step_w16(const float *phi, const float *psi, ptrdiff_t r, const float *v,
-                                   const float *S0, ptrdiff_t S0_row, const float *z0, ptrdiff_t e,
-                                   float *S, float *z, float *out, float *den)
+static inline void MK_TYPED(mk_rnn_step_w16, mk_rnn_step_d8, mk_rnn_step_w8, mk_rnn_step_d4,
+                            mk_rnn_step_n4, mk_rnn_step_nd2)(
+    const MK_REAL *phi, const MK_REAL *psi, ptrdiff_t r, const MK_REAL *v, const MK_REAL *S0,
+    ptrdiff_t S0_row, const MK_REAL *z0, ptrdiff_t e, MK_REAL *S, MK_REAL *z, MK_REAL *out,
+    MK_REAL *den)
 {
-    __m512 dot = _mm512_setzero_ps();
-    for (ptrdiff_t f0 = 0; f0 < r; f0 += 16) {
-        __m512 z_f = _mm512_add_ps(_mm512_loadu_ps(z0 + f0), _mm512_loadu_ps(psi + f0));
-        _mm512_storeu_ps(z + f0, z_f);
-        dot = _mm512_fmadd_ps(_mm512_loadu_ps(phi + f0), z_f, dot);
+    MK_VEC dot = {0};
+    for (ptrdiff_t f0 = 0; f0 < r; f0 += MK_W) {
+        MK_VEC z_f = *(const MK_VEC *)(z0 + f0) + *(const MK_VEC *)(psi + f0);
+        *(MK_VEC *)(z + f0) = z_f;
+        dot += *(const MK_VEC *)(phi + f0) * z_f;
     }
-    *den = _mm512_reduce_add_ps(dot);
-#define MK_STEP(nv) mk_step_rows_w16(nv, phi, psi, r, v + c0, S0 + c0, S0_row, e, S + c0, out + c0)
-    MK_CHUNK_COLUMNS(e, MK_STEP)
+    *den = MK_HSUM(dot);
+#define MK_STEP(nv) \
+    MK_NAME(mk_step_rows)(nv, phi, psi, r, v + c0, S0 + c0, S0_row, e, S + c0, out + c0)
+    MK_DECODE_COLUMNS(e, MK_STEP)
 #undef MK_STEP
 }
+
+#undef MK_DECODE_COLUMNS

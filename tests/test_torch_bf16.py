@@ -1,6 +1,7 @@
 """bfloat16 <-> float32 conversion (csrc/convert.c, attnx._C._convert_bf16),
-which attnx.torch uses for bfloat16 tensors: both narrowing paths (the
-avx512_bf16 instruction and the portable rounding) against a reference
+which attnx.torch uses for bfloat16 tensors: every path (the avx512_bf16
+instruction, the integer rounding in AVX2 or NEON vectors, the portable
+rounding) against a reference
 written from the definition of round-to-nearest-even, every layout, and the
 torch operators built on it."""
 import os
@@ -32,8 +33,9 @@ AVX512_BF16 = "avx512_bf16" in kernels_here("convert")
 
 @pytest.fixture
 def path(convert_kernels):
-    """Each narrowing this CPU has: the portable rounding ("plain") and
-    VCVTNEPS2BF16 ("avx512_bf16"; tests/conftest.py)."""
+    """Each conversion this CPU has: the portable rounding ("plain"), the same
+    integer rounding in vectors ("avx2", "neon") and VCVTNEPS2BF16
+    ("avx512_bf16"; tests/conftest.py)."""
     return convert_kernels
 
 
@@ -123,7 +125,9 @@ def test_the_instruction_path_is_used_where_the_cpu_has_it():
         assert AVX512_BF16 == has
         assert attnx.cpu_dispatch()["convert"] == ("avx512_bf16" if has else "plain")
     with dispatched("AVX512_BF16") as chosen:
-        assert chosen["convert"] == "plain"
+        assert chosen["convert"] != "avx512_bf16"
+    with dispatched("AVX512_BF16,AVX2") as chosen:
+        assert chosen["convert"] in ("neon", "plain")
 
 
 def test_reference_narrow_on_hand_checked_values():
@@ -150,9 +154,37 @@ def test_narrow_random_bit_patterns_both_paths_agree():
         with dispatched(convert=name):
             results[name] = narrow(x)
         check_narrow(x, results[name])
-    if AVX512_BF16:
-        # the same bits, NaN included
-        np.testing.assert_array_equal(results["avx512_bf16"], results["plain"])
+    # the same bits on every path, NaN included
+    for name, result in results.items():
+        np.testing.assert_array_equal(result, results["plain"], err_msg=name)
+
+
+def test_narrow_around_every_bfloat16_is_the_plain_paths_bits(path):
+    # each bfloat16 pattern with the low halves that decide its rounding:
+    # 0 (exact), just under, at and just over a tie, the largest; NaNs
+    # with payloads only in the low half among them
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    low = np.array([0, 1, 0x7fff, 0x8000, 0x8001, 0xffff], np.uint32)
+    x = (high[:, None] | low[None, :]).ravel().view(np.float32)
+    got = narrow(x)
+    check_narrow(x, got)
+    with dispatched(convert="plain"):
+        np.testing.assert_array_equal(got, narrow(x))
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 7, 8, 9, 15, 16, 17, 33, 70])
+def test_rows_of_every_length_and_offset(path, length):
+    # the vector loops' tails and unaligned starts
+    values = special_floats()
+    for offset in range(3):
+        x = np.resize(values, length + offset)[offset:]
+        check_narrow(x, narrow(x))
+        bits = narrow(x)
+        expected = reference_widen(bits)
+        nan = np.isnan(expected)
+        got = widen(bits).astype(np.float64)
+        np.testing.assert_array_equal(got[~nan], expected[~nan])
+        assert np.all(np.isnan(got[nan]))
 
 
 def test_narrow_denormals_are_kept_by_both_paths(path):
@@ -164,7 +196,7 @@ def test_narrow_denormals_are_kept_by_both_paths(path):
     assert np.count_nonzero(got & 0x7fff) > len(x) // 2
 
 
-def test_widen_every_bit_pattern_is_exact():
+def test_widen_every_bit_pattern_is_exact(path):
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     with np.errstate(invalid="ignore"):     # signalling NaNs
         got = widen(bits).astype(np.float64)

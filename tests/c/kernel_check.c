@@ -2,7 +2,8 @@
  * plain double-precision loops written from the formulas (attnx.h):
  * softmax attention forward and backward, causal linear attention (elu + 1,
  * chunked) and the gated delta rule (chunked and token by token), each in
- * float32 and float64, on one and two threads, at every kernel set the
+ * float32 and float64, on one and two threads, and the bfloat16
+ * conversions bit for bit, at every kernel set the
  * dispatch table of this CPU and build can take (plain included).
  *
  * It is how a platform without a Python of its own here is tested: .ci/run
@@ -15,6 +16,7 @@
 #include <string.h>
 
 #include "attnx.h"
+#include "convert.h"
 #include "cpu_features.h"
 #include "dispatch.h"
 
@@ -302,6 +304,59 @@ static void check_delta(int is_double, int threads, int recurrent, const char *c
     for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
 }
 
+/* ------------------------------------------------- bfloat16 <-> float32 */
+
+/* float32 -> bfloat16 bits, round to nearest, ties to even, from the
+ * definition on the bit pattern: the dropped half decides (above half a
+ * unit up, at half up to the even neighbour); NaN stays NaN */
+static uint16_t bf16_reference(uint32_t bits)
+{
+    uint32_t kept = bits >> 16, dropped = bits & 0xffffu;
+    if (dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u))) kept++;
+    return (uint16_t)kept;
+}
+
+/* every bfloat16 pattern widened, and narrowed back with each low half
+ * that decides a rounding, bit for bit (a source row long enough for the
+ * vector loops and their tails) */
+static void check_convert(const char *context)
+{
+    static const uint32_t lows[] = {0, 1, 0x7fff, 0x8000, 0x8001, 0xffff};
+    enum { PATTERNS = 1 << 16, LOWS = sizeof lows / sizeof *lows };
+    uint16_t *bits = malloc(PATTERNS * LOWS * sizeof *bits);
+    float *x = malloc(PATTERNS * LOWS * sizeof *x);
+    int bad = 0;
+    for (uint32_t p = 0; p < PATTERNS; p++) bits[p] = (uint16_t)p;
+    ptrdiff_t shape[1] = {PATTERNS}, stride[1] = {1};
+    attnx_bf16_to_float(x, bits, 1, shape, stride);
+    for (uint32_t p = 0; p < PATTERNS; p++) {
+        uint32_t got;
+        memcpy(&got, x + p, sizeof got);
+        bad += got != p << 16;
+    }
+    for (uint32_t p = 0; p < PATTERNS; p++)
+        for (int l = 0; l < (int)LOWS; l++) {
+            uint32_t pattern = p << 16 | lows[l];
+            memcpy(x + p * LOWS + l, &pattern, sizeof pattern);
+        }
+    shape[0] = PATTERNS * LOWS;
+    attnx_float_to_bf16(bits, x, 1, shape, stride);
+    for (uint32_t i = 0; i < PATTERNS * LOWS; i++) {
+        uint32_t pattern;
+        memcpy(&pattern, x + i, sizeof pattern);
+        if ((pattern & 0x7fffffffu) > 0x7f800000u)  /* NaN: quiet, its sign kept */
+            bad += (bits[i] & 0x7fc0u) != 0x7fc0u || (bits[i] >> 15) != (pattern >> 31);
+        else
+            bad += bits[i] != bf16_reference(pattern);
+    }
+    if (bad) {
+        printf("FAIL bfloat16 conversion %s: %d wrong results\n", context, bad);
+        failures++;
+    }
+    free(bits);
+    free(x);
+}
+
 /* every family held to the table's `level`-th set from the end (0: plain) */
 static int limit_families(int level, char *names, size_t names_size)
 {
@@ -330,6 +385,9 @@ int main(void)
     int checks = 0;
     for (int level = 0; limit_families(level, names, sizeof names); level++) {
         printf("kernels: %s\n", names);
+        snprintf(context, sizeof context, "(level %d)", level);
+        check_convert(context);
+        checks++;
         for (int threads = 1; threads <= 2; threads++)
             for (int is_double = 0; is_double <= 1; is_double++) {
                 snprintf(context, sizeof context, "(%s, %d thread%s, level %d)",
