@@ -76,7 +76,13 @@ static const kernel_row decode_table[] = {
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
-static const kernel_row lsh_table[] = {PLAIN_ROW, END_ROW};
+/* the chunk products and the hashing on mk_gemm (lsh.c) */
+static const kernel_row lsh_table[] = {
+    {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
+    {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
+    {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
+    PLAIN_ROW, END_ROW,
+};
 /* VCVTNEPS2BF16 narrowing; the integer rounding in vectors (convert.c) */
 static const kernel_row convert_table[] = {
     {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX2 | BIT(ATTNX_CPU_AVX512F) | BIT(ATTNX_CPU_AVX512_BF16),

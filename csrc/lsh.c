@@ -56,6 +56,14 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "dispatch.h"
+#include "microkernel.h"
+
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+/* the products on the register-blocked mk_gemm (mk_backward.h) where the
+ * family's table chose a set with them (dispatch.c) */
+#define LSH_KERNELS 1
+#endif
 
 /* Queries per score tile: the scores held are TILE x 2C whatever C is
  * (a chunk as long as the sequence must not need an n x 2n block). */
@@ -133,6 +141,7 @@ static void lsh_key_range(const int32_t *bucket, const int32_t *order, ptrdiff_t
 #include "real.h"
 
 #else /* REAL: the body, compiled once per type */
+#include "softmax_internal.h"  /* mk_transpose */
 
 /* One head's operands and its scratch (a set per head in flight). */
 typedef struct {
@@ -149,12 +158,44 @@ typedef struct {
     unsigned char *has_key;             /* backward: (H, n) round r counted a key for i */
 } SFX(lsh_head);
 
-/* A thread's tiles. */
+/* A thread's tiles. With a kernel set's products (width > 0: its float32
+ * lanes, attnx_kernels_width) the rows of x, vb and the tiles are padded
+ * with zeros to whole vectors (d_ld, e_ld), and the key block is also held
+ * transposed (xt, vt: the row operand of the scores and of dP), its columns
+ * zero past the block's end for a vector, so that every product's columns
+ * are whole vectors; without, d_ld = d, e_ld = e and BLAS runs them. */
 typedef struct {
     REAL *x, *vb, *s, *tile_out, *dp, *dout_tile, *dq_tile, *g_block, *dv_block, *xr;
+    REAL *xt, *vt;          /* (d, key_ld), (e, key_ld); NULL without a kernel set */
     REAL *key_scale;        /* (2C) scale / |q_j| of a tile's key columns */
     lsh_columns columns;
+    int width;
+    ptrdiff_t lanes;        /* numbers per vector (1 without a kernel set) */
+    ptrdiff_t d_ld, e_ld;   /* row strides of x, vb and the tiles */
+    ptrdiff_t key_ld;       /* row stride of xt, vt: 2C and a vector */
 } SFX(lsh_work);
+
+/* x rounded up to whole vectors of the work's kernel set */
+static inline ptrdiff_t SFX(lsh_whole)(const SFX(lsh_work) *w, ptrdiff_t x)
+{
+    return (x + w->lanes - 1) / w->lanes * w->lanes;
+}
+
+/* c (rows, cols) = a b, a's element (r, p) at a[r a_row + p a_col], b's rows
+ * b_row apart, on the kernel set's mk_gemm (cols whole vectors) */
+static inline void SFX(lsh_mk_gemm)(const SFX(lsh_work) *w, ptrdiff_t rows, ptrdiff_t cols,
+                                    ptrdiff_t depth, const REAL *a, ptrdiff_t a_row,
+                                    ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, REAL *c,
+                                    ptrdiff_t c_row)
+{
+#ifdef LSH_KERNELS
+    TYPED(mk_gemm_f32, mk_gemm_f64)(w->width, rows, cols, depth, 1, a, a_row, a_col, b, b_row, 0,
+                                    c, c_row);
+#else
+    (void)w, (void)rows, (void)cols, (void)depth, (void)a, (void)a_row, (void)a_col, (void)b;
+    (void)b_row, (void)c, (void)c_row;
+#endif
+}
 
 static SFX(lsh_head) SFX(lsh_position)(const attnx_lsh_args *a, ptrdiff_t head,
                                        SFX(lsh_head) head_set)
@@ -178,15 +219,19 @@ static SFX(lsh_head) SFX(lsh_position)(const attnx_lsh_args *a, ptrdiff_t head,
 /* bucket (n,) of round `round`: argmax over [q R, -q R], the first maximum
  * (ties to the lowest index, as numpy's argmax; a token with NaN, whose
  * projections are all NaN, goes to bucket 0). */
-static void SFX(lsh_hash_round)(const attnx_lsh_args *a, const REAL *q, int round,
-                                int32_t *bucket, REAL *xr)
+static void SFX(lsh_hash_round)(const attnx_lsh_args *a, const SFX(lsh_work) *w,
+                                const REAL *q, int round, int32_t *bucket, REAL *xr)
 {
     const REAL *rot = (const REAL *)a->rotations + round * a->rot_hash;
     ptrdiff_t half = a->half;
+    /* the whole vectors of columns on the kernel set, the rest on BLAS */
+    ptrdiff_t whole = w->width ? half / w->lanes * w->lanes : 0;
     for (ptrdiff_t t0 = 0; t0 < a->n; t0 += HASH_ROWS) {
         ptrdiff_t rows = ATTNX_MIN(HASH_ROWS, a->n - t0);
-        SFX(gemm)(0, 0, rows, half, a->d, 1, q + t0 * a->q_row, a->q_row, rot, a->rot_row, 0,
-                  xr, half);
+        const REAL *q_t = q + t0 * a->q_row;
+        if (whole) SFX(lsh_mk_gemm)(w, rows, whole, a->d, q_t, a->q_row, 1, rot, a->rot_row, xr, half);
+        SFX(gemm)(0, 0, rows, half - whole, a->d, 1, q_t, a->q_row, rot + whole, a->rot_row, 0,
+                  xr + whole, half);
         for (ptrdiff_t t = 0; t < rows; t++) {
             const REAL *proj = xr + t * half;
             REAL best = proj[0];
@@ -206,27 +251,66 @@ static void SFX(lsh_hash_round)(const attnx_lsh_args *a, const REAL *q, int roun
     }
 }
 
-/* Gather the key block at places [k0, end) of a round: rows of q and v. */
+/* a row of `count` numbers, then zeros up to `padded` */
+static inline void SFX(lsh_put_row)(REAL *dst, const REAL *src, ptrdiff_t count, ptrdiff_t padded)
+{
+    memcpy(dst, src, (size_t)count * sizeof(REAL));
+    memset(dst + count, 0, (size_t)(padded - count) * sizeof(REAL));
+}
+
+/* columns [0, cols) of xt (rows, key_ld) from the rows of x (cols, rows)
+ * x_ld apart (mk_transpose, softmax_mk.c), then zeros for a vector */
+static void SFX(lsh_transpose)(const SFX(lsh_work) *w, REAL *xt, const REAL *x, ptrdiff_t x_ld,
+                               ptrdiff_t cols, ptrdiff_t rows)
+{
+#ifdef LSH_KERNELS
+    SFX(mk_transpose)(xt, w->key_ld, x, x_ld, cols, rows, w->width);
+#endif
+    for (ptrdiff_t r = 0; r < rows; r++)
+        memset(xt + r * w->key_ld + cols, 0, (size_t)w->lanes * sizeof(REAL));
+}
+
+/* Gather the key block at places [k0, end) of a round: rows of q and v,
+ * and with a kernel set q transposed (and v, for the backward: vt). */
 static void SFX(lsh_gather)(const attnx_lsh_args *a, const SFX(lsh_head) *h,
                             const int32_t *order, ptrdiff_t k0, ptrdiff_t end, SFX(lsh_work) *w)
 {
     for (ptrdiff_t p = k0; p < end; p++) {
         int32_t j = order[p];
-        memcpy(w->x + (p - k0) * a->d, h->q + j * a->q_row, (size_t)a->d * sizeof(REAL));
-        memcpy(w->vb + (p - k0) * a->e, h->v + j * a->v_row, (size_t)a->e * sizeof(REAL));
+        SFX(lsh_put_row)(w->x + (p - k0) * w->d_ld, h->q + j * a->q_row, a->d, w->d_ld);
+        SFX(lsh_put_row)(w->vb + (p - k0) * w->e_ld, h->v + j * a->v_row, a->e, w->e_ld);
     }
+    if (w->xt) SFX(lsh_transpose)(w, w->xt, w->x, w->d_ld, end - k0, a->d);
+    if (w->vt) SFX(lsh_transpose)(w, w->vt, w->vb, w->e_ld, end - k0, a->e);
+}
+
+/* s (rows, cols) = A B^T with A (rows, depth) and B (cols, depth) rows lda
+ * and ldb apart, or on a kernel set Bt = B^T (depth, cols) rows ldbt apart,
+ * columns up to whole vectors (s's rows ldc apart hold them) */
+static void SFX(lsh_dots)(const SFX(lsh_work) *w, ptrdiff_t rows, ptrdiff_t cols,
+                          ptrdiff_t depth, const REAL *A, ptrdiff_t lda, const REAL *B,
+                          ptrdiff_t ldb, const REAL *Bt, ptrdiff_t ldbt, REAL *s, ptrdiff_t ldc)
+{
+    if (w->width)
+        SFX(lsh_mk_gemm)(w, rows, SFX(lsh_whole)(w, cols), depth, A, lda, 1, Bt, ldbt, s, ldc);
+    else
+        SFX(gemm)(0, 1, rows, cols, depth, 1, A, lda, B, ldb, 0, s, ldc);
 }
 
 /* C (M, N) = op(A) B, op(A) = A (M, K) or, trans_a, A^T (A stored (K, M)).
  * With `sparse` the terms whose coefficient in A is 0 are left out: a block
  * that holds inf or NaN (in B, or in the row a product pairs with) must not
  * spread NaN through 0 * inf into queries that do not see that token. */
-static void SFX(lsh_product)(int trans_a, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const REAL *A,
-                             ptrdiff_t lda, const REAL *B, ptrdiff_t ldb, REAL *C, ptrdiff_t ldc,
-                             int sparse)
+static void SFX(lsh_product)(const SFX(lsh_work) *w, int trans_a, ptrdiff_t M, ptrdiff_t N,
+                             ptrdiff_t K, const REAL *A, ptrdiff_t lda, const REAL *B,
+                             ptrdiff_t ldb, REAL *C, ptrdiff_t ldc, int sparse)
 {
     if (!sparse) {
-        SFX(gemm)(trans_a, 0, M, N, K, 1, A, lda, B, ldb, 0, C, ldc);
+        /* N is d_ld or e_ld: whole vectors on a kernel set */
+        if (w->width)
+            SFX(lsh_mk_gemm)(w, M, N, K, A, trans_a ? 1 : lda, trans_a ? lda : 1, B, ldb, C, ldc);
+        else
+            SFX(gemm)(trans_a, 0, M, N, K, 1, A, lda, B, ldb, 0, C, ldc);
         return;
     }
     for (ptrdiff_t i = 0; i < M; i++) {
@@ -268,11 +352,11 @@ static ATTNX_HOT void SFX(lsh_keep_row)(const lsh_sorted *h, ptrdiff_t n, ptrdif
 }
 
 /* Scores of queries at places [t0, t1) against keys at places [lo, hi):
- * s (rows, cols) holds q_i . q_j and becomes scale q_i . khat_j where the
- * round counts (i, j), -inf elsewhere. */
+ * s (rows, cols), rows s_ld apart, holds q_i . q_j and becomes scale
+ * q_i . khat_j where the round counts (i, j), -inf elsewhere. */
 static ATTNX_HOT void SFX(lsh_scores)(const attnx_lsh_args *a, const SFX(lsh_head) *h, int round,
                             ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t lo, ptrdiff_t hi, REAL *s,
-                            SFX(lsh_work) *w)
+                            ptrdiff_t s_ld, SFX(lsh_work) *w)
 {
     const ptrdiff_t n = a->n, rows = t1 - t0, cols = hi - lo;
     const int32_t *order = h->sorted.order + round * n;
@@ -281,7 +365,7 @@ static ATTNX_HOT void SFX(lsh_scores)(const attnx_lsh_args *a, const SFX(lsh_hea
     for (ptrdiff_t c = 0; c < cols; c++)
         w->key_scale[c] = (REAL)a->scale * h->inv_norm[w->columns.tok[c]];
     for (ptrdiff_t r = 0; r < rows; r++) {
-        REAL *s_row = s + r * cols;
+        REAL *s_row = s + r * s_ld;
         SFX(lsh_keep_row)(&h->sorted, n, a->chunk, round, a->causal, order[t0 + r], &w->columns, cols);
 #pragma omp simd
         for (ptrdiff_t c = 0; c < cols; c++)
@@ -319,24 +403,25 @@ static void SFX(lsh_fwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
     const int32_t *order = h->sorted.order + round * n, *bucket = h->sorted.bucket + round * n;
     REAL *round_out = h->round_out + round * n * e, *round_lse = h->round_lse + round * n;
     ptrdiff_t p0 = chunk_index * C, p1 = ATTNX_MIN(p0 + C, n), k0 = ATTNX_MAX(p0 - C, 0);
+    const ptrdiff_t d_ld = w->d_ld, e_ld = w->e_ld;
     SFX(lsh_gather)(a, h, order, k0, p1, w);
-    int v_bad = SFX(has_nonfinite)(w->vb, p1 - k0, e, e);
+    int v_bad = SFX(has_nonfinite)(w->vb, p1 - k0, e, e_ld);
     for (ptrdiff_t t0 = p0; t0 < p1; t0 += TILE) {
         ptrdiff_t t1 = ATTNX_MIN(t0 + TILE, p1), rows = t1 - t0, lo, hi;
         lsh_key_range(bucket, order, k0, p1, t0, t1, a->causal, &lo, &hi);
-        ptrdiff_t cols = hi - lo;
+        ptrdiff_t cols = hi - lo, s_ld = SFX(lsh_whole)(w, cols);
         /* pass 1: q_i . q_j, then scaled by 1/|q_j| and masked */
-        SFX(gemm)(0, 1, rows, cols, d, 1, w->x + (t0 - k0) * d, d, w->x + (lo - k0) * d, d, 0,
-                  w->s, cols);
-        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s, w);
+        SFX(lsh_dots)(w, rows, cols, d, w->x + (t0 - k0) * d_ld, d_ld, w->x + (lo - k0) * d_ld,
+                      d_ld, w->xt ? w->xt + (lo - k0) : NULL, w->key_ld, w->s, s_ld);
+        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s, s_ld, w);
         /* pass 2: row softmax; a row this round counts nothing for is 0, lse -inf */
         for (ptrdiff_t r = 0; r < rows; r++)
-            round_lse[order[t0 + r]] = SFX(lsh_row_softmax)(w->s + r * cols, cols);
+            round_lse[order[t0 + r]] = SFX(lsh_row_softmax)(w->s + r * s_ld, cols);
         /* pass 3: out_r = p v */
-        SFX(lsh_product)(0, rows, e, cols, w->s, cols, w->vb + (lo - k0) * e, e, w->tile_out, e,
-                         v_bad);
+        SFX(lsh_product)(w, 0, rows, e_ld, cols, w->s, s_ld, w->vb + (lo - k0) * e_ld, e_ld,
+                         w->tile_out, e_ld, v_bad);
         for (ptrdiff_t r = 0; r < rows; r++)
-            memcpy(round_out + order[t0 + r] * e, w->tile_out + r * e, (size_t)e * sizeof(REAL));
+            memcpy(round_out + order[t0 + r] * e, w->tile_out + r * e_ld, (size_t)e * sizeof(REAL));
     }
 }
 
@@ -350,57 +435,60 @@ static void SFX(lsh_bwd_chunk)(const attnx_lsh_args *a, const SFX(lsh_head) *h, 
     const ptrdiff_t n = a->n, d = a->d, e = a->e, C = a->chunk;
     const int32_t *order = h->sorted.order + round * n, *bucket = h->sorted.bucket + round * n;
     ptrdiff_t p0 = chunk_index * C, p1 = ATTNX_MIN(p0 + C, n), k0 = ATTNX_MAX(p0 - C, 0);
+    const ptrdiff_t d_ld = w->d_ld, e_ld = w->e_ld;
     SFX(lsh_gather)(a, h, order, k0, p1, w);
-    int x_bad = SFX(has_nonfinite)(w->x, p1 - k0, d, d);
+    int x_bad = SFX(has_nonfinite)(w->x, p1 - k0, d, d_ld);
     for (ptrdiff_t t0 = p0; t0 < p1; t0 += TILE) {
         ptrdiff_t t1 = ATTNX_MIN(t0 + TILE, p1), rows = t1 - t0, lo, hi;
         lsh_key_range(bucket, order, k0, p1, t0, t1, a->causal, &lo, &hi);
-        ptrdiff_t cols = hi - lo;
+        ptrdiff_t cols = hi - lo, s_ld = SFX(lsh_whole)(w, cols);
         if (cols == 0) continue;
-        const REAL *x_q = w->x + (t0 - k0) * d, *x_k = w->x + (lo - k0) * d;
-        const REAL *v_k = w->vb + (lo - k0) * e;
+        const REAL *x_q = w->x + (t0 - k0) * d_ld, *x_k = w->x + (lo - k0) * d_ld;
+        const REAL *v_k = w->vb + (lo - k0) * e_ld;
         /* p_ij = exp(s_ij - lse_i) over the pairs this round counts */
-        SFX(gemm)(0, 1, rows, cols, d, 1, x_q, d, x_k, d, 0, w->s, cols);
-        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s, w);
+        SFX(lsh_dots)(w, rows, cols, d, x_q, d_ld, x_k, d_ld, w->xt ? w->xt + (lo - k0) : NULL,
+                      w->key_ld, w->s, s_ld);
+        SFX(lsh_scores)(a, h, round, t0, t1, lo, hi, w->s, s_ld, w);
         for (ptrdiff_t r = 0; r < rows; r++) {
             int32_t i = order[t0 + r];
-            REAL *s_row = w->s + r * cols, lse_i = h->lse[i];
+            REAL *s_row = w->s + r * s_ld, lse_i = h->lse[i];
             int any = 0;
             for (ptrdiff_t c = 0; c < cols; c++) any |= s_row[c] != -(REAL)INFINITY;
             if (any) has_key[i] = 1;
 #pragma omp simd
             for (ptrdiff_t c = 0; c < cols; c++) s_row[c] = SFX(vexp)(s_row[c] - lse_i);
-            memcpy(w->dout_tile + r * e, h->dout + i * a->dout_row, (size_t)e * sizeof(REAL));
+            SFX(lsh_put_row)(w->dout_tile + r * e_ld, h->dout + i * a->dout_row, e, e_ld);
         }
         /* dV_j += sum_i p_ij dO_i */
-        SFX(lsh_product)(1, cols, e, rows, w->s, cols, w->dout_tile, e, w->dv_block, e,
-                         SFX(has_nonfinite)(w->dout_tile, rows, e, e));
+        SFX(lsh_product)(w, 1, cols, e_ld, rows, w->s, s_ld, w->dout_tile, e_ld, w->dv_block, e_ld,
+                         SFX(has_nonfinite)(w->dout_tile, rows, e, e_ld));
         for (ptrdiff_t c = 0; c < cols; c++) {
             REAL *dv_j = dv_r + order[lo + c] * e;
-            const REAL *part = w->dv_block + c * e;
+            const REAL *part = w->dv_block + c * e_ld;
             for (ptrdiff_t x = 0; x < e; x++) dv_j[x] += part[x];
         }
         /* dP = dO V^T, then ds' = p (dP - D_i) scale / |q_j| */
-        SFX(gemm)(0, 1, rows, cols, e, 1, w->dout_tile, e, v_k, e, 0, w->dp, cols);
+        SFX(lsh_dots)(w, rows, cols, e, w->dout_tile, e_ld, v_k, e_ld,
+                      w->vt ? w->vt + (lo - k0) : NULL, w->key_ld, w->dp, s_ld);
         REAL scale = (REAL)a->scale;
         for (ptrdiff_t r = 0; r < rows; r++) {
-            REAL *dp_row = w->dp + r * cols, delta_i = h->delta[order[t0 + r]];
-            const REAL *p_row = w->s + r * cols;
+            REAL *dp_row = w->dp + r * s_ld, delta_i = h->delta[order[t0 + r]];
+            const REAL *p_row = w->s + r * s_ld;
             for (ptrdiff_t c = 0; c < cols; c++)
                 dp_row[c] = p_row[c] == 0 ? 0
                             : p_row[c] * (dp_row[c] - delta_i) * scale * h->inv_norm[order[lo + c]];
         }
         /* query role: dq_i += sum_j ds'_ij q_j;  key role: g_j += sum_i ds'_ij q_i */
-        SFX(lsh_product)(0, rows, d, cols, w->dp, cols, x_k, d, w->dq_tile, d, x_bad);
+        SFX(lsh_product)(w, 0, rows, d_ld, cols, w->dp, s_ld, x_k, d_ld, w->dq_tile, d_ld, x_bad);
         for (ptrdiff_t r = 0; r < rows; r++) {
             REAL *dq_i = dq_r + order[t0 + r] * d;
-            const REAL *part = w->dq_tile + r * d;
+            const REAL *part = w->dq_tile + r * d_ld;
             for (ptrdiff_t x = 0; x < d; x++) dq_i[x] += part[x];
         }
-        SFX(lsh_product)(1, cols, d, rows, w->dp, cols, x_q, d, w->g_block, d, x_bad);
+        SFX(lsh_product)(w, 1, cols, d_ld, rows, w->dp, s_ld, x_q, d_ld, w->g_block, d_ld, x_bad);
         for (ptrdiff_t c = 0; c < cols; c++) {
             REAL *g_j = g_r + order[lo + c] * d;
-            const REAL *part = w->g_block + c * d;
+            const REAL *part = w->g_block + c * d_ld;
             for (ptrdiff_t x = 0; x < d; x++) g_j[x] += part[x];
         }
     }
@@ -422,7 +510,8 @@ static void SFX(lsh_prepare)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh_
 #pragma omp parallel for num_threads(attnx_omp_threads(inner)) schedule(static) if (inner > 1)
     for (int r = 0; r < (int)a->n_hashes; r++) {
         int32_t *bucket = h->sorted.bucket + r * n;
-        SFX(lsh_hash_round)(a, h->q, r, bucket, works[omp_get_thread_num()].xr);
+        SFX(lsh_work) *w = &works[omp_get_thread_num()];
+        SFX(lsh_hash_round)(a, w, h->q, r, bucket, w->xr);
         lsh_sort(bucket, n, n_buckets, h->count + r * n_buckets, h->sorted.order + r * n,
                  h->sorted.rank + r * n);
     }
@@ -547,6 +636,20 @@ static void SFX(lsh_bwd_head)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh
     }
 }
 
+/* A work's kernel set (attnx_kernels(ATTNX_FAMILY_LSH)) and strides, no memory yet */
+static SFX(lsh_work) SFX(lsh_layout)(const attnx_lsh_args *a)
+{
+    SFX(lsh_work) w = {0};
+#ifdef LSH_KERNELS
+    w.width = attnx_kernels_width(attnx_kernels(ATTNX_FAMILY_LSH));
+#endif
+    w.lanes = w.width ? MK_LANES(w.width, sizeof(REAL)) : 1;
+    w.d_ld = SFX(lsh_whole)(&w, a->d);
+    w.e_ld = SFX(lsh_whole)(&w, a->e);
+    w.key_ld = 2 * a->chunk + w.lanes;
+    return w;
+}
+
 /* The forward (backward 0) or backward (1) over every head. */
 static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
 {
@@ -562,16 +665,21 @@ static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
     /* the sizes below in ptrdiff_t: refuse (as memory) what would overflow */
     double words = (double)sets * (3.0 * H * n + H * (double)n_buckets +
                                    (double)n * (H + 2) * (2.0 * d + e + 4)) +
-                   (double)threads * (2.0 * C * (2 * H + 4) * (d + e + 4) + (double)TILE * 4 * C +
-                                      (double)HASH_ROWS * a->half);
+                   (double)threads * (2.0 * C * (2 * H + 6) * (d + e + 40) +
+                                      (double)TILE * 4 * (C + 16) + (double)HASH_ROWS * a->half);
     if (words > (double)PTRDIFF_MAX / 16) return ATTNX_ENOMEM;
     ptrdiff_t grad_rounds = outer ? 1 : H;
     ptrdiff_t per_set_real = 2 * n + (backward ? n + grad_rounds * n * (2 * d + e) + n * d
                                                : H * n * (e + 1));
     ptrdiff_t per_set_int = 3 * H * n + H * n_buckets;
     ptrdiff_t per_work_int = 2 * C * (2 * H + 2);
-    ptrdiff_t per_work = 2 * C * (d + e + 1) + TILE * 2 * C + TILE * e + HASH_ROWS * a->half +
-                         (backward ? TILE * 2 * C + TILE * d + 2 * C * (d + e) : 0);
+    /* the kernel set's products (dispatch.h) and the strides they need */
+    SFX(lsh_work) layout = SFX(lsh_layout)(a);
+    const ptrdiff_t D = layout.d_ld, E = layout.e_ld, key_ld = layout.key_ld;
+    const ptrdiff_t transposed = layout.width ? key_ld * (d + (backward ? e : 0)) : 0;
+    ptrdiff_t per_work = 2 * C * (D + E) + key_ld + TILE * key_ld + TILE * E +
+                         HASH_ROWS * a->half + transposed +
+                         (backward ? TILE * key_ld + TILE * D + 2 * C * (D + E) : 0);
     REAL *reals = malloc((size_t)(per_set_real * sets + per_work * threads) * sizeof(REAL));
     int32_t *ints = malloc((size_t)(per_set_int * sets + per_work_int * threads) * sizeof(int32_t));
     unsigned char *flags = backward ? malloc((size_t)(H * n * sets)) : NULL;
@@ -600,22 +708,26 @@ static int SFX(lsh_run)(const attnx_lsh_args *a, int backward)
     }
     for (int t = 0; t < threads; t++) {
         REAL *base = reals + per_set_real * sets + per_work * t;
-        SFX(lsh_work) w = {0};
+        SFX(lsh_work) w = layout;
         w.x = base;
-        w.vb = w.x + 2 * C * d;
-        w.s = w.vb + 2 * C * e;
-        w.tile_out = w.s + TILE * 2 * C;
-        w.xr = w.tile_out + TILE * e;
+        w.vb = w.x + 2 * C * D;
+        w.s = w.vb + 2 * C * E;
+        w.tile_out = w.s + TILE * key_ld;
+        w.xr = w.tile_out + TILE * E;
         w.key_scale = w.xr + HASH_ROWS * a->half;
+        if (layout.width) {
+            w.xt = w.key_scale + key_ld;
+            if (backward) w.vt = w.xt + key_ld * d;
+        }
         int32_t *ibase = ints + per_set_int * sets + per_work_int * t;
         w.columns = (lsh_columns){ibase, ibase + 2 * C, ibase + 2 * C + 2 * C * H,
                                   ibase + 2 * C + 4 * C * H};
         if (backward) {
-            w.dp = w.key_scale + 2 * C;
+            w.dp = w.key_scale + key_ld + transposed;
             w.dout_tile = w.tile_out;
-            w.dq_tile = w.dp + TILE * 2 * C;
-            w.g_block = w.dq_tile + TILE * d;
-            w.dv_block = w.g_block + 2 * C * d;
+            w.dq_tile = w.dp + TILE * key_ld;
+            w.g_block = w.dq_tile + TILE * D;
+            w.dv_block = w.g_block + 2 * C * D;
         }
         works[t] = w;
     }
@@ -664,11 +776,12 @@ int TYPED(attnx_lsh_buckets_f32, attnx_lsh_buckets_f64)(const attnx_lsh_args *a,
     if ((double)items * n * a->d * a->half < LSH_PARALLEL_WORK) threads = 1;
     REAL *xr = malloc((size_t)(threads * HASH_ROWS * a->half) * sizeof(REAL));
     if (!xr) return ATTNX_ENOMEM;
+    SFX(lsh_work) layout = SFX(lsh_layout)(a);
 #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
     for (ptrdiff_t item = 0; item < items; item++) {
         ptrdiff_t head = item / H;
         const REAL *q = (const REAL *)((const char *)a->q + a->offsets[head * ATTNX_LSH_NOPS + ATTNX_LSH_Q]);
-        SFX(lsh_hash_round)(a, q, (int)(item % H), buckets + item * n,
+        SFX(lsh_hash_round)(a, &layout, q, (int)(item % H), buckets + item * n,
                             xr + omp_get_thread_num() * HASH_ROWS * a->half);
     }
     free(xr);

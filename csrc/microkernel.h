@@ -389,6 +389,43 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #include "microkernel.h"
 #endif
 
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+/* mk_gemm (mk_backward.h) of a kernel set's width (attnx_kernels_width: 16
+ * AVX-512, 8 AVX2, 4 NEON), float32 and float64: direct calls, so that gcc
+ * specialises each kernel for the constant arguments of its callers. */
+#define MK_GEMM_ARGS(type)                                                                      \
+    int width, ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, type alpha, const type *a,      \
+        ptrdiff_t a_row, ptrdiff_t a_col, const type *b, ptrdiff_t b_row, int accumulate,       \
+        type *c, ptrdiff_t c_row
+#define MK_GEMM_PASS rows, cols, depth, alpha, a, a_row, a_col, b, b_row, accumulate, c, c_row
+static inline __attribute__((always_inline)) void mk_gemm_f32(MK_GEMM_ARGS(float))
+{
+#if defined(MK_HAVE_X86)
+    if (width == 16)
+        mk_gemm_w16(MK_GEMM_PASS);
+    else
+        mk_gemm_w8(MK_GEMM_PASS);
+#else
+    (void)width;
+    mk_gemm_n4(MK_GEMM_PASS);
+#endif
+}
+static inline __attribute__((always_inline)) void mk_gemm_f64(MK_GEMM_ARGS(double))
+{
+#if defined(MK_HAVE_X86)
+    if (width == 16)
+        mk_gemm_d8(MK_GEMM_PASS);
+    else
+        mk_gemm_d4(MK_GEMM_PASS);
+#else
+    (void)width;
+    mk_gemm_nd2(MK_GEMM_PASS);
+#endif
+}
+#undef MK_GEMM_ARGS
+#undef MK_GEMM_PASS
+#endif
+
 #endif /* ATTNX_MICROKERNEL_H */
 
 #else /* MK_W: the kernels for one vector width */

@@ -212,7 +212,7 @@ int SFX(softmax_decode_applies)(const attnx_softmax_args *a);
 int SFX(softmax_decode)(const attnx_softmax_args *a);
 
 /* softmax_mk.c: the micro-kernels' backends, one per instruction set, and
- * the packing and transposes AMX uses too */
+ * the packing and transposes AMX (and lsh.c) use too */
 #ifdef SOFTMAX_MK
 #ifdef MK_HAVE_NEON
 extern const SFX(softmax_backend) SFX(softmax_mk_neon);
@@ -223,6 +223,10 @@ extern const SFX(softmax_backend) SFX(softmax_mk_avx2);
 /* block (d, lanes) <- rows [0, count) of x transposed, lanes past count 0 */
 void SFX(mk_pack)(REAL *block, const REAL *x, ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t d,
                   ptrdiff_t lanes, int width);
+/* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row), by
+ * the register transposes of instruction set `width` (x86) */
+void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+                       ptrdiff_t count, ptrdiff_t d, int width);
 /* out (rows, e) <- ot (e, st_ld) over the rows' sums, transposed */
 void SFX(mk_write_output)(const attnx_softmax_args *a, SFX(tile_work) *w, REAL *out,
                           ptrdiff_t rows, const REAL *inverse_sum, int width);

@@ -109,7 +109,7 @@ static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, pt
 
 /* the transpose by the largest blocks this type has on instruction set
  * `width` (x86); on NEON number by number, for now */
-static void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
+void SFX(mk_transpose)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
                               ptrdiff_t count, ptrdiff_t d, int width)
 {
 #ifdef MK_HAVE_X86

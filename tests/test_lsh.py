@@ -1,7 +1,12 @@
 """Reformer LSH attention (attnx.lsh_attention) against a float64 numpy
 reference written from the definition (the union of the rounds' visibility,
 then plain softmax), against full attention where the definition reduces to
-it, and its gradients against torch float64 autograd of that reference."""
+it, and its gradients against torch float64 autograd of that reference; at
+every kernel set of the family here (csrc/dispatch.c: the chunk products and
+the hashing on register-blocked kernels of each vector width, or plain C +
+BLAS), each against the plain path too."""
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -10,9 +15,20 @@ from hypothesis import strategies as st
 
 import attnx
 
-from helpers import assert_close, assert_interrupted_quickly, hypothesis_settings, run_isolated, vscale  # noqa: E402
+from helpers import assert_close, assert_interrupted_quickly, dispatched, hypothesis_settings, kernels_here, run_isolated, vscale  # noqa: E402
 
 HYP = hypothesis_settings(60)
+
+# the family's kernel sets on this CPU and build, best first, plain last
+LSH_KERNELS = kernels_here("lsh")
+
+
+@contextlib.contextmanager
+def held_to(kernel):
+    """The LSH family held to `kernel` (the table says it chose it)."""
+    with dispatched(lsh=kernel) as chosen:
+        assert chosen["lsh"] == kernel
+        yield
 
 
 # --------------------------------------------------------------------------
@@ -95,19 +111,22 @@ def one_bucket_queries(rng, n, d, n_hashes, seed, margin=0.05):
 # forward against the reference
 # --------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kernel", LSH_KERNELS)
 @HYP
 @given(n=st.integers(1, 40), d=st.integers(1, 6), e=st.integers(1, 5),
        n_buckets=st.sampled_from([2, 4, 6, 8, 16]), n_hashes=st.integers(1, 4),
        chunk=st.integers(1, 12), causal=st.booleans(), lead=st.sampled_from([(), (2,), (2, 3)]),
        dtype=st.sampled_from([np.float64, np.float32]), seed=st.integers(0, 2**16))
-def test_equals_the_reference(n, d, e, n_buckets, n_hashes, chunk, causal, lead, dtype, seed):
+def test_equals_the_reference(kernel, n, d, e, n_buckets, n_hashes, chunk, causal, lead, dtype,
+                              seed):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal(lead + (n, d)).astype(dtype)
     v = rng.standard_normal(lead + (n, e)).astype(dtype)
-    out, lse = attnx.lsh_attention(q, v, n_buckets, n_hashes, chunk, causal, seed=seed,
-                                   return_lse=True)
+    with held_to(kernel):
+        out, lse = attnx.lsh_attention(q, v, n_buckets, n_hashes, chunk, causal, seed=seed,
+                                       return_lse=True)
+        buckets = attnx.lsh_buckets(q, n_buckets, n_hashes, seed=seed)
     assert out.dtype == dtype and lse.dtype == dtype
-    buckets = attnx.lsh_buckets(q, n_buckets, n_hashes, seed=seed)
     assert buckets.shape == lead + (n_hashes, n)
     want_out, want_lse = reference(q, v, buckets, chunk, causal)
     assert_close(out, want_out, dtype, scale=vscale(v))
@@ -233,7 +252,7 @@ def with_threads(count, fn):
 
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_threads_do_not_change_a_bit(heads, dtype):
+def test_threads_do_not_change_a_bit(heads, dtype, lsh_kernels):
     """heads 1: a head's rounds and chunks over the threads; 4: heads over
     the threads. Forward and backward."""
     rng = np.random.default_rng(4)
@@ -258,6 +277,46 @@ def test_threads_do_not_change_a_bit(heads, dtype):
             np.testing.assert_array_equal(out, one[0][h])
             np.testing.assert_array_equal(g.q, one[1][h])
             np.testing.assert_array_equal(g.v, one[2][h])
+
+
+def run_lsh(kernel, q, v, dout, n_buckets, n_hashes, chunk, causal):
+    """buckets, out, lse and the gradients on one kernel set"""
+    with held_to(kernel):
+        buckets = attnx.lsh_buckets(q, n_buckets, n_hashes, seed=5)
+        out, lse = attnx.lsh_attention(q, v, n_buckets, n_hashes, chunk, causal, seed=5,
+                                       return_lse=True)
+        g = attnx.lsh_attention_backward(dout, q, v, out, lse, n_buckets, n_hashes, chunk, causal,
+                                         seed=5)
+    return buckets, out, lse, g.q, g.v
+
+
+@pytest.mark.parametrize("d, e", [(64, 64), (13, 7), (32, 40)])
+@pytest.mark.parametrize("n_buckets, chunk", [(4, 64), (38, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernel_sets_equal_the_plain_path(lsh_kernels, d, e, n_buckets, chunk, causal, dtype):
+    """Shapes the kernels tile: d and e whole vectors of every width (64),
+    or not (rows padded with zeros), chunks of many vectors of keys, rounds
+    of 19 rotations (the hashing's whole vectors and the rest). The same
+    buckets as plain C + BLAS (the data keep every token's best hashing
+    score clear of its second), and the results to rounding: float32 within
+    2e-5 (relative, and absolute times the scale), float64 1e-10; and the
+    float64 reference."""
+    rng = np.random.default_rng(d + e + n_buckets)
+    q = rng.standard_normal((2, 333, d)).astype(dtype)
+    v = rng.standard_normal((2, 333, e)).astype(dtype)
+    dout = rng.standard_normal((2, 333, e)).astype(dtype)
+    _, margin = numpy_buckets(q, n_buckets, 2, seed=5)
+    assert margin.min() > 1e-4
+    got = run_lsh(lsh_kernels, q, v, dout, n_buckets, 2, chunk, causal)
+    plain = run_lsh("plain", q, v, dout, n_buckets, 2, chunk, causal)
+    np.testing.assert_array_equal(got[0], plain[0])
+    scales = [vscale(v), vscale(plain[2]), vscale(plain[3]), vscale(dout)]
+    for ours, theirs, scale in zip(got[1:], plain[1:], scales):
+        assert_close(ours, theirs, dtype, scale)
+    want_out, want_lse = reference(q, v, got[0], chunk, causal)
+    assert_close(got[1], want_out, dtype, scale=vscale(v))
+    assert_close(got[2], want_lse, dtype, scale=vscale(want_lse))
 
 
 def test_leading_axes_broadcast():
@@ -319,7 +378,7 @@ def test_empty_inputs():
     assert g.q.shape == (0, 4) and g.v.shape == (0, 3)
 
 
-def test_nan_stays_in_the_rows_that_see_it():
+def test_nan_stays_in_the_rows_that_see_it(lsh_kernels):
     rng = np.random.default_rng(10)
     q, v = rng.standard_normal((40, 4)), rng.standard_normal((40, 3))
     v[7] = np.nan
@@ -385,22 +444,26 @@ def torch_reference(q, v, vis):
     return torch.softmax(s, dim=-1) @ v
 
 
+@pytest.mark.parametrize("kernel", LSH_KERNELS)
 @HYP
 @given(n=st.integers(1, 30), d=st.integers(1, 6), e=st.integers(1, 4),
        n_buckets=st.sampled_from([2, 4, 8]), n_hashes=st.integers(1, 3),
        chunk=st.integers(1, 9), causal=st.booleans(),
        dtype=st.sampled_from([np.float64, np.float32]), seed=st.integers(0, 2**16))
-def test_gradients_equal_torch_autograd(n, d, e, n_buckets, n_hashes, chunk, causal, dtype, seed):
+def test_gradients_equal_torch_autograd(kernel, n, d, e, n_buckets, n_hashes, chunk, causal,
+                                        dtype, seed):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((n, d)).astype(dtype)
     v = rng.standard_normal((n, e)).astype(dtype)
     dout = rng.standard_normal((n, e)).astype(dtype)
-    out, pullback = attnx.vjp(attnx.lsh_attention, q, v, n_buckets, n_hashes, chunk, causal,
-                              seed=seed)
-    g = pullback(dout)
+    with held_to(kernel):
+        out, pullback = attnx.vjp(attnx.lsh_attention, q, v, n_buckets, n_hashes, chunk, causal,
+                                  seed=seed)
+        g = pullback(dout)
+        buckets = attnx.lsh_buckets(q, n_buckets, n_hashes, seed=seed)
     assert g.q.dtype == dtype and g.v.dtype == dtype and g.k is None
-    vis = visibility(attnx.lsh_buckets(q, n_buckets, n_hashes, seed=seed), chunk, causal)
+    vis = visibility(buckets, chunk, causal)
     tq = torch.tensor(q, dtype=torch.float64, requires_grad=True)
     tv = torch.tensor(v, dtype=torch.float64, requires_grad=True)
     tout = torch_reference(tq, tv, vis)
