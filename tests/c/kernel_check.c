@@ -1,7 +1,8 @@
 /* kernel_check.c - the kernels called from C, without Python, against
  * plain double-precision loops written from the formulas (attnx.h):
  * softmax attention forward and backward, causal linear attention (elu + 1,
- * chunked) and the gated delta rule (chunked and token by token), each in
+ * chunked), the gated delta rule (chunked and token by token) and
+ * Reformer's LSH attention (forward and hashing), each in
  * float32 and float64, on one and two threads, and the bfloat16
  * conversions bit for bit, at every kernel set the
  * dispatch table of this CPU and build can take (plain included).
@@ -304,6 +305,110 @@ static void check_delta(int is_double, int threads, int recurrent, const char *c
     for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
 }
 
+/* ------------------------------------------------------ Reformer LSH attention */
+
+enum { LSH_HEADS = 2, LSH_N = 200, LSH_D = 16, LSH_E = 12, LSH_H = 2, LSH_HALF = 9, LSH_C = 16 };
+
+/* vis (n, n) |= round's pairs: same bucket, the key's chunk of the sorted
+ * order (by bucket, then position) the query's or the one before */
+static void lsh_round_pairs(const int32_t *bucket, unsigned char *vis)
+{
+    int place[LSH_N], next = 0;
+    for (int b = 0; b < 2 * LSH_HALF; b++)
+        for (int j = 0; j < LSH_N; j++)
+            if (bucket[j] == b) place[j] = next++;
+    for (int i = 0; i < LSH_N; i++)
+        for (int j = 0; j < LSH_N; j++) {
+            int behind = place[i] / LSH_C - place[j] / LSH_C;
+            vis[i * LSH_N + j] |= bucket[i] == bucket[j] && (behind == 0 || behind == 1);
+        }
+}
+
+/* the forward from its definition (attnx.h, lsh.c) in double, on the
+ * kernel's buckets (each checked against the hashing in double where its
+ * best score is clear of the second) */
+static void check_lsh(int is_double, int threads, const char *context)
+{
+    const size_t nq = LSH_HEADS * LSH_N * LSH_D, nv = LSH_HEADS * LSH_N * LSH_E;
+    const size_t nr = LSH_H * LSH_D * LSH_HALF, size = is_double ? sizeof(double) : sizeof(float);
+    double *q = random_array(nq, 13), *v = random_array(nv, 14), *rot = random_array(nr, 15);
+    double *want = calloc(nv, sizeof(double)), *want_lse = calloc(LSH_HEADS * LSH_N, sizeof(double));
+    void *tq = typed(q, nq, is_double), *tv = typed(v, nv, is_double), *trot = typed(rot, nr, is_double);
+    void *out = calloc(nv, size), *lse = calloc(LSH_HEADS * LSH_N, size);
+    int32_t *buckets = malloc(LSH_HEADS * LSH_H * LSH_N * sizeof *buckets);
+    unsigned char *vis = malloc(LSH_N * LSH_N);
+    ptrdiff_t offsets[LSH_HEADS * ATTNX_LSH_NOPS] = {0};
+    for (int h = 0; h < LSH_HEADS; h++) {
+        ptrdiff_t *row = offsets + h * ATTNX_LSH_NOPS;
+        row[ATTNX_LSH_Q] = h * LSH_N * LSH_D * (ptrdiff_t)size;
+        row[ATTNX_LSH_V] = row[ATTNX_LSH_OUT] = h * LSH_N * LSH_E * (ptrdiff_t)size;
+        row[ATTNX_LSH_LSE] = h * LSH_N * (ptrdiff_t)size;
+    }
+    const double scale = 1 / sqrt((double)LSH_D);
+    attnx_lsh_args a = {
+        .n = LSH_N, .d = LSH_D, .e = LSH_E, .heads = LSH_HEADS, .offsets = offsets,
+        .q = tq, .v = tv, .rotations = trot, .rot_hash = LSH_D * LSH_HALF, .rot_row = LSH_HALF,
+        .n_hashes = LSH_H, .half = LSH_HALF, .chunk = LSH_C, .scale = scale, .out = out,
+        .lse = lse, .q_row = LSH_D, .v_row = LSH_E, .out_row = LSH_E, .num_threads = threads,
+    };
+    int status = is_double ? attnx_lsh_buckets_f64(&a, buckets) : attnx_lsh_buckets_f32(&a, buckets);
+    if (!status) status = is_double ? attnx_lsh_fwd_f64(&a) : attnx_lsh_fwd_f32(&a);
+    int wrong_buckets = 0;
+    for (int h = 0; h < LSH_HEADS && !status; h++) {
+        const double *qh = q + h * LSH_N * LSH_D;
+        memset(vis, 0, LSH_N * LSH_N);
+        for (int r = 0; r < LSH_H; r++) {
+            const int32_t *bucket = buckets + (h * LSH_H + r) * LSH_N;
+            for (int j = 0; j < LSH_N; j++) {
+                double best = -INFINITY, second = -INFINITY;
+                int arg = 0;
+                for (int b = 0; b < 2 * LSH_HALF; b++) {
+                    double x = 0;
+                    for (int c = 0; c < LSH_D; c++)
+                        x += qh[j * LSH_D + c] * rot[(r * LSH_D + c) * LSH_HALF + b % LSH_HALF];
+                    x = b < LSH_HALF ? x : -x;
+                    if (x > best) second = best, best = x, arg = b;
+                    else if (x > second) second = x;
+                }
+                wrong_buckets += best - second > 1e-4 && bucket[j] != arg;
+            }
+            lsh_round_pairs(bucket, vis);
+        }
+        for (int i = 0; i < LSH_N; i++) {
+            double top = -INFINITY, sum = 0, s[LSH_N];
+            vis[i * LSH_N + i] = 0;
+            int alone = 1;
+            for (int j = 0; j < LSH_N; j++) alone &= !vis[i * LSH_N + j];
+            if (alone) vis[i * LSH_N + i] = 1;
+            for (int j = 0; j < LSH_N; j++) {
+                double dot = 0, norm = 0;
+                for (int c = 0; c < LSH_D; c++) {
+                    dot += qh[i * LSH_D + c] * qh[j * LSH_D + c];
+                    norm += qh[j * LSH_D + c] * qh[j * LSH_D + c];
+                }
+                s[j] = vis[i * LSH_N + j] ? scale * dot / sqrt(norm) : -INFINITY;
+                top = fmax(top, s[j]);
+            }
+            for (int j = 0; j < LSH_N; j++) sum += s[j] == -INFINITY ? 0 : exp(s[j] - top);
+            for (int j = 0; j < LSH_N; j++)
+                for (int c = 0; c < LSH_E; c++)
+                    want[(h * LSH_N + i) * LSH_E + c] +=
+                        (s[j] == -INFINITY ? 0 : exp(s[j] - top) / sum) * v[(h * LSH_N + j) * LSH_E + c];
+            want_lse[h * LSH_N + i] = top + log(sum);
+        }
+    }
+    if (status || wrong_buckets) {
+        printf("FAIL lsh %s: status %d, %d buckets not the hashing's\n", context, status,
+               wrong_buckets);
+        failures++;
+    } else {
+        compare("lsh out", out, want, nv, is_double, context);
+        compare("lsh lse", lse, want_lse, LSH_HEADS * LSH_N, is_double, context);
+    }
+    void *blocks[] = {q, v, rot, want, want_lse, tq, tv, trot, out, lse, buckets, vis};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
+}
+
 /* ------------------------------------------------- bfloat16 <-> float32 */
 
 /* float32 -> bfloat16 bits, round to nearest, ties to even, from the
@@ -396,7 +501,8 @@ int main(void)
                 check_linear(is_double, threads, context);
                 check_delta(is_double, threads, 0, context);
                 check_delta(is_double, threads, 1, context);
-                checks += 4;
+                check_lsh(is_double, threads, context);
+                checks += 5;
             }
     }
     printf("%d checks, %d failed\n", checks, failures);
