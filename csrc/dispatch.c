@@ -76,7 +76,7 @@ static const kernel_row decode_table[] = {
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
-/* the chunk products and the hashing on mk_gemm (lsh.c) */
+/* the chunk products on mk_gemm (lsh.c) */
 static const kernel_row lsh_table[] = {
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},

@@ -68,7 +68,9 @@
 /* Queries per score tile: the scores held are TILE x 2C whatever C is
  * (a chunk as long as the sequence must not need an n x 2n block). */
 #define TILE 64
-/* Tokens per hashing product (HASH_ROWS x d by d x half). */
+/* Tokens per hashing product (HASH_ROWS x d by d x half), on BLAS at every
+ * kernel set: its kernels for these shapes beat mk_gemm's (by 3-20%,
+ * measured with benchmarks/lsh.py's shapes). */
 #define HASH_ROWS 64
 /* Below this many multiply-adds in a call, threads cost more than they give. */
 #define LSH_PARALLEL_WORK 1e6
@@ -216,38 +218,59 @@ static SFX(lsh_head) SFX(lsh_position)(const attnx_lsh_args *a, ptrdiff_t head,
     return h;
 }
 
+/* The place of the first maximum of [proj, -proj] (2 half numbers). Without
+ * NaN it is the first place that holds the largest |proj[b]|, found by two
+ * reductions that vectorise (the scan's branches cost more than the
+ * projections' product took); with a NaN the scan itself. */
+static ATTNX_HOT int32_t SFX(lsh_argmax)(const REAL *proj, ptrdiff_t half)
+{
+    REAL top = 0;
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (ptrdiff_t b = 0; b < half; b++) {
+        REAL size = proj[b] < 0 ? -proj[b] : proj[b];
+        top = size > top ? size : top;
+        nan |= proj[b] != proj[b];
+    }
+    if (!nan) {
+        int32_t first = (int32_t)(2 * half);
+#pragma omp simd reduction(min : first)
+        for (ptrdiff_t b = 0; b < half; b++) {
+            int32_t at = proj[b] == top ? (int32_t)b
+                         : -proj[b] == top ? (int32_t)(half + b)
+                                           : (int32_t)(2 * half);
+            first = at < first ? at : first;
+        }
+        return first;
+    }
+    REAL best = proj[0];
+    int32_t arg = 0;
+    for (ptrdiff_t b = 1; b < half; b++)
+        if (proj[b] > best) {
+            best = proj[b];
+            arg = (int32_t)b;
+        }
+    for (ptrdiff_t b = 0; b < half; b++)
+        if (-proj[b] > best) {
+            best = -proj[b];
+            arg = (int32_t)(half + b);
+        }
+    return arg;
+}
+
 /* bucket (n,) of round `round`: argmax over [q R, -q R], the first maximum
  * (ties to the lowest index, as numpy's argmax; a token with NaN, whose
  * projections are all NaN, goes to bucket 0). */
-static void SFX(lsh_hash_round)(const attnx_lsh_args *a, const SFX(lsh_work) *w,
-                                const REAL *q, int round, int32_t *bucket, REAL *xr)
+static void SFX(lsh_hash_round)(const attnx_lsh_args *a, const REAL *q, int round,
+                                int32_t *bucket, REAL *xr)
 {
     const REAL *rot = (const REAL *)a->rotations + round * a->rot_hash;
     ptrdiff_t half = a->half;
-    /* the whole vectors of columns on the kernel set, the rest on BLAS */
-    ptrdiff_t whole = w->width ? half / w->lanes * w->lanes : 0;
     for (ptrdiff_t t0 = 0; t0 < a->n; t0 += HASH_ROWS) {
         ptrdiff_t rows = ATTNX_MIN(HASH_ROWS, a->n - t0);
-        const REAL *q_t = q + t0 * a->q_row;
-        if (whole) SFX(lsh_mk_gemm)(w, rows, whole, a->d, q_t, a->q_row, 1, rot, a->rot_row, xr, half);
-        SFX(gemm)(0, 0, rows, half - whole, a->d, 1, q_t, a->q_row, rot + whole, a->rot_row, 0,
-                  xr + whole, half);
-        for (ptrdiff_t t = 0; t < rows; t++) {
-            const REAL *proj = xr + t * half;
-            REAL best = proj[0];
-            int32_t arg = 0;
-            for (ptrdiff_t b = 1; b < half; b++)
-                if (proj[b] > best) {
-                    best = proj[b];
-                    arg = (int32_t)b;
-                }
-            for (ptrdiff_t b = 0; b < half; b++)
-                if (-proj[b] > best) {
-                    best = -proj[b];
-                    arg = (int32_t)(half + b);
-                }
-            bucket[t0 + t] = arg;
-        }
+        SFX(gemm)(0, 0, rows, half, a->d, 1, q + t0 * a->q_row, a->q_row, rot, a->rot_row, 0,
+                  xr, half);
+        for (ptrdiff_t t = 0; t < rows; t++) bucket[t0 + t] = SFX(lsh_argmax)(xr + t * half, half);
     }
 }
 
@@ -510,8 +533,7 @@ static void SFX(lsh_prepare)(const attnx_lsh_args *a, SFX(lsh_head) *h, SFX(lsh_
 #pragma omp parallel for num_threads(attnx_omp_threads(inner)) schedule(static) if (inner > 1)
     for (int r = 0; r < (int)a->n_hashes; r++) {
         int32_t *bucket = h->sorted.bucket + r * n;
-        SFX(lsh_work) *w = &works[omp_get_thread_num()];
-        SFX(lsh_hash_round)(a, w, h->q, r, bucket, w->xr);
+        SFX(lsh_hash_round)(a, h->q, r, bucket, works[omp_get_thread_num()].xr);
         lsh_sort(bucket, n, n_buckets, h->count + r * n_buckets, h->sorted.order + r * n,
                  h->sorted.rank + r * n);
     }
@@ -776,12 +798,11 @@ int TYPED(attnx_lsh_buckets_f32, attnx_lsh_buckets_f64)(const attnx_lsh_args *a,
     if ((double)items * n * a->d * a->half < LSH_PARALLEL_WORK) threads = 1;
     REAL *xr = malloc((size_t)(threads * HASH_ROWS * a->half) * sizeof(REAL));
     if (!xr) return ATTNX_ENOMEM;
-    SFX(lsh_work) layout = SFX(lsh_layout)(a);
 #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
     for (ptrdiff_t item = 0; item < items; item++) {
         ptrdiff_t head = item / H;
         const REAL *q = (const REAL *)((const char *)a->q + a->offsets[head * ATTNX_LSH_NOPS + ATTNX_LSH_Q]);
-        SFX(lsh_hash_round)(a, &layout, q, (int)(item % H), buckets + item * n,
+        SFX(lsh_hash_round)(a, q, (int)(item % H), buckets + item * n,
                             xr + omp_get_thread_num() * HASH_ROWS * a->half);
     }
     free(xr);

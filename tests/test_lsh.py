@@ -2,9 +2,9 @@
 reference written from the definition (the union of the rounds' visibility,
 then plain softmax), against full attention where the definition reduces to
 it, and its gradients against torch float64 autograd of that reference; at
-every kernel set of the family here (csrc/dispatch.c: the chunk products and
-the hashing on register-blocked kernels of each vector width, or plain C +
-BLAS), each against the plain path too."""
+every kernel set of the family here (csrc/dispatch.c: the chunk products on
+register-blocked kernels of each vector width, or plain C + BLAS), each
+against the plain path too."""
 
 import contextlib
 
@@ -228,6 +228,30 @@ def test_buckets_follow_the_documented_recipe(dtype):
     np.testing.assert_array_equal(R, np.random.default_rng(42).standard_normal((3, 16, 6)))
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_buckets_ties_and_non_finite_rows(dtype):
+    """The first maximum, as numpy's argmax: a zero row (every score 0) in
+    bucket 0, a row with one inf (scores +-inf: ties, the first of them), a
+    row with NaN (every score NaN) in bucket 0."""
+    q = np.random.default_rng(6).standard_normal((7, 8))
+    q[1] = 0
+    q[2] = 0
+    q[2, 3] = np.inf
+    q[3] = 0
+    q[3, 1] = -np.inf
+    q[4] = np.nan
+    q[5, 0] = np.nan
+    q = q.astype(dtype)
+    got = attnx.lsh_buckets(q, 10, 2, seed=3)
+    R = attnx.lsh_rotations(8, 10, 2, seed=3)
+    with np.errstate(invalid="ignore"):
+        proj = np.einsum("nd,hdb->hnb", q.astype(np.float64), R)
+    both = np.concatenate([proj, -proj], axis=-1)
+    want = np.where(np.isnan(both).any(axis=-1), 0, np.argmax(np.nan_to_num(both, nan=0), axis=-1))
+    np.testing.assert_array_equal(got, want)
+    assert (got[:, 1] == 0).all() and (got[:, 4:6] == 0).all()
+
+
 def test_rounds_differ_and_buckets_balance():
     """A sanity check of the hash, not of its probabilities: the rounds use
     different rotations and every bucket gets tokens on Gaussian inputs."""
@@ -296,12 +320,11 @@ def run_lsh(kernel, q, v, dout, n_buckets, n_hashes, chunk, causal):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_kernel_sets_equal_the_plain_path(lsh_kernels, d, e, n_buckets, chunk, causal, dtype):
     """Shapes the kernels tile: d and e whole vectors of every width (64),
-    or not (rows padded with zeros), chunks of many vectors of keys, rounds
-    of 19 rotations (the hashing's whole vectors and the rest). The same
-    buckets as plain C + BLAS (the data keep every token's best hashing
-    score clear of its second), and the results to rounding: float32 within
-    2e-5 (relative, and absolute times the scale), float64 1e-10; and the
-    float64 reference."""
+    or not (rows padded with zeros), chunks of many vectors of keys in
+    few or many buckets. The same buckets as plain C + BLAS (the data keep
+    every token's best hashing score clear of its second), and the results
+    to rounding: float32 within 2e-5 (relative, and absolute times the
+    scale), float64 1e-10; and the float64 reference."""
     rng = np.random.default_rng(d + e + n_buckets)
     q = rng.standard_normal((2, 333, d)).astype(dtype)
     v = rng.standard_normal((2, 333, e)).astype(dtype)
