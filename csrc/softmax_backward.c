@@ -86,16 +86,9 @@ static inline __attribute__((always_inline)) void SFX(bwd_gemm)(
     ptrdiff_t a_row, ptrdiff_t a_col, const REAL *b, ptrdiff_t b_row, int accumulate, REAL *c,
     ptrdiff_t c_row)
 {
-#if defined(MK_HAVE_X86)
-    if (width == 16)
-        TYPED(mk_gemm_w16, mk_gemm_d8)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
-                                       accumulate, c, c_row);
-    else
-        TYPED(mk_gemm_w8, mk_gemm_d4)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
-                                      accumulate, c, c_row);
-#elif defined(MK_HAVE_NEON)
-    TYPED(mk_gemm_n4, mk_gemm_nd2)(rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
-                                   accumulate, c, c_row);
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+    TYPED(mk_gemm_f32, mk_gemm_f64)(width, rows, cols, depth, alpha, a, a_row, a_col, b, b_row,
+                                    accumulate, c, c_row);
 #endif
 }
 
