@@ -69,8 +69,8 @@
  * (a chunk as long as the sequence must not need an n x 2n block). */
 #define TILE 64
 /* Tokens per hashing product (HASH_ROWS x d by d x half), on BLAS at every
- * kernel set: its kernels for these shapes beat mk_gemm's (by 3-20%,
- * measured with benchmarks/lsh.py's shapes). */
+ * kernel set: OpenBLAS's small-matrix kernels beat mk_gemm's on it (by
+ * 3-20% at benchmarks/lsh.py's shapes). */
 #define HASH_ROWS 64
 /* Below this many multiply-adds in a call, threads cost more than they give. */
 #define LSH_PARALLEL_WORK 1e6
@@ -220,8 +220,8 @@ static SFX(lsh_head) SFX(lsh_position)(const attnx_lsh_args *a, ptrdiff_t head,
 
 /* The place of the first maximum of [proj, -proj] (2 half numbers). Without
  * NaN it is the first place that holds the largest |proj[b]|, found by two
- * reductions that vectorise (the scan's branches cost more than the
- * projections' product took); with a NaN the scan itself. */
+ * reductions that vectorise (the scan's branches took a third of the
+ * hashing's time); with a NaN the scan itself. */
 static ATTNX_HOT int32_t SFX(lsh_argmax)(const REAL *proj, ptrdiff_t half)
 {
     REAL top = 0;
