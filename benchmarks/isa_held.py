@@ -1,7 +1,8 @@
 """attnx beside torch with both held to one instruction set, in the same
 interleaved rounds (harness.py): what a machine without AVX-512 gets.
 
-    python benchmarks/isa_held.py --isa avx2 [--threads 2] [--quick] [--json FILE]
+    python benchmarks/isa_held.py --isa avx2 [--threads 2] [--quick] [--only softmax|linear]
+                                  [--json FILE]
 
 `--isa avx2` runs the script again in an environment that holds both
 libraries to AVX2+FMA (ISA_ENVIRONMENTS below): attnx by
@@ -59,6 +60,8 @@ def main():
     parser.add_argument("--isa", choices=sorted(ISA_ENVIRONMENTS), default="native")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="3 rounds, 5 s budget per case")
+    parser.add_argument("--only", choices=["softmax", "linear"],
+                        help="run only the softmax cases or only the linear one")
     parser.add_argument("--json", help="write the figures there")
     args = parser.parse_args()
     hold(args.isa)
@@ -97,7 +100,7 @@ def main():
               f"torch/attnx {row['torch_over_attnx']:.2f}x", flush=True)
 
     rng = np.random.default_rng(0)
-    for n in (1024, 2048, 4096):
+    for n in (1024, 2048, 4096) if args.only != "linear" else ():
         for causal in (False, True):
             q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32)
                              for _ in range(4))
@@ -131,28 +134,30 @@ def main():
                 np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
             report(name + " forward + backward", stats, "attnx", ["torch"])
 
-    _, forms = torch_forms()
-    n = 4096
-    q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) for _ in range(4))
-    out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
-    tgrad = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
-    tdout = torch.from_numpy(dout)
+    if args.only != "softmax":
+        _, forms = torch_forms()
+        n = 4096
+        q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) for _ in range(4))
+        out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
+        tgrad = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+        tdout = torch.from_numpy(dout)
 
-    def attnx_linear():
-        attnx.linear_attention(q, k, v, causal=True, out=out)
-        return attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
+        def attnx_linear():
+            attnx.linear_attention(q, k, v, causal=True, out=out)
+            return attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
 
-    calls = {"attnx": attnx_linear}
-    for form in ("torch chunk-64 loop", "torch chunk-64 parallel"):
-        calls[form] = (lambda f: lambda: torch.autograd.grad(f(*tgrad), tgrad, tdout))(forms[form])
-    stats, first, failed = measure(calls, settings)
-    assert not failed, failed
-    for form in calls:
-        if form != "attnx":
-            for mine, theirs in zip(first["attnx"][:3], first[form]):
-                np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
-    report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
-           [form for form in calls if form != "attnx"])
+        calls = {"attnx": attnx_linear}
+        for form in ("torch chunk-64 loop", "torch chunk-64 parallel"):
+            calls[form] = (lambda f: lambda: torch.autograd.grad(f(*tgrad), tgrad,
+                                                                 tdout))(forms[form])
+        stats, first, failed = measure(calls, settings)
+        assert not failed, failed
+        for form in calls:
+            if form != "attnx":
+                for mine, theirs in zip(first["attnx"][:3], first[form]):
+                    np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
+        report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
+               [form for form in calls if form != "attnx"])
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:

@@ -184,12 +184,14 @@ def test_nan_query_row_isolated(name):
                      err_msg=str(method))
 
 
-# The float32 chunk method on AVX-512 runs whole chunks of 16 through one
-# fused register-blocked kernel (features in blocks of 8, values in whole
-# vectors: r % 8 == 0, e % 16 == 0); partial chunks, other sizes and value
-# blocks holding inf or NaN take the general path. Both must agree with the
-# reference and with each other, for every shape the kernel blocks
-# differently (r % 6 in {0, 2, 4}, e in 1..4 vectors and past 64).
+# The float32 chunk method runs whole chunks of 16 through one fused
+# register-blocked kernel of the linear_forward family's set (AVX-512, AVX2
+# or NEON; features in blocks of 8, values in blocks of 16: r % 8 == 0,
+# e % 16 == 0); partial chunks, other sizes and value blocks holding inf or
+# NaN take the general path. Both must agree with the reference and with
+# each other, on every set the family can run here, for every shape the
+# kernels block differently (r % 6 in {0, 2, 4}, e in 1..4 AVX-512 vectors
+# and past 64).
 FUSED_SHAPES = [(64, 64, 64, 64), (100, 100, 32, 48), (96, 130, 48, 16),
                 (130, 96, 64, 80), (70, 70, 128, 128), (48, 48, 40, 32)]
 
@@ -197,7 +199,7 @@ FUSED_SHAPES = [(64, 64, 64, 64), (100, 100, 32, 48), (96, 130, 48, 16),
 @pytest.mark.parametrize("n,m,d,e", FUSED_SHAPES)
 @pytest.mark.parametrize("name", ["elu", "relu", "softmax", "focused", "favor64",
                                   "cosformer"])
-def test_fused_chunk_kernel_float32(n, m, d, e, name):
+def test_fused_chunk_kernel_float32(n, m, d, e, name, linear_forward_kernels):
     rng = np.random.default_rng(n + 3 * d + e)
     q, k, v = qkv(rng, (2,), n, m, d, e, np.float32)
     key_mask = rng.random((2, m)) < 0.8
@@ -222,10 +224,11 @@ def test_fused_chunk_kernel_float32(n, m, d, e, name):
             assert_close(got, other, np.float32, vscale(v), err_msg="recurrent")
 
 
-def test_fused_chunk_kernel_nan_and_inf():
+def test_fused_chunk_kernel_nan_and_inf(linear_forward_kernels):
     """NaN or inf in a key reaches only the rows that see it, also inside a
-    chunk of the fused kernel; a value block holding NaN takes the general
-    path with the same guarantee; keys removed by key_mask reach nothing."""
+    chunk of the fused kernel (of each set); a value block holding NaN takes
+    the general path with the same guarantee; keys removed by key_mask
+    reach nothing."""
     rng = np.random.default_rng(54)
     n, d = 96, 64
     q, k, v = qkv(rng, (), n, n, d, d, np.float32)
