@@ -21,7 +21,10 @@ Float32, shapes (1, 8, n, 64):
 - causal linear attention (elu + 1) forward + backward at n = 4096: attnx
   (linear_attention, linear_attention_backward, into the same outputs every
   call) beside linear_grad.py's two torch chunk-64 formulations under
-  autograd.
+  autograd, with attnx's FLOP rate (3 x the forward's GEMM arithmetic,
+  cases.py) as a share of the machine's float32 multiply-add peak in the
+  widest vectors left in (benchmarks/machine_peak.c: AVX2 when
+  ATTNX_DISABLE_CPU_FEATURES names AVX512F).
 The fastest call of each (on a shared machine interference only slows a
 call) and the ratio torch / attnx of the fastest calls (above 1: attnx is
 faster) are printed, with the medians. Elementwise loops that GCC compiled
@@ -71,7 +74,8 @@ def main():
     import torch.nn.functional as F
 
     import attnx
-    from harness import Settings, measure
+    from cases import LINEAR_CHUNK, linear_chunk_flops_per_head
+    from harness import Settings, machine_peak, measure
     from linear_grad import torch_forms
 
     attnx.set_num_threads(args.threads)
@@ -158,6 +162,15 @@ def main():
                     np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
         report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
                [form for form in calls if form != "attnx"])
+        # the forward's GEMM arithmetic (cases.py) and the backward's, twice it
+        flops = 3 * 8 * linear_chunk_flops_per_head(n, 64, 64, LINEAR_CHUNK)
+        rows[-1]["attnx_gflops"] = flops / stats["attnx"].min / 1e9
+        peak = machine_peak(args.threads)
+        if peak is not None:
+            rows[-1]["peak_gflops"] = peak.fma_f32_gflops
+            print(f"  attnx {rows[-1]['attnx_gflops']:.1f} GFLOP/s (3 x the forward's GEMM "
+                  f"FLOPs, cases.py), {rows[-1]['attnx_gflops'] / peak.fma_f32_gflops:.0%} of the "
+                  f"float32 peak; {peak}", flush=True)
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
