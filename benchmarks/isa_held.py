@@ -170,7 +170,7 @@ def main():
             rows[-1]["peak_gflops"] = peak.fma_f32_gflops
             print(f"  attnx {rows[-1]['attnx_gflops']:.1f} GFLOP/s (3 x the forward's GEMM "
                   f"FLOPs, cases.py), {rows[-1]['attnx_gflops'] / peak.fma_f32_gflops:.0%} of the "
-                  f"float32 peak; {peak}", flush=True)
+                  f"{peak.describe()}", flush=True)
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,12 @@
  *     and 15);
  *   - those in "lanes" form (below) hold a row of the chunk's 16 rows in
  *     MK_CV = 16 / MK_W vectors, MK_LANES_MR rows at a time: 16 x 1 on
- *     AVX-512, 6 x 2 on AVX2, 6 x 4 on NEON. */
+ *     AVX-512, 6 x 2 on AVX2, 6 x 4 on NEON;
+ *   - the next chunk's rows are asked for (mk_ahead) once every
+ *     MK_AHEAD_EVERY steps of the products' loops, about as often in time
+ *     at every width: asked faster, the prefetches wait for the memory and
+ *     stall the core (AVX2, one in 4 steps: 4% faster than one in 2 and
+ *     6% than every step, 10% faster than one in 8; docs/performance.md). */
 #if !defined(MK_W) || !defined(MK_F32)
 #error "mk_linear.h is included by microkernel.h, in its float32 bodies"
 #endif
@@ -24,16 +29,19 @@
 #if MK_W == 8
 #define MK_LIN_NV 2
 #define MK_LANES_MR 6
+#define MK_AHEAD_EVERY 4
 #define MK_TRANSPOSE mk_transpose8
 #define MK_LIN(w16, w8, n4) w8
 #elif MK_W == 16
 #define MK_LIN_NV 4
 #define MK_LANES_MR 16
+#define MK_AHEAD_EVERY 1
 #define MK_TRANSPOSE mk_transpose16
 #define MK_LIN(w16, w8, n4) w16
 #else
 #define MK_LIN_NV 4
 #define MK_LANES_MR 6
+#define MK_AHEAD_EVERY 2
 #define MK_TRANSPOSE mk_transpose4
 #define MK_LIN(w16, w8, n4) n4
 #endif
@@ -58,7 +66,7 @@ static inline __attribute__((always_inline)) void MK_LIN(mk_rank_w16, mk_rank_w8
     const float *b, ptrdiff_t b_row, ptrdiff_t k, mk_ahead *ahead)
 {
     for (ptrdiff_t p = 0; p < k; p++) {
-        mk_ahead_step(ahead);
+        if (p % MK_AHEAD_EVERY == 0) mk_ahead_step(ahead);
         MK_VEC b_p[MK_LIN_NV];
 #pragma GCC unroll 4
         for (int h = 0; h < nv; h++) b_p[h] = *(const MK_VEC *)(b + p * b_row + h * MK_W);
@@ -220,7 +228,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_lanes)(
     const float *b, ptrdiff_t k, mk_ahead *ahead)
 {
     for (ptrdiff_t p = 0; p < k; p++) {
-        mk_ahead_step(ahead);
+        if (p % MK_AHEAD_EVERY == 0) mk_ahead_step(ahead);
         MK_VEC b_p[MK_CV];
 #pragma GCC unroll 4
         for (int x = 0; x < MK_CV; x++) b_p[x] = *(const MK_VEC *)(b + p * 16 + x * MK_W);
@@ -299,6 +307,15 @@ static inline __attribute__((always_inline)) MK_VEC MK_NAME(mk_kept)(MK_VEC s, M
     return (MK_VEC)((MK_IVEC)s & seen & ~(s < (MK_VEC){0}));
 }
 
+/* The lanes of vector x of the chunk's 16 rows that see key j: row t
+ * sees the keys j < visible[t]. Read from memory at each use: held in
+ * registers, they would take some the products need (AVX2). */
+static inline __attribute__((always_inline)) MK_IVEC MK_NAME(mk_seen)(const int *visible, int x,
+                                                                      ptrdiff_t j)
+{
+    return *(const MK_IVEC *)(visible + x * MK_W) > (int)j;
+}
+
 /* The chunk: out = phi S + P V and den[t] += sum_j P[t][j], with P =
  * phi psi^T where row t sees the keys j < visible[t] (others 0; negative
  * similarities, rounding in taylor's 1 + cos, clamped to 0 as in linear.c,
@@ -373,13 +390,12 @@ static inline void MK_LIN(mk_linear_chunk_w16, mk_linear_chunk_w8, mk_linear_chu
  * forward) and dv_t (16, 16) = (dout v^T)^T; den gets sum_j P_tj in lane t
  * and num_dot sum_j P_tj (dout_t . v_j). */
 static inline void MK_NAME(mk_bwd_block)(const float *psi, ptrdiff_t r, const float *v,
-                                         ptrdiff_t v_row, ptrdiff_t e,
-                                         const MK_IVEC visible[MK_CV], const float *phi_t,
+                                         ptrdiff_t v_row, ptrdiff_t e, const int *visible,
+                                         const float *phi_t,
                                          const float *dout_t, float *p_t, float *dv_t,
                                          MK_VEC den[MK_CV], MK_VEC num_dot[MK_CV],
                                          mk_ahead *ahead)
 {
-    for (int x = 0; x < MK_CV; x++) den[x] = num_dot[x] = (MK_VEC){0};
 #define MK_BLOCK(mr)                                                                          \
     do {                                                                                      \
         MK_VEC acc[MK_LANES_MR][MK_CV];                                                       \
@@ -388,31 +404,37 @@ static inline void MK_NAME(mk_bwd_block)(const float *psi, ptrdiff_t r, const fl
         MK_NAME(mk_lanes)(acc, mr, psi + r0 * r, r, 1, phi_t, r, ahead);                      \
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)                                 \
             _Pragma("GCC unroll 4") for (int x = 0; x < MK_CV; x++) {                         \
-                MK_VEC kept = MK_NAME(mk_kept)(acc[i][x], visible[x] > (int)(r0 + i));        \
-                den[x] += kept;                                                               \
-                *(MK_VEC *)(p_t + (r0 + i) * 16 + x * MK_W) = kept;                           \
+                *(MK_VEC *)(p_t + (r0 + i) * 16 + x * MK_W) =                                 \
+                    MK_NAME(mk_kept)(acc[i][x], MK_NAME(mk_seen)(visible, x, r0 + i));         \
                 acc[i][x] = (MK_VEC){0};                                                      \
             }                                                                                 \
         MK_NAME(mk_lanes)(acc, mr, v + r0 * v_row, v_row, 1, dout_t, e, ahead);               \
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)                                 \
-            _Pragma("GCC unroll 4") for (int x = 0; x < MK_CV; x++) {                         \
-                num_dot[x] += *(const MK_VEC *)(p_t + (r0 + i) * 16 + x * MK_W) * acc[i][x];  \
+            _Pragma("GCC unroll 4") for (int x = 0; x < MK_CV; x++)                           \
                 *(MK_VEC *)(dv_t + (r0 + i) * 16 + x * MK_W) = acc[i][x];                     \
-            }                                                                                 \
     } while (0)
     MK_LANE_ROWS(16, MK_BLOCK)
 #undef MK_BLOCK
+    /* the sums after the products, from L1: live across them, they would
+     * take registers the blocks need (AVX2) */
+    for (int x = 0; x < MK_CV; x++) den[x] = num_dot[x] = (MK_VEC){0};
+    for (int j = 0; j < 16; j++)
+        for (int x = 0; x < MK_CV; x++) {
+            MK_VEC p_j = *(const MK_VEC *)(p_t + j * 16 + x * MK_W);
+            den[x] += p_j;
+            num_dot[x] += p_j * *(const MK_VEC *)(dv_t + j * 16 + x * MK_W);
+        }
 }
 
 /* ds_t[j] = a_t . v_j + b_t on the visible pairs, 0 elsewhere, from dv_t */
-static inline void MK_NAME(mk_bwd_dscores)(float *ds_t, const float *dv_t,
-                                           const MK_IVEC visible[MK_CV],
+static inline void MK_NAME(mk_bwd_dscores)(float *ds_t, const float *dv_t, const int *visible,
                                            const MK_VEC inv_den[MK_CV], const MK_VEC b[MK_CV])
 {
     for (int j = 0; j < 16; j++)
         for (int x = 0; x < MK_CV; x++) {
             MK_VEC ds = inv_den[x] * *(const MK_VEC *)(dv_t + j * 16 + x * MK_W) + b[x];
-            *(MK_VEC *)(ds_t + j * 16 + x * MK_W) = (MK_VEC)((MK_IVEC)ds & (visible[x] > j));
+            *(MK_VEC *)(ds_t + j * 16 + x * MK_W) =
+                (MK_VEC)((MK_IVEC)ds & MK_NAME(mk_seen)(visible, x, j));
         }
 }
 
@@ -437,23 +459,11 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_linear_bwd_rows_bod
 {
     float *phi_t = scratch, *grad_t = phi_t + 16 * r, *dout_t = grad_t + 16 * r;
     float *p_t = dout_t + 32 * e, *dv_t = p_t + 256, *ds_t = dv_t + 256;
-    MK_IVEC visible[MK_CV];
-    for (int x = 0; x < MK_CV; x++) visible[x] = *(const MK_IVEC *)(visible_rows + x * MK_W);
     MK_NAME(mk_to_lanes)(phi_t, phi, r, r);
     MK_NAME(mk_to_lanes)(dout_t, dout, dout_row, e);
-    /* U = S dout^T into grad_t, with phi . z and phi . U = dout . (phi S),
+    /* U = S dout^T into grad_t; then phi . z and phi . U = dout . (phi S),
      * each sum in 4 parts (r % 8 == 0): one chain of r dependent FMAs
      * would wait 4 r cycles */
-    MK_VEC den_part[4][MK_CV], dot_part[4][MK_CV], den[MK_CV], num_dot[MK_CV];
-    MK_VEC block_den[MK_CV], block_dot[MK_CV];
-    for (int h = 0; h < 4; h++)
-        for (int x = 0; x < MK_CV; x++) den_part[h][x] = dot_part[h][x] = (MK_VEC){0};
-    for (ptrdiff_t f = 0; f < r; f += 4)
-#pragma GCC unroll 4
-        for (int h = 0; h < 4; h++)
-#pragma GCC unroll 4
-            for (int x = 0; x < MK_CV; x++)
-                den_part[h][x] += z[f + h] * *(const MK_VEC *)(phi_t + (f + h) * 16 + x * MK_W);
 #define MK_U(mr)                                                                              \
     do {                                                                                      \
         MK_VEC acc[MK_LANES_MR][MK_CV];                                                       \
@@ -461,16 +471,27 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_linear_bwd_rows_bod
             _Pragma("GCC unroll 4") for (int x = 0; x < MK_CV; x++) acc[i][x] = (MK_VEC){0};   \
         MK_NAME(mk_lanes)(acc, mr, S + r0 * e, e, 1, dout_t, e, ahead);                       \
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)                                 \
-            _Pragma("GCC unroll 4") for (int x = 0; x < MK_CV; x++) {                         \
+            _Pragma("GCC unroll 4") for (int x = 0; x < MK_CV; x++)                           \
                 *(MK_VEC *)(grad_t + (r0 + i) * 16 + x * MK_W) = acc[i][x];                   \
-                dot_part[i % 4][x] += *(const MK_VEC *)(phi_t + (r0 + i) * 16 + x * MK_W) *   \
-                                      acc[i][x];                                              \
-            }                                                                                 \
     } while (0)
     MK_LANE_ROWS(r, MK_U)
 #undef MK_U
-    MK_NAME(mk_bwd_block)(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t, dv_t, block_den,
+    MK_VEC den_part[4][MK_CV], dot_part[4][MK_CV], den[MK_CV], num_dot[MK_CV];
+    MK_VEC block_den[MK_CV], block_dot[MK_CV];
+    MK_NAME(mk_bwd_block)(psi, r, v, v_row, e, visible_rows, phi_t, dout_t, p_t, dv_t, block_den,
                           block_dot, ahead);
+    /* the sums after the products, from L1 (as mk_bwd_block's) */
+    for (int h = 0; h < 4; h++)
+        for (int x = 0; x < MK_CV; x++) den_part[h][x] = dot_part[h][x] = (MK_VEC){0};
+    for (ptrdiff_t f = 0; f < r; f += 4)
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++)
+#pragma GCC unroll 4
+            for (int x = 0; x < MK_CV; x++) {
+                MK_VEC phi_f = *(const MK_VEC *)(phi_t + (f + h) * 16 + x * MK_W);
+                den_part[h][x] += z[f + h] * phi_f;
+                dot_part[h][x] += phi_f * *(const MK_VEC *)(grad_t + (f + h) * 16 + x * MK_W);
+            }
     /* D = max(den, eps); a row with den == 0 has no gradient, nor b one
      * where the clamp binds (as linear.c's bwd_row_factors) */
     MK_VEC inv[MK_CV], b[MK_CV];
@@ -488,7 +509,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_linear_bwd_rows_bod
         *(MK_VEC *)(inv_den + x * MK_W) = inv[x];
         *(MK_VEC *)(row_b + x * MK_W) = b[x];
     }
-    MK_NAME(mk_bwd_dscores)(ds_t, dv_t, visible, inv, b);
+    MK_NAME(mk_bwd_dscores)(ds_t, dv_t, visible_rows, inv, b);
     if (kept)
         for (int t = 0; t < 16; t++)
             for (int x = 0; x < MK_CV; x++) {
@@ -536,18 +557,16 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_linear_bwd_keys_bod
                 *(MK_VEC *)(p_t + t * 16 + x * MK_W) = *(const MK_VEC *)(kept + t * kept_row + x * MK_W);
         MK_NAME(mk_to_lanes)(ds, kept + 16, kept_row, 16);
     } else {
-        MK_IVEC visible[MK_CV];
         MK_VEC inv[MK_CV], b[MK_CV], unused_den[MK_CV], unused_dot[MK_CV];
         for (int x = 0; x < MK_CV; x++) {
-            visible[x] = *(const MK_IVEC *)(visible_rows + x * MK_W);
             inv[x] = *(const MK_VEC *)(inv_den + x * MK_W);
             b[x] = *(const MK_VEC *)(row_b + x * MK_W);
         }
         MK_NAME(mk_to_lanes)(phi_t, phi, r, r);
         MK_NAME(mk_to_lanes)(dout_t, dout, dout_row, e);
-        MK_NAME(mk_bwd_block)(psi, r, v, v_row, e, visible, phi_t, dout_t, p_t, dv_t, unused_den,
-                              unused_dot, ahead);
-        MK_NAME(mk_bwd_dscores)(ds_t, dv_t, visible, inv, b);
+        MK_NAME(mk_bwd_block)(psi, r, v, v_row, e, visible_rows, phi_t, dout_t, p_t, dv_t,
+                              unused_den, unused_dot, ahead);
+        MK_NAME(mk_bwd_dscores)(ds_t, dv_t, visible_rows, inv, b);
         MK_NAME(mk_to_lanes)(ds, ds_t, 16, 16);
     }
     for (int t = 0; t < 16; t++) {
@@ -618,6 +637,7 @@ static inline void MK_LIN(mk_linear_bwd_keys_w16, mk_linear_bwd_keys_w8, mk_line
  * mk_decode.h: microkernel.h undefines them) */
 #undef MK_CV
 #undef MK_LANES_MR
+#undef MK_AHEAD_EVERY
 #undef MK_TRANSPOSE
 #undef MK_LIN
 #undef MK_IVEC
