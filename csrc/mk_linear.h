@@ -18,8 +18,8 @@
  *   - the next chunk's rows are asked for (mk_ahead) once every
  *     MK_AHEAD_EVERY steps of the products' loops, about as often in time
  *     at every width: asked faster, the prefetches wait for the memory and
- *     stall the core (AVX2, one in 4 steps: 4% faster than one in 2 and
- *     6% than every step, 10% faster than one in 8; docs/performance.md). */
+ *     stall the core (on AVX2 one in 4 steps was fastest: docs/performance.md,
+ *     the C code's choices). */
 #if !defined(MK_W) || !defined(MK_F32)
 #error "mk_linear.h is included by microkernel.h, in its float32 bodies"
 #endif
