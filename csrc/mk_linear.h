@@ -19,7 +19,8 @@
  *     MK_AHEAD_EVERY steps of the products' loops, about as often in time
  *     at every width: asked faster, the prefetches wait for the memory and
  *     stall the core (on AVX2 one in 4 steps was fastest: docs/performance.md,
- *     the C code's choices). */
+ *     the C code's choices; NEON's one in 2 is a guess from its widths,
+ *     unmeasured: no aarch64 machine here, only an emulated one). */
 #if !defined(MK_W) || !defined(MK_F32)
 #error "mk_linear.h is included by microkernel.h, in its float32 bodies"
 #endif
