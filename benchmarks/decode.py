@@ -25,6 +25,12 @@ run of steps splits its heads over attnx's own helper threads from its
 row shows what a step costs when decoding alternates with other
 multi-threaded attnx calls (csrc/team.c).
 
+"state read once" is the time the same threads take to read a buffer the
+size of the state (S and z of every head), the fastest of 200 reads of it
+(benchmarks/machine_peak.c), from the cache as the step finds its state:
+the step's floor, and the ratio step / read its distance from it (target
+under 2).
+
 The machine line says how many cores other processes kept busy just before
 the run (a shared machine inflates every figure).
 """
@@ -37,6 +43,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from run import busy_cores, cpu_model  # noqa: E402
 
 import attnx  # noqa: E402
@@ -147,6 +154,15 @@ def main():
                                               else "MISS", target))
         print("%-18s %7.2f us  (rounds %.2f .. %.2f)%s" % (
             name, results[name]["median_us"], min(medians), max(medians), verdict))
+    # the state's one read, the step's floor: S (d x d) and z (d) per head
+    state_bytes = args.heads * (args.d * args.d + args.d) * np.dtype(args.dtype).itemsize
+    read = harness.read_seconds(attnx.get_num_threads(), state_bytes)
+    if read is not None:
+        step = results["step"]["median_us"]
+        results["state read once"] = {"median_us": read * 1e6, "min_us": read * 1e6,
+                                      "max_us": read * 1e6}
+        print("%-18s %7.2f us  (%d KiB, fastest of 200 reads; step / read %.2f, target < 2)" % (
+            "state read once", read * 1e6, state_bytes >> 10, step / (read * 1e6)))
     after = [step_after_softmax(args.heads, args.d, np.dtype(args.dtype), args.calls // 4)
              for _ in range(3)]
     results["step after softmax"] = {"median_us": float(np.median(after)), "min_us": min(after),

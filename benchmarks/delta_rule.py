@@ -28,13 +28,17 @@ from attnx.torch import _delta as _torch_delta
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen
 
 
-def best(fn, repeats):
+def timings(fn, repeats):
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best(fn, repeats):
+    return min(timings(fn, repeats))
 
 
 def main():
@@ -114,9 +118,13 @@ def main():
     bn, gn = b1.numpy().swapaxes(1, 2), g1.numpy().swapaxes(1, 2)
     for threads in sorted({args.threads, 1}, reverse=True):
         attnx.set_num_threads(threads)
-        t_state = best(lambda: state.step(qn, kn, vn, bn, gn), 50 * args.repeats)
+        steps = timings(lambda: state.step(qn, kn, vn, bn, gn), 50 * args.repeats)
+        t_state = min(steps)
+        # the median and mean say what a busy machine does to the step (the
+        # fastest call is what it costs on a quiet one)
         print(f"decode step  DeltaRuleState.step, {threads} thread(s) {t_state * 1e6:8.1f} us  "
-              f"ratio to torch {t_theirs / t_state:5.1f}x")
+              f"ratio to torch {t_theirs / t_state:5.1f}x  (median "
+              f"{np.median(steps) * 1e6:.1f} us, mean {np.mean(steps) * 1e6:.1f} us)")
     attnx.set_num_threads(args.threads)
     conv_share(args)
 

@@ -201,6 +201,18 @@ def _last_level_cache_bytes():
     return largest or 32 << 20
 
 
+def read_seconds(threads, nbytes, repeats=200):
+    """The fastest of `repeats` reads of a buffer of `nbytes` bytes on
+    `threads` threads, in seconds: the buffer is read again and again, so a
+    small one is read from the cache, as a decoding step finds its state.
+    None where machine_peak.c cannot be built."""
+    library = _peak_library()
+    if library is None:
+        return None
+    gbps = library.read_gbps(threads, nbytes, repeats)
+    return nbytes / (gbps * 1e9) if gbps > 0 else None
+
+
 @dataclass(frozen=True)
 class MachinePeak:
     """The ceilings of `threads` threads: GFLOP/s of vector multiply-adds

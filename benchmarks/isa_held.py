@@ -1,7 +1,8 @@
 """attnx beside torch with both held to one instruction set, in the same
 interleaved rounds (harness.py): what a machine without AVX-512 gets.
 
-    python benchmarks/isa_held.py --isa avx2 [--threads 2] [--quick] [--json FILE]
+    python benchmarks/isa_held.py --isa avx2 [--threads 2] [--quick] [--only softmax|linear]
+                                  [--json FILE]
 
 `--isa avx2` runs the script again in an environment that holds both
 libraries to AVX2+FMA (ISA_ENVIRONMENTS below): attnx by
@@ -20,7 +21,10 @@ Float32, shapes (1, 8, n, 64):
 - causal linear attention (elu + 1) forward + backward at n = 4096: attnx
   (linear_attention, linear_attention_backward, into the same outputs every
   call) beside linear_grad.py's two torch chunk-64 formulations under
-  autograd;
+  autograd, with attnx's FLOP rate (3 x the forward's GEMM arithmetic,
+  cases.py) as a share of the machine's float32 multiply-add peak in the
+  widest vectors left in (benchmarks/machine_peak.c: AVX2 when
+  ATTNX_DISABLE_CPU_FEATURES names AVX512F);
 - softmax decoding, one query row per head against (1, 8, m, d) keys and
   values, m = 4096 with d = 64 and m = 16384 with d = 128 (one call per
   sample, as softmax_decode.py): also the bytes of K and V read per second,
@@ -64,6 +68,8 @@ def main():
     parser.add_argument("--isa", choices=sorted(ISA_ENVIRONMENTS), default="native")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="3 rounds, 5 s budget per case")
+    parser.add_argument("--only", choices=["softmax", "linear", "decoding"],
+                        help="run only the softmax cases, the linear one or the decoding ones")
     parser.add_argument("--json", help="write the figures there")
     args = parser.parse_args()
     hold(args.isa)
@@ -73,6 +79,7 @@ def main():
     import torch.nn.functional as F
 
     import attnx
+    from cases import LINEAR_CHUNK, linear_chunk_flops_per_head
     from harness import Settings, machine_peak, measure
     from linear_grad import torch_forms
 
@@ -102,7 +109,7 @@ def main():
               f"torch/attnx {row['torch_over_attnx']:.2f}x", flush=True)
 
     rng = np.random.default_rng(0)
-    for n in (1024, 2048, 4096):
+    for n in (1024, 2048, 4096) if args.only in (None, "softmax") else ():
         for causal in (False, True):
             q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32)
                              for _ in range(4))
@@ -136,62 +143,73 @@ def main():
                 np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
             report(name + " forward + backward", stats, "attnx", ["torch"])
 
-    _, forms = torch_forms()
-    n = 4096
-    q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) for _ in range(4))
-    out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
-    tgrad = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
-    tdout = torch.from_numpy(dout)
+    peak = machine_peak(args.threads) if args.only in (None, "linear", "decoding") else None
+    if args.only in (None, "linear"):
+        _, forms = torch_forms()
+        n = 4096
+        q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) for _ in range(4))
+        out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
+        tgrad = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+        tdout = torch.from_numpy(dout)
 
-    def attnx_linear():
-        attnx.linear_attention(q, k, v, causal=True, out=out)
-        return attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
+        def attnx_linear():
+            attnx.linear_attention(q, k, v, causal=True, out=out)
+            return attnx.linear_attention_backward(dout, q, k, v, causal=True, dq=dq, dk=dk, dv=dv)
 
-    calls = {"attnx": attnx_linear}
-    for form in ("torch chunk-64 loop", "torch chunk-64 parallel"):
-        calls[form] = (lambda f: lambda: torch.autograd.grad(f(*tgrad), tgrad, tdout))(forms[form])
-    stats, first, failed = measure(calls, settings)
-    assert not failed, failed
-    for form in calls:
-        if form != "attnx":
-            for mine, theirs in zip(first["attnx"][:3], first[form]):
-                np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
-    report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
-           [form for form in calls if form != "attnx"])
-    # decoding: one query row per head against a KV cache (softmax_decode.c),
-    # memory bound: the rate is the bytes of K and V read per second, beside
-    # the read bandwidth measured on the same threads (harness.machine_peak)
-    peak = machine_peak(args.threads)
-    if peak:
-        print(peak.describe())
-    single = dict(min_sample_s=0.0, pause_s=0.02)
-    decode_settings = (Settings(min_rounds=20, max_rounds=60, budget_s=3.0, **single)
-                       if args.quick else
-                       Settings(min_rounds=50, max_rounds=200, budget_s=10.0, **single))
-    for heads, m, d in ((8, 4096, 64), (8, 16384, 128)):
-        q = rng.standard_normal((1, heads, 1, d), dtype=np.float32)
-        k, v = (rng.standard_normal((1, heads, m, d), dtype=np.float32) for _ in range(2))
-        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-
-        def attnx_decode():
-            return attnx.softmax_attention(q, k, v)
-
-        def torch_decode():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(tq, tk, tv)
-
-        stats, first, failed = measure({"attnx": attnx_decode, "torch": torch_decode},
-                                       decode_settings)
+        calls = {"attnx": attnx_linear}
+        for form in ("torch chunk-64 loop", "torch chunk-64 parallel"):
+            calls[form] = (lambda f: lambda: torch.autograd.grad(f(*tgrad), tgrad,
+                                                                 tdout))(forms[form])
+        stats, first, failed = measure(calls, settings)
         assert not failed, failed
-        np.testing.assert_allclose(first["attnx"], first["torch"].numpy(), rtol=1e-4, atol=1e-5)
-        case = f"softmax decoding (1, {heads}, 1, {m}, {d})"
-        report(case, stats, "attnx", ["torch"])
-        rate = (k.nbytes + v.nbytes) / stats["attnx"].min
-        rows[-1]["attnx_kv_gb_per_s"] = rate / 1e9
-        rows[-1]["attnx_read_fraction"] = peak.read_fraction(rate) if peak else None
-        print(f"{'':42s} attnx reads K, V at {rate / 1e9:.1f} GB/s"
-              + (f", {100 * peak.read_fraction(rate):.0f}% of the read bandwidth" if peak else ""),
-              flush=True)
+        for form in calls:
+            if form != "attnx":
+                for mine, theirs in zip(first["attnx"][:3], first[form]):
+                    np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
+        report(f"causal linear elu+1 (1, 8, {n}, 64) fwd + bwd", stats, "attnx",
+               [form for form in calls if form != "attnx"])
+        # the forward's GEMM arithmetic (cases.py) and the backward's, twice it
+        flops = 3 * 8 * linear_chunk_flops_per_head(n, 64, 64, LINEAR_CHUNK)
+        rows[-1]["attnx_gflops"] = flops / stats["attnx"].min / 1e9
+        if peak is not None:
+            rows[-1]["peak_gflops"] = peak.fma_f32_gflops
+            print(f"  attnx {rows[-1]['attnx_gflops']:.1f} GFLOP/s (3 x the forward's GEMM "
+                  f"FLOPs, cases.py), {rows[-1]['attnx_gflops'] / peak.fma_f32_gflops:.0%} of the "
+                  f"{peak.describe()}", flush=True)
+    if args.only in (None, "decoding"):
+        # one query row per head against a KV cache (softmax_decode.c), memory
+        # bound: the rate is the bytes of K and V read per second, beside the
+        # read bandwidth measured on the same threads (harness.machine_peak)
+        if peak:
+            print(peak.describe())
+        single = dict(min_sample_s=0.0, pause_s=0.02)
+        decode_settings = (Settings(min_rounds=20, max_rounds=60, budget_s=3.0, **single)
+                           if args.quick else
+                           Settings(min_rounds=50, max_rounds=200, budget_s=10.0, **single))
+        for heads, m, d in ((8, 4096, 64), (8, 16384, 128)):
+            q = rng.standard_normal((1, heads, 1, d), dtype=np.float32)
+            k, v = (rng.standard_normal((1, heads, m, d), dtype=np.float32) for _ in range(2))
+            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+
+            def attnx_decode():
+                return attnx.softmax_attention(q, k, v)
+
+            def torch_decode():
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(tq, tk, tv)
+
+            stats, first, failed = measure({"attnx": attnx_decode, "torch": torch_decode},
+                                           decode_settings)
+            assert not failed, failed
+            np.testing.assert_allclose(first["attnx"], first["torch"].numpy(), rtol=1e-4,
+                                       atol=1e-5)
+            report(f"softmax decoding (1, {heads}, 1, {m}, {d})", stats, "attnx", ["torch"])
+            rate = (k.nbytes + v.nbytes) / stats["attnx"].min
+            rows[-1]["attnx_kv_gb_per_s"] = rate / 1e9
+            rows[-1]["attnx_read_fraction"] = peak.read_fraction(rate) if peak else None
+            print(f"{'':42s} attnx reads K, V at {rate / 1e9:.1f} GB/s"
+                  + (f", {100 * peak.read_fraction(rate):.0f}% of the read bandwidth"
+                     if peak else ""), flush=True)
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:

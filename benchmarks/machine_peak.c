@@ -8,7 +8,8 @@
  * The peak: per thread, a loop of vector multiply-adds on 16 independent
  * accumulators, more than the latency times the ports of any core here
  * (4 cycles x 2 ports), in the widest vectors the CPU has, chosen at run
- * time: AVX-512, AVX2 + FMA, NEON (aarch64), else scalar. Each step is
+ * time: AVX-512 (unless ATTNX_DISABLE_CPU_FEATURES names AVX512F), AVX2 +
+ * FMA, NEON (aarch64), else scalar. Each step is
  * acc = acc * a + b with a and b read at run time, so nothing folds, and
  * the accumulators converge (|a| < 1) and stay normal.
  *
@@ -68,12 +69,23 @@ FMA_LOOP(fma_neon_f64, , double, 2)
 FMA_LOOP(fma_scalar_f32, , float, 1)
 FMA_LOOP(fma_scalar_f64, , double, 1)
 
+/* Whether ATTNX_DISABLE_CPU_FEATURES (comma-separated) names `feature`:
+ * the peak then leaves it out as attnx does (benchmarks/isa_held.py) */
+static int left_out(const char *feature)
+{
+    const char *list = getenv("ATTNX_DISABLE_CPU_FEATURES");
+    size_t length = strlen(feature);
+    for (const char *at = list; at && *at; at = strchr(at, ',') ? strchr(at, ',') + 1 : NULL)
+        if (strncmp(at, feature, length) == 0 && (at[length] == ',' || at[length] == 0)) return 1;
+    return 0;
+}
+
 /* The instruction set the peak runs on: "avx512", "avx2", "neon" or "scalar" */
 const char *peak_isa(void)
 {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return "avx512";
+    if (__builtin_cpu_supports("avx512f") && !left_out("AVX512F")) return "avx512";
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
     return "scalar";
 #elif defined(__aarch64__)

@@ -65,8 +65,11 @@ static const kernel_row softmax_bwd_table[] = {
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
+/* the forward and the backward have the same sets (mk_linear.h) */
 static const kernel_row linear_table[] = {
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
+    {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
+    {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
 static const kernel_row decode_table[] = {

@@ -18,8 +18,8 @@
  *   chunk      per chunk of C queries: out = phi S for the keys before the
  *              chunk, plus the masked C x C block of the chunk's own keys,
  *              then S += psi^T V. GEMMs carry all the work; O(n) time.
- *              Whole float32 chunks of 16 on AVX-512 do the three in one
- *              register-blocked kernel instead (fused_chunk).
+ *              Whole float32 chunks of 16 on AVX-512, AVX2 or NEON do the
+ *              three in one register-blocked kernel instead (fused_chunk).
  *   recurrent  the RNN form: S += psi(k_j) v_j^T one key at a time, each
  *              query read from the state as soon as its keys are in.
  *              A float32 call of one token on AVX-512 does both in one
@@ -73,7 +73,7 @@ typedef struct {
     ptrdiff_t segs;           /* segments per head (chunk method), >= 1 */
     ptrdiff_t needed, split;  /* segments whose increments are precomputed, pieces each */
     int threads;
-    int chunk_kernel;         /* whole chunks go through fused_chunk (float32, AVX-512) */
+    int chunk_kernel;         /* whole chunks go through fused_chunk: its width, or 0 */
     int decode_kernel;        /* single-token steps go through decode_kernel: its float32
                                  lanes (16, 8, 4; mk_decode.h), 0 for none */
     int decode_group;         /* and four heads at once through decode_group (AVX-512) */
@@ -88,11 +88,90 @@ typedef struct {
     double key_log_scale;
     int causal;
     int threads;
-    int chunk_kernel;         /* whole chunks go through the fused kernels (float32, AVX-512) */
+    int chunk_kernel;         /* whole chunks go through the fused kernels: their width, or 0 */
 } bwd_plan;
 
 /* The fused chunk kernel's chunk length */
 #define KERNEL_CHUNK 16
+
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+/* the fused chunk kernels (mk_linear.h, float32) of every width this
+ * build has, AVX-512's, AVX2's or NEON's */
+#define CHUNK_KERNELS 1
+
+/* The width (attnx_kernels_width) of the fused chunk kernels that
+ * `family`'s set has, 0 where it has none: every set with register-blocked
+ * kernels has them */
+static int chunk_kernel_width(int family)
+{
+    return attnx_kernels_width(attnx_kernels(family));
+}
+
+/* mk_linear_chunk (mk_linear.h) of that width */
+static void chunk_kernel_fwd(int width, const float *phi, const float *psi, ptrdiff_t r,
+                             const float *v, ptrdiff_t v_row, ptrdiff_t e,
+                             const ptrdiff_t *visible, float *S, float *z, float *out,
+                             ptrdiff_t out_row, float *den, float *psi_t, float *p,
+                             mk_ahead *ahead)
+{
+#if defined(MK_HAVE_X86)
+    if (width == 16)
+        mk_linear_chunk_w16(phi, psi, r, v, v_row, e, visible, S, z, out, out_row, den, psi_t, p,
+                            ahead);
+    else
+        mk_linear_chunk_w8(phi, psi, r, v, v_row, e, visible, S, z, out, out_row, den, psi_t, p,
+                           ahead);
+#else
+    (void)width;
+    mk_linear_chunk_n4(phi, psi, r, v, v_row, e, visible, S, z, out, out_row, den, psi_t, p,
+                       ahead);
+#endif
+}
+
+/* mk_linear_bwd_rows (mk_linear.h) of that width */
+static void chunk_kernel_bwd_rows(int width, const float *phi, const float *psi, ptrdiff_t r,
+                                  const float *v, ptrdiff_t v_row, const float *dout,
+                                  ptrdiff_t dout_row, ptrdiff_t e, const int *visible,
+                                  const float *eps, float *S, float *z, float *inv_den,
+                                  float *row_b, float *dphi, float *kept, ptrdiff_t kept_row,
+                                  float *scratch, mk_ahead *ahead)
+{
+#if defined(MK_HAVE_X86)
+    if (width == 16)
+        mk_linear_bwd_rows_w16(phi, psi, r, v, v_row, dout, dout_row, e, visible, eps, S, z,
+                               inv_den, row_b, dphi, kept, kept_row, scratch, ahead);
+    else
+        mk_linear_bwd_rows_w8(phi, psi, r, v, v_row, dout, dout_row, e, visible, eps, S, z,
+                              inv_den, row_b, dphi, kept, kept_row, scratch, ahead);
+#else
+    (void)width;
+    mk_linear_bwd_rows_n4(phi, psi, r, v, v_row, dout, dout_row, e, visible, eps, S, z, inv_den,
+                          row_b, dphi, kept, kept_row, scratch, ahead);
+#endif
+}
+
+/* mk_linear_bwd_keys (mk_linear.h) of that width */
+static void chunk_kernel_bwd_keys(int width, const float *phi, const float *psi, ptrdiff_t r,
+                                  const float *v, ptrdiff_t v_row, const float *dout,
+                                  ptrdiff_t dout_row, ptrdiff_t e, const int *visible,
+                                  const float *inv_den, const float *row_b, float *dS, float *dz,
+                                  float *dv, ptrdiff_t dv_row, float *dpsi, const float *kept,
+                                  ptrdiff_t kept_row, float *scratch, mk_ahead *ahead)
+{
+#if defined(MK_HAVE_X86)
+    if (width == 16)
+        mk_linear_bwd_keys_w16(phi, psi, r, v, v_row, dout, dout_row, e, visible, inv_den, row_b,
+                               dS, dz, dv, dv_row, dpsi, kept, kept_row, scratch, ahead);
+    else
+        mk_linear_bwd_keys_w8(phi, psi, r, v, v_row, dout, dout_row, e, visible, inv_den, row_b,
+                              dS, dz, dv, dv_row, dpsi, kept, kept_row, scratch, ahead);
+#else
+    (void)width;
+    mk_linear_bwd_keys_n4(phi, psi, r, v, v_row, dout, dout_row, e, visible, inv_den, row_b, dS,
+                          dz, dv, dv_row, dpsi, kept, kept_row, scratch, ahead);
+#endif
+}
+#endif
 /* Heads whose decoding steps go through the decoding kernel together
  * (decode_group) */
 #define DECODE_GROUP 4
@@ -604,15 +683,16 @@ static void SFX(finish_rows)(const linear_plan *p, ptrdiff_t rows, const SFX(scr
 }
 
 /* One whole chunk (KERNEL_CHUNK rows against as many keys) through the
- * fused AVX-512 kernel, which keeps every product in registers: read_state,
- * add_block and state_add in one pass (mk_linear.h). Returns 0 where it
- * does not apply (float64, other CPUs, partial chunks, values holding inf
- * or NaN), leaving the work to those three. */
+ * fused kernel of the family's width (AVX-512, AVX2 or NEON), which keeps
+ * every product in registers: read_state, add_block and state_add in one
+ * pass (mk_linear.h). Returns 0 where it does not apply (float64, plain
+ * C, partial chunks, values holding inf or NaN), leaving the work to
+ * those three. */
 static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t i0,
                             ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
                             const SFX(scratch) *w, SFX(state) st, REAL *out)
 {
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && defined(CHUNK_KERNELS)
     const attnx_linear_args *a = p->a;
     if (!p->chunk_kernel || rows != KERNEL_CHUNK || cols != KERNEL_CHUNK ||
         SFX(has_nonfinite)(vals.v, cols, a->e, vals.v_row))
@@ -637,8 +717,8 @@ static int SFX(fused_chunk)(const linear_plan *p, const SFX(head) *hd, ptrdiff_t
         mk_ahead_add(&ahead, hd->k + (j0 + cols) * a->k_row, a->k_row * size, a->d * size, next_keys, 0);
         mk_ahead_add(&ahead, hd->v + (j0 + cols) * a->v_row, a->v_row * size, a->e * size, next_keys, 0);
     }
-    mk_linear_chunk_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, a->e, visible, st.S, st.z, out,
-                        a->out_row, w->den, w->psi_t, w->scores, &ahead);
+    chunk_kernel_fwd(p->chunk_kernel, w->phi, w->psi, p->r, vals.v, vals.v_row, a->e, visible,
+                     st.S, st.z, out, a->out_row, w->den, w->psi_t, w->scores, &ahead);
     return 1;
 #else
     (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w, (void)st,
@@ -1197,11 +1277,11 @@ static linear_plan SFX(make_plan)(const attnx_linear_args *a)
     linear_plan p = {.a = a, .r = a->features.r, .C = a->chunk, .causal = a->band.has_hi,
                      .segs = 1, .needed = 0, .split = 1};
     p.state_size = p.r * a->e + p.r;
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && defined(CHUNK_KERNELS)
     /* the fused kernel: whole chunks of 16 under a causal band that opens
-     * at key 0, features in blocks of 8, values in whole vectors */
-    p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_FWD) == ATTNX_KERNELS_AVX512 &&
-                     p.C == KERNEL_CHUNK && p.r % 8 == 0 && a->e % 16 == 0 && !a->band.has_lo;
+     * at key 0, features in blocks of 8, values in blocks of 16 */
+    if (p.C == KERNEL_CHUNK && p.r % 8 == 0 && a->e % 16 == 0 && !a->band.has_lo)
+        p.chunk_kernel = chunk_kernel_width(ATTNX_FAMILY_LINEAR_FWD);
 #endif
 #if !REAL_IS_DOUBLE && (defined(MK_HAVE_X86) || defined(MK_HAVE_NEON))
     /* the decoding kernels of the decoding family's set: r and e whole vectors */
@@ -1299,9 +1379,10 @@ void TYPED(attnx_linear_flush_f32, attnx_linear_flush_f64)(
  * against every key block it sees, (2) per key block against every tile of
  * rows that sees it, the state only carrying S0 and the gradient at the
  * returned state. Memory: O(C (r + e) + r e) per thread plus 2 n numbers.
- * Float32 on AVX-512, whole causal chunks of 16 take each pass's steps in
- * one fused kernel (bwd_fused_chunk; mk_linear.h), about twice as fast
- * as the steps below at their best chunk (docs/performance.md, the C code's choices).
+ * Float32 on AVX-512, AVX2 or NEON, whole causal chunks of 16 take each
+ * pass's steps in one fused kernel (bwd_fused_chunk; mk_linear.h), on
+ * AVX-512 about twice as fast as the steps below at their best chunk
+ * (docs/performance.md, the C code's choices).
  *
  * FAVOR+ runs on the stabilised features (as the forward does, the clamp
  * scaled alike): the attention does not depend on the stabilisers, so
@@ -1340,7 +1421,7 @@ typedef struct {
 /* numbers of the fused kernels' scratch (0 where they do not run) */
 static size_t SFX(bwd_lanes_size)(const bwd_plan *p)
 {
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && defined(CHUNK_KERNELS)
     /* then a byte per chunk: which chunks pass (1) fused */
     if (p->chunk_kernel)
         return (size_t)MK_BWD_SCRATCH(p->r, p->a->e) +
@@ -1393,7 +1474,7 @@ static SFX(bscratch) SFX(bscratch_at)(const bwd_plan *p, REAL *block)
     w.prefix = (a->dW ? w.dW + r * a->d : w.row_b + a->n);
     w.lanes = p->chunk_kernel ? w.prefix : NULL;  /* the chunk method keeps no prefix states */
     w.fused = NULL;
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && defined(CHUNK_KERNELS)
     if (p->chunk_kernel) w.fused = (unsigned char *)(w.lanes + MK_BWD_SCRATCH(r, e));
 #endif
     memset(w.zeros, 0, (size_t)ATTNX_MAX(r, e) * sizeof(REAL));
@@ -1735,8 +1816,8 @@ static void SFX(bwd_key_columns)(const bwd_plan *p, const SFX(bhead) *hd, const 
 }
 
 /* Whole chunks (KERNEL_CHUNK rows against their diagonal block of as
- * many keys, features and values in w) through the fused AVX-512 kernels
- * of mk_linear.h, which keep each product's block in registers: one
+ * many keys, features and values in w) through the fused kernels of
+ * mk_linear.h of the family's width, which keep each product's block in registers: one
  * chunk of bwd_scan_head's pass (1), or with keys_pass of its pass (2).
  * Returns 0 where they do not apply (float64, other CPUs, partial chunks,
  * a block holding inf or NaN, whose zeroed pairs must not carry it),
@@ -1747,7 +1828,7 @@ static int SFX(bwd_fused_chunk)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff
                                 ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols, SFX(values) vals,
                                 const SFX(bscratch) *w, int keys_pass)
 {
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && defined(CHUNK_KERNELS)
     const attnx_linear_bwd_args *a = p->a;
     const float *dout = hd->dout + i0 * a->dout_row;
     if (!p->chunk_kernel || rows != KERNEL_CHUNK || cols != KERNEL_CHUNK) return 0;
@@ -1805,17 +1886,17 @@ static int SFX(bwd_fused_chunk)(const bwd_plan *p, const SFX(bhead) *hd, ptrdiff
         }
     }
     if (keys_pass) {
-        mk_linear_bwd_keys_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, dout, a->dout_row, a->e,
-                               visible, w->inv_den + i0, w->row_b + i0, w->dS, w->dz,
-                               hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, kept, a->dk_row,
-                               w->lanes, &ahead);
+        chunk_kernel_bwd_keys(p->chunk_kernel, w->phi, w->psi, p->r, vals.v, vals.v_row, dout,
+                              a->dout_row, a->e, visible, w->inv_den + i0, w->row_b + i0, w->dS,
+                              w->dz, hd->dv + j0 * a->dv_row, a->dv_row, w->dpsi, kept, a->dk_row,
+                              w->lanes, &ahead);
         return 1;
     }
     float eps[KERNEL_CHUNK];
     for (ptrdiff_t t = 0; t < rows; t++) eps[t] = SFX(bwd_row_eps)(p, w, t);
-    mk_linear_bwd_rows_w16(w->phi, w->psi, p->r, vals.v, vals.v_row, dout, a->dout_row, a->e,
-                           visible, eps, w->S, w->z, w->inv_den + i0, w->row_b + i0, w->dphi,
-                           kept, a->dk_row, w->lanes, &ahead);
+    chunk_kernel_bwd_rows(p->chunk_kernel, w->phi, w->psi, p->r, vals.v, vals.v_row, dout,
+                          a->dout_row, a->e, visible, eps, w->S, w->z, w->inv_den + i0,
+                          w->row_b + i0, w->dphi, kept, a->dk_row, w->lanes, &ahead);
     return 1;
 #else
     (void)p, (void)hd, (void)i0, (void)rows, (void)j0, (void)cols, (void)vals, (void)w,
@@ -2043,13 +2124,12 @@ int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_arg
     if (a->heads == 0) return ATTNX_OK;
     bwd_plan p = {.a = a, .r = a->features.r, .C = a->method == ATTNX_METHOD_RECURRENT ? 1 : a->chunk,
                   .causal = a->band.has_hi};
-#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+#if !REAL_IS_DOUBLE && defined(CHUNK_KERNELS)
     /* the fused kernels: causal chunks of 16 under a band that opens at
-     * key 0 and no mask, features in blocks of 8, values in whole vectors */
-    p.chunk_kernel = attnx_kernels(ATTNX_FAMILY_LINEAR_BWD) == ATTNX_KERNELS_AVX512 &&
-                     a->method == ATTNX_METHOD_CHUNK &&
-                     p.C == KERNEL_CHUNK && p.causal && !a->band.has_lo && !a->mask &&
-                     p.r % 8 == 0 && a->e % 16 == 0;
+     * key 0 and no mask, features in blocks of 8, values in blocks of 16 */
+    if (a->method == ATTNX_METHOD_CHUNK && p.C == KERNEL_CHUNK && p.causal && !a->band.has_lo &&
+        !a->mask && p.r % 8 == 0 && a->e % 16 == 0)
+        p.chunk_kernel = chunk_kernel_width(ATTNX_FAMILY_LINEAR_BWD);
 #endif
     p.key_log_scale = SFX(attnx_key_log_scale)(&a->features);
     /* threads over heads; below MIN_PARALLEL_FLOPS one thread */

@@ -1,7 +1,8 @@
 /* microkernel.h - register-blocked kernels for the softmax tiles, float32
- * and float64, for AVX-512 and AVX2+FMA, picked at import (dispatch.h);
- * for AVX-512 float32 it also includes the linear family's chunk kernels
- * (mk_linear.h), and at every width the decoding steps' (mk_decode.h).
+ * and float64, for AVX-512, AVX2+FMA and NEON, picked at import
+ * (dispatch.h); for float32 (MK_F32) it also includes the linear family's
+ * chunk kernels (mk_linear.h), and at every width the decoding steps'
+ * (mk_decode.h).
  * Header functions are static inline, so that a file that uses some of
  * them compiles without the others.
  *
@@ -38,8 +39,8 @@
  * for float64, _n4 and _nd2 on NEON, by MK_NAME(name) where only this file
  * calls them; one called from elsewhere is defined as MK_TYPED(name_w16,
  * name_d8, name_w8, name_d4, name_n4, name_nd2), or by its literal name
- * where one width has it, so that grep finds its body by the name it is
- * called by. */
+ * where one width has it (mk_linear.h's, float32 only: _w16, _w8, _n4),
+ * so that grep finds its body by the name it is called by. */
 #ifndef MK_W
 #ifndef ATTNX_MICROKERNEL_H
 #define ATTNX_MICROKERNEL_H
@@ -137,6 +138,57 @@ static inline void mk_key_rows(const mk_tile *t, ptrdiff_t j, ptrdiff_t *lo, ptr
     if (*lo < 0) *lo = 0;
     if (*hi > t->rows) *hi = t->rows;
     if (*hi < *lo) *hi = *lo;
+}
+
+/* The rows that the next chunk of the linear family's chunk kernels
+ * (mk_linear.h) reads and writes, asked of the memory a line at a time
+ * from inside the kernels' loops (mk_ahead_step), so that they arrive
+ * while this chunk computes. Asked all at once before it, they stall the
+ * core: each operand's chunk is a 4 KiB page of its own, where the
+ * hardware's stream prefetch stops, and the memory takes a few dozen lines
+ * at a time. Here, outside every instruction set's body: linear.c calls
+ * mk_ahead_add whatever the CPU. */
+#define MK_AHEAD_MAX 6
+typedef struct {
+    const char *next[MK_AHEAD_MAX];  /* the next line of each region */
+    const char *end[MK_AHEAD_MAX];   /* past the last byte of its current row */
+    ptrdiff_t stride[MK_AHEAD_MAX];  /* bytes between its rows */
+    ptrdiff_t row_bytes[MK_AHEAD_MAX];
+    ptrdiff_t rows_left[MK_AHEAD_MAX];  /* rows after the current one */
+    int write[MK_AHEAD_MAX];         /* the chunk writes it */
+    int regions, current;
+} mk_ahead;
+
+/* `rows` rows of `row_bytes` bytes from `first`, `stride` bytes apart */
+static inline void mk_ahead_add(mk_ahead *ahead, const void *first, ptrdiff_t stride,
+                                ptrdiff_t row_bytes, ptrdiff_t rows, int write)
+{
+    if (rows <= 0 || row_bytes <= 0 || ahead->regions == MK_AHEAD_MAX) return;
+    int k = ahead->regions++;
+    ahead->next[k] = (const char *)((uintptr_t)first & ~(uintptr_t)63);
+    ahead->end[k] = (const char *)first + row_bytes;
+    ahead->stride[k] = stride;
+    ahead->row_bytes[k] = row_bytes;
+    ahead->rows_left[k] = rows - 1;
+    ahead->write[k] = write;
+}
+
+/* ask for the next line, if any is left */
+static inline __attribute__((always_inline)) void mk_ahead_step(mk_ahead *ahead)
+{
+    if (!ahead || ahead->current == ahead->regions) return;
+    int k = ahead->current;
+    if (ahead->write[k]) __builtin_prefetch(ahead->next[k], 1);
+    else __builtin_prefetch(ahead->next[k], 0);
+    ahead->next[k] += 64;
+    if (ahead->next[k] < ahead->end[k]) return;
+    if (ahead->rows_left[k]-- > 0) {
+        const char *row = ahead->end[k] - ahead->row_bytes[k] + ahead->stride[k];
+        ahead->next[k] = (const char *)((uintptr_t)row & ~(uintptr_t)63);
+        ahead->end[k] = row + ahead->row_bytes[k];
+    } else {
+        ahead->current++;
+    }
 }
 
 #ifdef ATTNX_X86_KERNELS
@@ -311,6 +363,7 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #define MK_REAL float
 #define MK_W 16
 #define MK_SFX w16
+#define MK_F32 1
 #define MK_HSUM(x) mk_hsum_w16((__m512)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) w16
 #define MK_KB_W 8
@@ -335,6 +388,7 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #define MK_REAL float
 #define MK_W 8
 #define MK_SFX w8
+#define MK_F32 1
 #define MK_HSUM(x) mk_hsum_w8((__m256)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) w8
 #define MK_KB_W 4
@@ -358,6 +412,23 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #define MK_HAVE_NEON 1
 #include <arm_neon.h>
 
+/* dst[c][r] = src[r][c] for a 4 x 4 block of floats (row strides in floats) */
+static inline void mk_transpose4(float *dst, ptrdiff_t dst_row, const float *src,
+                                 ptrdiff_t src_row)
+{
+    float32x4_t row[4];
+    for (int r = 0; r < 4; r++) row[r] = vld1q_f32(src + r * src_row);
+    /* pairs of rows interleaved, then their 64-bit halves */
+    float32x4_t even01 = vtrn1q_f32(row[0], row[1]), odd01 = vtrn2q_f32(row[0], row[1]);
+    float32x4_t even23 = vtrn1q_f32(row[2], row[3]), odd23 = vtrn2q_f32(row[2], row[3]);
+    float64x2_t e01 = vreinterpretq_f64_f32(even01), o01 = vreinterpretq_f64_f32(odd01);
+    float64x2_t e23 = vreinterpretq_f64_f32(even23), o23 = vreinterpretq_f64_f32(odd23);
+    vst1q_f32(dst, vreinterpretq_f32_f64(vtrn1q_f64(e01, e23)));
+    vst1q_f32(dst + dst_row, vreinterpretq_f32_f64(vtrn1q_f64(o01, o23)));
+    vst1q_f32(dst + 2 * dst_row, vreinterpretq_f32_f64(vtrn2q_f64(e01, e23)));
+    vst1q_f32(dst + 3 * dst_row, vreinterpretq_f32_f64(vtrn2q_f64(o01, o23)));
+}
+
 /* Advanced SIMD (NEON), part of every aarch64 core, so compiled without a
  * target of its own: 128-bit vectors, the softmax tiles' products in 12 of
  * the 32 registers. The row max keeps x86's rule (the second operand where
@@ -365,6 +436,7 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #define MK_REAL float
 #define MK_W 4
 #define MK_SFX n4
+#define MK_F32 1
 #define MK_HSUM(x) vaddvq_f32((float32x4_t)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) n4
 #define MK_KB_W 4
@@ -891,14 +963,18 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
     _mm_setcsr(csr);
 }
 
-/* the linear family's chunk kernels (the decoding steps' turns use them) */
-#include "mk_linear.h"
 #endif
 
+#ifdef MK_F32
+/* the linear family's chunk kernels (the AVX-512 decoding steps' turns use
+ * them) */
+#include "mk_linear.h"
+#endif
 /* the linear family's single-token decoding steps, at every width */
 #include "mk_decode.h"
-#if MK_W == 16
+#ifdef MK_F32
 #undef MK_CHUNK_COLUMNS
+#undef MK_LIN_NV
 #endif
 
 #undef MK_CAT2
@@ -917,5 +993,6 @@ MK_TARGET_POP
 #undef MK_TARGET
 #undef MK_TARGET_POP
 #undef MK_PAIRS
+#undef MK_F32
 
 #endif /* MK_W */

@@ -140,3 +140,32 @@ def test_conv1d_update_equals_transformers(dtype, with_bias, activation):
     finally:
         at.unregister_delta_rule()
     assert qwen3_next.causal_conv1d_update is original
+
+
+@pytest.mark.parametrize("op,channel", [(at.chunk_gated_delta_rule, False),
+                                        (at.fused_recurrent_gated_delta_rule, False),
+                                        (at.chunk_kda, True), (at.fused_recurrent_kda, True)])
+@pytest.mark.parametrize("n", [1, 19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_calls_without_graph_equal_the_differentiable_path(op, channel, n, dtype):
+    """A call with nothing to differentiate (a decoding step) takes a
+    shorter path: the same results as the operator, with a given scale or
+    the default, from a state or from zeros, and inputs untouched."""
+    inputs = [t.detach() for t in make(n=n, G=1, channel=channel, dtype=dtype)]
+    copies = [t.clone() for t in inputs]
+    for options in ({"initial_state": inputs[5]}, {"scale": 0.7}):
+        with torch.no_grad():
+            out, S = op(*inputs[:5], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                        **options)
+        differentiable = [t.clone().requires_grad_() for t in inputs]
+        if "initial_state" in options:
+            options = {"initial_state": differentiable[5]}
+        want, want_S = op(*differentiable[:5], output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, **options)
+        assert out.dtype == dtype and S.dtype == dtype and out.shape == want.shape
+        torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(S, want_S.detach(), rtol=0, atol=0)
+    for t, copy in zip(inputs, copies):
+        assert torch.equal(t, copy)
+    with torch.no_grad():
+        assert op(*inputs[:5])[1] is None

@@ -184,12 +184,14 @@ def test_nan_query_row_isolated(name):
                      err_msg=str(method))
 
 
-# The float32 chunk method on AVX-512 runs whole chunks of 16 through one
-# fused register-blocked kernel (features in blocks of 8, values in whole
-# vectors: r % 8 == 0, e % 16 == 0); partial chunks, other sizes and value
-# blocks holding inf or NaN take the general path. Both must agree with the
-# reference and with each other, for every shape the kernel blocks
-# differently (r % 6 in {0, 2, 4}, e in 1..4 vectors and past 64).
+# The float32 chunk method runs whole chunks of 16 through one fused
+# register-blocked kernel of the linear_forward family's set (AVX-512, AVX2
+# or NEON; features in blocks of 8, values in blocks of 16: r % 8 == 0,
+# e % 16 == 0); partial chunks, other sizes and value blocks holding inf or
+# NaN take the general path. Both must agree with the reference and with
+# each other, on every set the family can run here, for every shape the
+# kernels block differently (r % 6 in {0, 2, 4}, e in 1..4 AVX-512 vectors
+# and past 64).
 FUSED_SHAPES = [(64, 64, 64, 64), (100, 100, 32, 48), (96, 130, 48, 16),
                 (130, 96, 64, 80), (70, 70, 128, 128), (48, 48, 40, 32)]
 
@@ -197,7 +199,7 @@ FUSED_SHAPES = [(64, 64, 64, 64), (100, 100, 32, 48), (96, 130, 48, 16),
 @pytest.mark.parametrize("n,m,d,e", FUSED_SHAPES)
 @pytest.mark.parametrize("name", ["elu", "relu", "softmax", "focused", "favor64",
                                   "cosformer"])
-def test_fused_chunk_kernel_float32(n, m, d, e, name):
+def test_fused_chunk_kernel_float32(n, m, d, e, name, linear_forward_kernels):
     rng = np.random.default_rng(n + 3 * d + e)
     q, k, v = qkv(rng, (2,), n, m, d, e, np.float32)
     key_mask = rng.random((2, m)) < 0.8
@@ -222,10 +224,11 @@ def test_fused_chunk_kernel_float32(n, m, d, e, name):
             assert_close(got, other, np.float32, vscale(v), err_msg="recurrent")
 
 
-def test_fused_chunk_kernel_nan_and_inf():
+def test_fused_chunk_kernel_nan_and_inf(linear_forward_kernels):
     """NaN or inf in a key reaches only the rows that see it, also inside a
-    chunk of the fused kernel; a value block holding NaN takes the general
-    path with the same guarantee; keys removed by key_mask reach nothing."""
+    chunk of the fused kernel (of each set); a value block holding NaN takes
+    the general path with the same guarantee; keys removed by key_mask
+    reach nothing."""
     rng = np.random.default_rng(54)
     n, d = 96, 64
     q, k, v = qkv(rng, (), n, n, d, d, np.float32)
@@ -245,6 +248,48 @@ def test_fused_chunk_kernel_nan_and_inf():
         want = ref.linear_attention(f64(q), f64(k), f64(v), causal=True, key_mask=km)
         assert np.all(np.isfinite(o))
         assert_close(o, want, np.float32, vscale(v), err_msg=str(bad))
+
+
+def elu_causal_grads(dout, q, k, v, key_mask=None, eps=1e-6):
+    """dq, dk, dv of sum(dout * out) for causal linear attention with elu + 1
+    features: the chain rule written out in float64 numpy (attnx.h,
+    attnx_linear_bwd_f64, states the formulas)"""
+    phi, psi = np.where(q > 0, q + 1, np.exp(q)), np.where(k > 0, k + 1, np.exp(k))
+    vis = ref.visibility(q.shape[-2], k.shape[-2], causal=True)
+    if key_mask is not None:
+        vis = vis & key_mask[..., None, :]
+    scores = phi @ np.swapaxes(psi, -1, -2) * vis
+    den = scores.sum(-1)
+    D = np.maximum(den, eps)
+    out = scores @ v / D[..., None]
+    a = np.where(den[..., None] == 0, 0, dout / D[..., None])
+    # where the clamp binds (or nothing is seen) the denominator has no gradient
+    b = np.where(den >= eps, -(dout * out).sum(-1) / np.where(den == 0, 1, den), 0)
+    dscores = (a @ np.swapaxes(v, -1, -2) + b[..., None]) * vis
+    dq = dscores @ psi * np.where(q > 0, 1, np.exp(q))
+    dk = np.swapaxes(dscores, -1, -2) @ phi * np.where(k > 0, 1, np.exp(k))
+    return dq, dk, np.swapaxes(scores, -1, -2) @ a
+
+
+@pytest.mark.parametrize("n,m,d,e", FUSED_SHAPES)
+def test_fused_chunk_backward_float32(n, m, d, e, linear_backward_kernels):
+    """The causal backward's fused chunk kernels (whole chunks of 16, of the
+    linear_backward family's set) against the chain rule in float64, with
+    and without masked keys (a row that sees no key among them), at the
+    backward's float32 tolerance (tests/test_linear_grad.py, F32_TOL);
+    without torch, so that it runs wherever attnx does (.ci/aarch64)."""
+    rng = np.random.default_rng(n + 5 * d + e)
+    q, k, v = qkv(rng, (2,), n, m, d, e, np.float32)
+    dout = rng.standard_normal((2, n, e)).astype(np.float32)
+    key_mask = rng.random((2, m)) < 0.8
+    key_mask[:, : max(m - n + 1, 1)] = False   # the first rows see no key
+    for km in (None, key_mask):
+        g = attnx.linear_attention_backward(dout, q, k, v, causal=True, key_mask=km)
+        want = elu_causal_grads(f64(dout), f64(q), f64(k), f64(v), km)
+        for got, w, name in zip(g[:3], want, "qkv"):
+            assert got.dtype == np.float32
+            err = np.abs(got - w).max() / max(np.abs(w).max(), 1e-3)
+            assert err <= 2e-4, f"d{name} key_mask={km is not None}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("name", STATEFUL)

@@ -251,16 +251,17 @@ def test_against_torch(kind, causal, method, dtype):
         assert_close(got, ref, tol, f"d{name}")
 
 
-# The causal chunk backward runs whole chunks of 16 through fused AVX-512
-# kernels (float32, features in blocks of 8, values in whole vectors, no
-# mask): these cases take that path where the CPU has AVX-512, with partial
-# last chunks, offsets, masked keys and states around it; elsewhere the same
-# cases check the general path.
+# The causal chunk backward runs whole chunks of 16 through fused kernels
+# of the linear_backward family's set (AVX-512, AVX2 or NEON; float32,
+# features in blocks of 8, values in blocks of 16, no mask): the tests
+# below run on every set the family can run here, so these cases take each
+# set's kernels, with partial last chunks, offsets, masked keys and states
+# around them, and plain C's general path.
 @pytest.mark.parametrize("kind, d, r", [("elu", 64, 64), ("elu", 16, 16), ("relu", 32, 32),
                                         ("softmax", 24, 24), ("focused", 16, 16),
                                         ("taylor", 15, 16), ("identity", 8, 8), ("favor", 16, 24)])
 @pytest.mark.parametrize("n, m", [(64, 64), (53, 53), (40, 75)])
-def test_whole_chunks_float32(kind, d, r, n, m):
+def test_whole_chunks_float32(kind, d, r, n, m, linear_backward_kernels):
     rng = np.random.default_rng(zlib.crc32(repr((kind, d, n, m)).encode()))
     e = 32 if d != 64 else 64
     dout, q, k, v = inputs(rng, (2,), n, m, d, e, kind)
@@ -277,7 +278,7 @@ def test_whole_chunks_float32(kind, d, r, n, m):
         assert_close(got, ref, F32_TOL, f"d{name}")
 
 
-def test_whole_chunks_float32_states_and_clamp():
+def test_whole_chunks_float32_states_and_clamp(linear_backward_kernels):
     """initial_state, grad_state, rows whose denominator is 0 and rows where
     the clamp binds, through the fused chunks"""
     rng = np.random.default_rng(31)
@@ -308,7 +309,7 @@ def test_whole_chunks_float32_states_and_clamp():
 
 
 @pytest.mark.parametrize("where", ["v", "dout", "q", "k"])
-def test_whole_chunks_nonfinite_stays_in_place(where):
+def test_whole_chunks_nonfinite_stays_in_place(where, linear_backward_kernels):
     """a NaN in one chunk reaches exactly the gradients that float64 (the
     general path) says it reaches, and the finite ones agree"""
     rng = np.random.default_rng(32)
@@ -323,7 +324,7 @@ def test_whole_chunks_nonfinite_stays_in_place(where):
         assert_close(got[finite], ref[finite], F32_TOL, f"d{name}")
 
 
-def test_whole_chunks_nonfinite_per_head_one_thread():
+def test_whole_chunks_nonfinite_per_head_one_thread(linear_backward_kernels):
     """the keys pass takes each chunk's path from the rows pass of the same
     head: heads that run one after another on one thread, each with its NaN
     in another chunk (or none), keep their NaNs where float64 puts them"""
@@ -348,7 +349,7 @@ def test_whole_chunks_nonfinite_per_head_one_thread():
 
 
 @pytest.mark.parametrize("e, values", [(64, "contiguous"), (64, "strided"), (80, "contiguous")])
-def test_whole_chunks_float32_64_features(e, values):
+def test_whole_chunks_float32_64_features(e, values, linear_backward_kernels):
     """64 features and 64 values rows 64 apart take the fused kernels'
     variant with constant sizes; values rows 128 apart, or 80 values, the
     general one: each against torch float64 with states, a row whose
@@ -408,7 +409,7 @@ def test_whole_chunks_float32_64_features(e, values):
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("n, m, causal", [(80, 80, True), (48, 83, True), (83, 75, True),
                                           (83, 48, "upper_left"), (48, 83, "upper_left")])
-def test_whole_chunks_keep_block_in_dk_rows(d, n, m, causal):
+def test_whole_chunks_keep_block_in_dk_rows(d, n, m, causal, linear_backward_kernels):
     """with d >= 32 the rows pass keeps each fused block's products in the
     chunk's dk rows for the keys pass: a preallocated dk full of NaN, rows
     wider than d, gets exactly the gradients torch float64 gives, nothing

@@ -8,6 +8,7 @@ place through the transposed views. ``torch.library.custom_op``s in the
 namespace ``attnx`` with fake kernels and autograd: torch.compile traces
 them whole; bfloat16 and float16 compute in float32.
 """
+import math
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -107,6 +108,10 @@ _delta_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
          use_qk_l2norm_in_kernel, recurrent, chunk_size, kwargs, name):
+    plain = _run_plain(query, key, value, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, recurrent, chunk_size, kwargs)
+    if plain is not None:
+        return plain
     if kwargs.get("cu_seqlens") is not None:
         raise NotImplementedError(f"{name}: cu_seqlens (packed variable-length sequences) is not "
                                   "supported by attnx; pass a padded batch")
@@ -140,6 +145,60 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
     else:
         out, final = _delta_forward(*args)
     return _in_dtype(out, dtype), (final if output_final_state else None)
+
+
+def _plain_view(t, dtype, rank, heads_first=False):
+    """The numpy view of tensor `t` when it is a plain CPU tensor of `dtype`
+    and rank `rank` with nothing to differentiate, else None: [B, n, H, ...]
+    as the kernels take it, (B, H, n, ...) (heads_first: as it is)."""
+    if type(t) is not Tensor or t.dtype != dtype or t.dim() != rank or t.requires_grad \
+            or not t.is_cpu or t.is_neg():
+        return None
+    return t.numpy() if heads_first else t.numpy().swapaxes(1, 2)
+
+
+def _run_plain(query, key, value, g, beta, scale, initial_state, output_final_state,
+               use_qk_l2norm_in_kernel, recurrent, chunk_size, kwargs):
+    """The result of the commonest call, or None when the call is not it:
+    float32 or float64 tensors of one dtype, as many key as value heads, a
+    scalar gate or none, shapes that agree, nothing to differentiate and
+    nothing traced. A decoding step is such a call, and the general path's
+    conversions and checks cost some 20 us of it; this one asks only what
+    it relies on, and every other call (errors included) takes the general
+    path."""
+    if any(name not in ("scale", "cu_seqlens") for name in kwargs) \
+            or kwargs.get("cu_seqlens") is not None or torch.compiler.is_compiling() \
+            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                for t in (query, key, value, g, beta,
+                                                          initial_state))):
+        return None
+    dtype = query.dtype if type(query) is Tensor else None
+    if dtype not in (torch.float32, torch.float64) or type(chunk_size) is not int \
+            or not (scale is None or type(scale) in (float, int)):
+        return None
+    q, k, v, b = (_plain_view(t, dtype, rank)
+                  for t, rank in ((query, 4), (key, 4), (value, 4), (beta, 3)))
+    channel = g is not None and type(g) is Tensor and g.dim() == 4
+    gate = None if g is None else _plain_view(g, dtype, 4 if channel else 3)
+    state = None if initial_state is None else _plain_view(initial_state, dtype, 4, True)
+    if q is None or k is None or v is None or b is None or (gate is None) != (g is None) \
+            or (state is None) != (initial_state is None):
+        return None
+    B, H, n, d_k = q.shape
+    d_v = v.shape[-1]
+    scale = d_k ** -0.5 if scale is None else scale
+    if k.shape != q.shape or v.shape[:3] != (B, H, n) or b.shape != (B, H, n) or d_k == 0 \
+            or (gate is not None and gate.shape != ((B, H, n, d_k) if channel else (B, H, n))) \
+            or (state is not None and state.shape != (B, H, d_k, d_v)) \
+            or not (0 < scale < math.inf) or chunk_size < 1:
+        return None
+    out = np.empty((B, n, H, d_v), dtype=q.dtype)
+    _, final = _C.delta_rule(q, k, v, b, g_scalar=None if channel else gate,
+                             g_channel=gate if channel else None,
+                             initial_state=state, out=out.swapaxes(1, 2), want_state=True,
+                             scale=scale, l2norm=bool(use_qk_l2norm_in_kernel),
+                             recurrent=recurrent, chunk=chunk_size)
+    return torch.from_numpy(out), (torch.from_numpy(final) if output_final_state else None)
 
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,

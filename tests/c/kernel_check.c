@@ -1,7 +1,8 @@
 /* kernel_check.c - the kernels called from C, without Python, against
  * plain double-precision loops written from the formulas (attnx.h):
  * softmax attention forward and backward, causal linear attention (elu + 1,
- * chunked), the gated delta rule (chunked and token by token) and
+ * chunked: forward, and forward and backward through the fused chunk
+ * kernels), the gated delta rule (chunked and token by token) and
  * Reformer's LSH attention (forward and hashing), each in
  * float32 and float64, on one and two threads, and the bfloat16
  * conversions bit for bit, at every kernel set the
@@ -182,46 +183,76 @@ static void check_softmax(int is_double, int threads, const char *context)
 
 /* ----------------------------------------------------- causal linear attention */
 
-enum { LIN_HEADS = 3, LIN_N = 45, LIN_D = 16, LIN_E = 12 };
+/* e values a row; chunks of 16 with e % 16 == 0 take the fused chunk
+ * kernels of the linear families' sets (csrc/mk_linear.h), chunks of 8 the
+ * general steps */
+enum { LIN_HEADS = 3, LIN_N = 45, LIN_D = 16 };
 
 static double elu_plus_one(double x) { return x > 0 ? x + 1 : exp(x); }
+static double elu_plus_one_slope(double x) { return x > 0 ? 1 : exp(x); }
 
-static void check_linear(int is_double, int threads, const char *context)
+/* row i of head h of features (LIN_N, LIN_D) */
+static const double *lin_row(const double *x, int h, int i, int width)
 {
-    const size_t nq = LIN_HEADS * LIN_N * LIN_D, nv = LIN_HEADS * LIN_N * LIN_E;
+    return x + ((size_t)h * LIN_N + (size_t)i) * (size_t)width;
+}
+
+static double lin_score(const double *q, const double *k, int h, int i, int j)
+{
+    double s = 0;
+    for (int c = 0; c < LIN_D; c++)
+        s += elu_plus_one(lin_row(q, h, i, LIN_D)[c]) * elu_plus_one(lin_row(k, h, j, LIN_D)[c]);
+    return s;
+}
+
+/* the causal forward: want (heads, n, e) and each row's denominator */
+static void lin_reference(const double *q, const double *k, const double *v, int e, double eps,
+                          double *want, double *dens)
+{
+    for (int h = 0; h < LIN_HEADS; h++)
+        for (int i = 0; i < LIN_N; i++) {
+            double den = 0, *out = want + ((size_t)h * LIN_N + (size_t)i) * (size_t)e;
+            for (int j = 0; j <= i; j++) {
+                double s = lin_score(q, k, h, i, j);
+                den += s;
+                for (int c = 0; c < e; c++) out[c] += s * lin_row(v, h, j, e)[c];
+            }
+            for (int c = 0; c < e; c++) out[c] /= fmax(den, eps);
+            dens[h * LIN_N + i] = den;
+        }
+}
+
+static void lin_offsets(ptrdiff_t *offsets, int nops, int q_op, int k_op, int v_op,
+                        const int *e_ops, int e_count, int e, size_t size)
+{
+    for (int h = 0; h < LIN_HEADS; h++) {
+        ptrdiff_t *row = offsets + h * nops;
+        row[q_op] = row[k_op] = h * LIN_N * LIN_D * (ptrdiff_t)size;
+        row[v_op] = h * LIN_N * e * (ptrdiff_t)size;
+        for (int o = 0; o < e_count; o++) row[e_ops[o]] = h * LIN_N * e * (ptrdiff_t)size;
+    }
+}
+
+static void check_linear(int is_double, int threads, int e, int chunk, const char *context)
+{
+    const size_t nq = LIN_HEADS * LIN_N * LIN_D, nv = (size_t)LIN_HEADS * LIN_N * (size_t)e;
     const size_t size = is_double ? sizeof(double) : sizeof(float);
     const double eps = 1e-6;
     double *q = random_array(nq, 5), *k = random_array(nq, 6), *v = random_array(nv, 7);
-    double *want = calloc(nv, sizeof(double));
-    for (int h = 0; h < LIN_HEADS; h++)
-        for (int i = 0; i < LIN_N; i++) {
-            double den = 0;
-            for (int j = 0; j <= i; j++) {
-                double s = 0;
-                for (int c = 0; c < LIN_D; c++)
-                    s += elu_plus_one(q[(h * LIN_N + i) * LIN_D + c]) *
-                         elu_plus_one(k[(h * LIN_N + j) * LIN_D + c]);
-                den += s;
-                for (int c = 0; c < LIN_E; c++)
-                    want[(h * LIN_N + i) * LIN_E + c] += s * v[(h * LIN_N + j) * LIN_E + c];
-            }
-            for (int c = 0; c < LIN_E; c++) want[(h * LIN_N + i) * LIN_E + c] /= fmax(den, eps);
-        }
+    double *want = calloc(nv, sizeof(double)), *dens = calloc(LIN_HEADS * LIN_N, sizeof(double));
+    lin_reference(q, k, v, e, eps, want, dens);
     void *tq = typed(q, nq, is_double), *tk = typed(k, nq, is_double), *tv = typed(v, nv, is_double);
     void *out = calloc(nv, size);
     ptrdiff_t offsets[LIN_HEADS * ATTNX_LIN_NOPS] = {0};
-    for (int h = 0; h < LIN_HEADS; h++) {
-        ptrdiff_t *row = offsets + h * ATTNX_LIN_NOPS;
-        row[ATTNX_LIN_Q] = row[ATTNX_LIN_K] = h * LIN_N * LIN_D * (ptrdiff_t)size;
-        row[ATTNX_LIN_V] = row[ATTNX_LIN_OUT] = h * LIN_N * LIN_E * (ptrdiff_t)size;
-    }
+    const int out_op[] = {ATTNX_LIN_OUT};
+    lin_offsets(offsets, ATTNX_LIN_NOPS, ATTNX_LIN_Q, ATTNX_LIN_K, ATTNX_LIN_V, out_op, 1, e, size);
     attnx_linear_args a = {
-        .n = LIN_N, .m = LIN_N, .d = LIN_D, .e = LIN_E, .heads = LIN_HEADS, .offsets = offsets,
+        .n = LIN_N, .m = LIN_N, .d = LIN_D, .e = e, .heads = LIN_HEADS, .offsets = offsets,
         .q = tq, .k = tk, .v = tv, .out = out,
-        .q_row = LIN_D, .k_row = LIN_D, .v_row = LIN_E, .out_row = LIN_E,
+        .q_row = LIN_D, .k_row = LIN_D, .v_row = e, .out_row = e,
         .features = {.kind = ATTNX_FM_ELU, .d = LIN_D, .r = LIN_D},
         .band = {.n = LIN_N, .m = LIN_N, .has_hi = 1, .hi_shift = 0},
-        .method = ATTNX_METHOD_CHUNK, .chunk = 8, .eps = eps, .normalise = 1,
+        .method = ATTNX_METHOD_CHUNK, .chunk = chunk, .eps = eps, .normalise = 1,
         .num_threads = threads,
     };
     int status = is_double ? attnx_linear_fwd_f64(&a) : attnx_linear_fwd_f32(&a);
@@ -229,9 +260,80 @@ static void check_linear(int is_double, int threads, const char *context)
         printf("FAIL linear %s: status %d\n", context, status);
         failures++;
     } else {
-        compare("causal linear out", out, want, nv, is_double, context);
+        compare(chunk == 16 ? "causal linear out, chunks of 16" : "causal linear out", out, want,
+                nv, is_double, context);
     }
-    void *blocks[] = {q, k, v, want, tq, tk, tv, out};
+    void *blocks[] = {q, k, v, want, dens, tq, tk, tv, out};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
+}
+
+/* The causal backward (attnx.h): with D_i = max(den_i, eps), a_i = dout_i
+ * / D_i, b_i = -(dout_i . out_i) / den_i and ds_ij = a_i . v_j + b_i,
+ * dq_i = (sum_j ds_ij psi_j) * phi'(q_i), dk_j = (sum_i ds_ij phi_i) *
+ * psi'(k_j), dv_j = sum_i s_ij a_i over the pairs j <= i (den_i > eps:
+ * elu + 1 features are positive) */
+static void check_linear_grad(int is_double, int threads, int e, int chunk, const char *context)
+{
+    const size_t nq = LIN_HEADS * LIN_N * LIN_D, nv = (size_t)LIN_HEADS * LIN_N * (size_t)e;
+    const size_t size = is_double ? sizeof(double) : sizeof(float);
+    const double eps = 1e-6;
+    double *q = random_array(nq, 8), *k = random_array(nq, 9), *v = random_array(nv, 10);
+    double *dout = random_array(nv, 11);
+    double *out = calloc(nv, sizeof(double)), *dens = calloc(LIN_HEADS * LIN_N, sizeof(double));
+    double *want_dq = calloc(nq, sizeof(double)), *want_dk = calloc(nq, sizeof(double));
+    double *want_dv = calloc(nv, sizeof(double));
+    lin_reference(q, k, v, e, eps, out, dens);
+    for (int h = 0; h < LIN_HEADS; h++)
+        for (int i = 0; i < LIN_N; i++) {
+            const double *dout_i = lin_row(dout, h, i, e), *out_i = lin_row(out, h, i, e);
+            double den = dens[h * LIN_N + i], D = fmax(den, eps), dot = 0;
+            for (int c = 0; c < e; c++) dot += dout_i[c] * out_i[c];
+            double b = -dot / den;
+            for (int j = 0; j <= i; j++) {
+                const double *v_j = lin_row(v, h, j, e);
+                double ds = b, s = lin_score(q, k, h, i, j);
+                for (int c = 0; c < e; c++) ds += dout_i[c] / D * v_j[c];
+                for (int c = 0; c < e; c++)
+                    want_dv[((size_t)h * LIN_N + (size_t)j) * (size_t)e + c] += s * dout_i[c] / D;
+                for (int c = 0; c < LIN_D; c++) {
+                    double qc = lin_row(q, h, i, LIN_D)[c], kc = lin_row(k, h, j, LIN_D)[c];
+                    want_dq[((size_t)h * LIN_N + (size_t)i) * LIN_D + c] +=
+                        ds * elu_plus_one(kc) * elu_plus_one_slope(qc);
+                    want_dk[((size_t)h * LIN_N + (size_t)j) * LIN_D + c] +=
+                        ds * elu_plus_one(qc) * elu_plus_one_slope(kc);
+                }
+            }
+        }
+    void *tq = typed(q, nq, is_double), *tk = typed(k, nq, is_double), *tv = typed(v, nv, is_double);
+    void *tdout = typed(dout, nv, is_double);
+    void *dq = calloc(nq, size), *dk = calloc(nq, size), *dv = calloc(nv, size);
+    ptrdiff_t offsets[LIN_HEADS * ATTNX_LINB_NOPS] = {0};
+    const int e_ops[] = {ATTNX_LINB_DOUT, ATTNX_LINB_DV};
+    lin_offsets(offsets, ATTNX_LINB_NOPS, ATTNX_LINB_Q, ATTNX_LINB_K, ATTNX_LINB_V, e_ops, 2, e,
+                size);
+    for (int h = 0; h < LIN_HEADS; h++)
+        offsets[h * ATTNX_LINB_NOPS + ATTNX_LINB_DQ] = offsets[h * ATTNX_LINB_NOPS + ATTNX_LINB_DK] =
+            offsets[h * ATTNX_LINB_NOPS + ATTNX_LINB_Q];
+    attnx_linear_bwd_args a = {
+        .n = LIN_N, .m = LIN_N, .d = LIN_D, .e = e, .heads = LIN_HEADS, .offsets = offsets,
+        .q = tq, .k = tk, .v = tv, .dout = tdout, .dq = dq, .dk = dk, .dv = dv,
+        .q_row = LIN_D, .k_row = LIN_D, .v_row = e, .dout_row = e,
+        .dq_row = LIN_D, .dk_row = LIN_D, .dv_row = e,
+        .features = {.kind = ATTNX_FM_ELU, .d = LIN_D, .r = LIN_D},
+        .band = {.n = LIN_N, .m = LIN_N, .has_hi = 1, .hi_shift = 0},
+        .method = ATTNX_METHOD_CHUNK, .chunk = chunk, .eps = eps, .num_threads = threads,
+    };
+    int status = is_double ? attnx_linear_bwd_f64(&a) : attnx_linear_bwd_f32(&a);
+    if (status) {
+        printf("FAIL linear backward %s: status %d\n", context, status);
+        failures++;
+    } else {
+        compare("causal linear dq", dq, want_dq, nq, is_double, context);
+        compare("causal linear dk", dk, want_dk, nq, is_double, context);
+        compare("causal linear dv", dv, want_dv, nv, is_double, context);
+    }
+    void *blocks[] = {q, k, v, dout, out, dens, want_dq, want_dk, want_dv, tq, tk, tv, tdout,
+                      dq, dk, dv};
     for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
 }
 
@@ -498,11 +600,13 @@ int main(void)
                 snprintf(context, sizeof context, "(%s, %d thread%s, level %d)",
                          is_double ? "float64" : "float32", threads, threads > 1 ? "s" : "", level);
                 check_softmax(is_double, threads, context);
-                check_linear(is_double, threads, context);
+                check_linear(is_double, threads, 12, 8, context);
+                check_linear(is_double, threads, 16, 16, context);
+                check_linear_grad(is_double, threads, 16, 16, context);
                 check_delta(is_double, threads, 0, context);
                 check_delta(is_double, threads, 1, context);
                 check_lsh(is_double, threads, context);
-                checks += 5;
+                checks += 7;
             }
     }
     printf("%d checks, %d failed\n", checks, failures);
