@@ -504,12 +504,12 @@ def _sdpa_scale(scale, query):
 
 def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The result of the commonest call, or None when the call is not it:
-    no mask, no dropout, a positive scale, float32 or float64 tensors of
-    one shape but their last two axes (or grouped heads), nothing to
-    differentiate and nothing traced. A decoding step is such a call, and
-    the general path's checks and conversions cost some 25 us of its
-    time; this one asks only what it relies on, and every other call
-    (errors included) takes the general path."""
+    no mask, no dropout, a positive scale, float32 or float64 CPU tensors,
+    nothing to differentiate and nothing traced. A decoding step is such a
+    call, and the general path's checks and conversions cost some 25 us of
+    its time; this one asks only what it relies on and leaves the shapes to
+    the kernel's own checks: a call they refuse (or any other call) takes
+    the general path, which says what is wrong in torch's terms."""
     if attn_mask is not None or dropout_p != 0 or torch.compiler.is_compiling():
         return None
     if scale is not None and not (type(scale) in (float, int) and 0 < scale < math.inf):
@@ -517,33 +517,29 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
         return None
     dtype = query.dtype
-    if dtype not in _NATIVE or key.dtype != dtype or value.dtype != dtype:
+    if dtype not in _NATIVE or key.dtype != dtype or value.dtype != dtype \
+            or not (query.is_cpu and key.is_cpu and value.is_cpu) \
+            or query.is_neg() or key.is_neg() or value.is_neg():
         return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                     or value.requires_grad):
         return None
-    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
-    rank = len(q_shape)
-    if rank < 3 or len(k_shape) != rank or len(v_shape) != rank \
-            or q_shape[:-3] != k_shape[:-3] or k_shape[:-2] != v_shape[:-2] \
-            or q_shape[-1] != k_shape[-1] or k_shape[-2] != v_shape[-2] \
-            or 0 in q_shape or 0 in k_shape or 0 in v_shape:
-        return None
-    heads, kv_heads = q_shape[-3], k_shape[-3]
-    groups = heads // kv_heads
-    if heads != kv_heads and not (enable_gqa and heads == groups * kv_heads):
-        return None
-    if query.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu" \
-            or query.is_neg() or key.is_neg() or value.is_neg():
-        return None
     q, k, v = query.detach().numpy(), key.detach().numpy(), value.detach().numpy()
-    if groups > 1:
-        q = q.reshape(q_shape[:-3] + (kv_heads, groups) + q_shape[-2:])
+    heads = groups = 1
+    if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        heads, kv_heads = q.shape[-3], k.shape[-3]
+        if kv_heads == 0 or heads % kv_heads or v.ndim < 3 or v.shape[-3] != kv_heads:
+            return None
+        groups = heads // kv_heads
+        q = q.reshape(q.shape[:-3] + (kv_heads, groups) + q.shape[-2:])
         k, v = k[..., None, :, :], v[..., None, :, :]
-    out = attnx.softmax_attention(q, k, v, scale=scale,
-                                  causal="upper_left" if is_causal else False)
+    try:
+        out = attnx.softmax_attention(q, k, v, scale=scale,
+                                      causal="upper_left" if is_causal else False)
+    except (ValueError, TypeError):
+        return None
     if groups > 1:
-        out = out.reshape(q_shape[:-1] + (v_shape[-1],))
+        out = out.reshape(out.shape[:-4] + (heads,) + out.shape[-2:])
     return torch.from_numpy(out)
 
 
