@@ -160,17 +160,38 @@ double fma_gflops(int threads, int is_double, long steps, int repeats)
     return sink == 12345.678 ? 0 : rate;
 }
 
-/* the sum of x[0 .. count), count a multiple of 16, on 8 independent
- * accumulators of two doubles: enough in flight that the adds never wait */
+/* The sum of x[0 .. count), count a multiple of 8 lanes, on 8 independent
+ * accumulators: enough in flight that the adds never wait; in the widest
+ * vectors, so that a buffer in the cache is read as fast as the cache
+ * delivers (two doubles a load read a state-sized buffer from L2 at a
+ * third of what a decoding step reads it at) */
+#define READ_LOOP(name, target, lanes)                                                      \
+    target static double name(const double *x, long count)                                  \
+    {                                                                                       \
+        typedef double vec __attribute__((vector_size(lanes * 8), aligned(lanes * 8)));     \
+        vec acc[8] = {{0}};                                                                 \
+        for (long i = 0; i < count; i += 8 * lanes)                                         \
+            for (int a = 0; a < 8; a++) acc[a] += *(const vec *)(x + i + lanes * a);       \
+        double total = 0;                                                                   \
+        for (int a = 0; a < 8; a++)                                                         \
+            for (int l = 0; l < lanes; l++) total += acc[a][l];                             \
+        return total;                                                                       \
+    }
+
+#if defined(__x86_64__)
+READ_LOOP(sum_avx512, __attribute__((target("avx512f"))), 8)
+READ_LOOP(sum_avx2, __attribute__((target("avx2"))), 4)
+#endif
+READ_LOOP(sum_narrow, , 2)
+
 static double sum_of(const double *x, long count)
 {
-    typedef double pair __attribute__((vector_size(16), aligned(16)));
-    pair acc[8] = {{0}};
-    for (long i = 0; i < count; i += 16)
-        for (int a = 0; a < 8; a++) acc[a] += *(const pair *)(x + i + 2 * a);
-    double total = 0;
-    for (int a = 0; a < 8; a++) total += acc[a][0] + acc[a][1];
-    return total;
+#if defined(__x86_64__)
+    const char *isa = peak_isa();
+    if (strcmp(isa, "avx512") == 0) return sum_avx512(x, count);
+    if (strcmp(isa, "avx2") == 0) return sum_avx2(x, count);
+#endif
+    return sum_narrow(x, count);
 }
 
 /* GB/s (1e9 bytes) at which `threads` threads read a buffer of `bytes`
@@ -178,7 +199,9 @@ static double sum_of(const double *x, long count)
  * cannot be allocated */
 double read_gbps(int threads, long bytes, int repeats)
 {
-    long count = bytes / (long)sizeof(double) / (16L * threads) * (16L * threads);
+    /* whole blocks of 8 AVX-512 vectors per thread, each thread's share
+     * starting on a 64-byte line */
+    long count = bytes / (long)sizeof(double) / (64L * threads) * (64L * threads);
     long share = count / threads;
     double *buffer = NULL;
     if (count == 0 || posix_memalign((void **)&buffer, 64, (size_t)count * sizeof(double)))
