@@ -128,6 +128,9 @@ def traced_peak(call):
 
 INTERRUPT = """
 import os, signal, threading, time
+# a shell starts a background job with SIGINT ignored, and Python then
+# leaves it so: the test asks for Ctrl-C's usual handler whatever started it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 {setup}
 def call():
     {call}
