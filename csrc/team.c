@@ -75,6 +75,9 @@ void attnx_team_rest(void) {}
 #endif
 
 #define TEAM_MAX 64
+#define POSTED(generation, members) ((generation) << 8 | (unsigned long)(members))
+#define POSTED_GENERATION(posted) ((posted) >> 8)
+#define POSTED_MEMBERS(posted) ((int)((posted) & 0xff))
 #define SPIN_NS 500000L
 #define RUN_BEFORE_TEAM 16
 
@@ -88,11 +91,14 @@ typedef struct {
 static struct {
     atomic_flag busy;               /* held by the caller running a task */
     int helpers;                    /* started so far (members 1..helpers) */
-    unsigned long born[TEAM_MAX];   /* the generation when each helper was made */
-    _Atomic(attnx_team_task) task;  /* the task: written before generation moves */
+    unsigned long born[TEAM_MAX];   /* `posted` when each helper was made */
+    _Atomic(attnx_team_task) task;  /* the task: written before `posted` moves */
     _Atomic(void *) context;
-    atomic_int members;             /* the task's team, caller included: its ranges */
-    atomic_ulong generation;        /* bumped once per task */
+    /* the task's generation (bumped once per task) and its team's size, the
+     * caller included (its ranges), in one word: POSTED(generation,
+     * members), so that a helper never reads one task's size with
+     * another's generation */
+    atomic_ulong posted;
     atomic_int ranges_left;         /* ranges of the task not yet finished */
     range_slot taken[TEAM_MAX];
     atomic_int sleepers;            /* helpers waiting on `wake` */
@@ -123,28 +129,29 @@ static long elapsed_ns(const struct timespec *since)
     return (now.tv_sec - since->tv_sec) * 1000000000L + (now.tv_nsec - since->tv_nsec);
 }
 
-/* the generation after `seen`: spinning first, then asleep */
+/* the task posted after `seen` (its `posted` word): spinning first, then
+ * asleep */
 static unsigned long next_task(unsigned long seen)
 {
-    unsigned long generation;
+    unsigned long posted;
     struct timespec start;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (unsigned spins = 1;; spins++) {
-        generation = atomic_load_explicit(&team.generation, memory_order_acquire);
-        if (generation != seen) return generation;
+        posted = atomic_load_explicit(&team.posted, memory_order_acquire);
+        if (posted != seen) return posted;
         cpu_relax();
         if (atomic_load_explicit(&team.resting, memory_order_relaxed)) break;
         if (spins % 1024 == 0 && elapsed_ns(&start) > SPIN_NS) break;
     }
     pthread_mutex_lock(&team.lock);
-    /* sleepers before generation, the caller the other way round (both
+    /* sleepers before posted, the caller the other way round (both
      * sequentially consistent): one of the two sees the other's write */
     atomic_fetch_add(&team.sleepers, 1);
-    while ((generation = atomic_load(&team.generation)) == seen)
+    while ((posted = atomic_load(&team.posted)) == seen)
         pthread_cond_wait(&team.wake, &team.lock);
     atomic_fetch_sub(&team.sleepers, 1);
     pthread_mutex_unlock(&team.lock);
-    return generation;
+    return posted;
 }
 
 #if defined(__linux__)
@@ -191,11 +198,10 @@ static int take_range(int range, unsigned long generation)
 }
 
 /* Member `member`'s part of task `generation` of `members` ranges: its own
- * range, then any range still untaken. `members` may have been read after
- * a later task was posted; a range taken here proves it was not, since the
- * task is not done while one of its ranges is untaken, and no task is
- * posted before the last is done (so the task and context read after the
- * taking are this task's). */
+ * range, then any range still untaken. A range taken here proves the task
+ * is not done (a task is done only once every range has been taken), and
+ * no task is posted before the last is done: so the task and context read
+ * after the taking are this task's. */
 static void run_ranges(int member, int members, unsigned long generation)
 {
     for (int i = 0; i < members; i++) {
@@ -210,13 +216,12 @@ static void run_ranges(int member, int members, unsigned long generation)
 static void *helper_main(void *arg)
 {
     int member = (int)(intptr_t)arg;
-    /* not the generation now: the task it was made for may be posted already */
+    /* not `posted` now: the task it was made for may be posted already */
     unsigned long seen = team.born[member];
     for (;;) {
-        unsigned long generation = next_task(seen);
-        int members = atomic_load_explicit(&team.members, memory_order_relaxed);
-        seen = generation;
-        if (member < members) run_ranges(member, members, generation);
+        seen = next_task(seen);
+        int members = POSTED_MEMBERS(seen);
+        if (member < members) run_ranges(member, members, POSTED_GENERATION(seen));
     }
     return NULL;
 }
@@ -239,7 +244,7 @@ static int start_helpers(int wanted)
         pthread_attr_t attr;
         if (pthread_attr_init(&attr) != 0) return -1;
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        team.born[team.helpers + 1] = atomic_load(&team.generation);
+        team.born[team.helpers + 1] = atomic_load(&team.posted);
         int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)(team.helpers + 1));
         pthread_attr_destroy(&attr);
         if (failed) return -1;
@@ -268,10 +273,11 @@ int attnx_team_run(int members, attnx_team_task task, void *context)
     }
     atomic_store_explicit(&team.task, task, memory_order_relaxed);
     atomic_store_explicit(&team.context, context, memory_order_relaxed);
-    atomic_store_explicit(&team.members, members, memory_order_relaxed);
     atomic_store_explicit(&team.ranges_left, members, memory_order_relaxed);
     atomic_store_explicit(&team.resting, 0, memory_order_relaxed);
-    unsigned long generation = atomic_fetch_add(&team.generation, 1) + 1;
+    /* one caller at a time (busy): nobody else moves `posted` */
+    unsigned long generation = POSTED_GENERATION(atomic_load(&team.posted)) + 1;
+    atomic_store(&team.posted, POSTED(generation, members));
     if (atomic_load(&team.sleepers)) {
         pthread_mutex_lock(&team.lock);
         pthread_cond_broadcast(&team.wake);
