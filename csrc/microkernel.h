@@ -513,6 +513,18 @@ MK_TARGET
 typedef MK_REAL MK_VEC __attribute__((vector_size(MK_W * sizeof(MK_REAL)),
                                       aligned(sizeof(MK_REAL)), may_alias));
 
+/* CALL(nv) once per block of up to 4 vectors of the columns [0, e), c0 the
+ * block's first column, nv a constant in each call (e whole vectors) */
+#define MK_COLUMNS_BY4(e, CALL)                                   \
+    for (ptrdiff_t c0 = 0; c0 < (e); c0 += 4 * MK_W) {            \
+        switch ((e) - c0 >= 4 * MK_W ? 4 : ((e) - c0) / MK_W) {   \
+        case 4: CALL(4); break;                                   \
+        case 3: CALL(3); break;                                   \
+        case 2: CALL(2); break;                                   \
+        default: CALL(1); break;                                  \
+        }                                                         \
+    }
+
 /* The band hides some scores of the block of keys [c0, c0 + kb) and strip
  * rows [r0, r0 + strip): set those to -inf, then fold the block into the
  * strip's row max. Runs on the few blocks that straddle the band's edges;
@@ -977,6 +989,7 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
 #undef MK_LIN_NV
 #endif
 
+#undef MK_COLUMNS_BY4
 #undef MK_CAT2
 #undef MK_CAT
 #undef MK_NAME

@@ -36,17 +36,6 @@
 #define MK_DECODE_HELD 16
 #endif
 
-/* one call per block of up to 4 vectors of columns, nv a constant in each */
-#define MK_DECODE_COLUMNS(e, CALL)                                \
-    for (ptrdiff_t c0 = 0; c0 < (e); c0 += 4 * MK_W) {            \
-        switch ((e) - c0 >= 4 * MK_W ? 4 : ((e) - c0) / MK_W) {   \
-        case 4: CALL(4); break;                                   \
-        case 3: CALL(3); break;                                   \
-        case 2: CALL(2); break;                                   \
-        default: CALL(1); break;                                  \
-        }                                                         \
-    }
-
 /* the step's key joins z and the held keys (as key `held`); den = phi . z */
 static inline void MK_TYPED(mk_decode_take_w16, mk_decode_take_d8, mk_decode_take_w8,
                             mk_decode_take_d4, mk_decode_take_n4, mk_decode_take_nd2)(
@@ -357,7 +346,7 @@ static inline void MK_TYPED(mk_decode_step_w16, mk_decode_step_d8, mk_decode_ste
 #define MK_FLUSH(nv) \
     MK_NAME(mk_decode_turn)(nv, phi, keys, r, values + c0, e, held, S + c0, out + c0)
 #endif
-        MK_DECODE_COLUMNS(e, MK_FLUSH)
+        MK_COLUMNS_BY4(e, MK_FLUSH)
 #undef MK_FLUSH
         return;
     }
@@ -365,7 +354,7 @@ static inline void MK_TYPED(mk_decode_step_w16, mk_decode_step_d8, mk_decode_ste
     MK_NAME(mk_decode_weights)(phi, r, keys, held, weights);
 #define MK_READ(nv) \
     MK_NAME(mk_decode_read)(nv, phi, r, S + c0, e, weights, values + c0, held, out + c0)
-    MK_DECODE_COLUMNS(e, MK_READ)
+    MK_COLUMNS_BY4(e, MK_READ)
 #undef MK_READ
 }
 
@@ -423,8 +412,7 @@ static inline void MK_TYPED(mk_rnn_step_w16, mk_rnn_step_d8, mk_rnn_step_w8, mk_
     *den = MK_HSUM(dot);
 #define MK_STEP(nv) \
     MK_NAME(mk_step_rows)(nv, phi, psi, r, v + c0, S0 + c0, S0_row, e, S + c0, out + c0)
-    MK_DECODE_COLUMNS(e, MK_STEP)
+    MK_COLUMNS_BY4(e, MK_STEP)
 #undef MK_STEP
 }
 
-#undef MK_DECODE_COLUMNS

@@ -120,15 +120,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_chunk_state)(
 /* one call per width of the column block, nv a constant in each: blocks
  * of MK_LIN_NV vectors, then what is left (e % 16 == 0) */
 #if MK_LIN_NV == 4
-#define MK_CHUNK_COLUMNS(e, CALL)                                       \
-    for (ptrdiff_t c0 = 0; c0 < (e); c0 += 4 * MK_W) {                  \
-        switch ((e) - c0 >= 4 * MK_W ? 4 : ((e) - c0) / MK_W) {         \
-        case 4: CALL(4); break;                                         \
-        case 3: CALL(3); break;                                         \
-        case 2: CALL(2); break;                                         \
-        default: CALL(1); break;                                        \
-        }                                                               \
-    }
+#define MK_CHUNK_COLUMNS(e, CALL) MK_COLUMNS_BY4(e, CALL)
 #else
 #define MK_CHUNK_COLUMNS(e, CALL)                                       \
     for (ptrdiff_t c0 = 0; c0 < (e); c0 += 2 * MK_W) {                  \
