@@ -338,6 +338,66 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
     return acc;
 }
 
+/* The pairs of numbers that are no bfloat16 values (the probabilities and
+ * their gradients, where the caller asked for bfloat16 products: the
+ * bf16_products of attnx_softmax_args) rounded to the nearest bfloat16,
+ * ties to even, by VCVTNEPS2BF16 and VCVTNE2PS2BF16 (avx512_bf16; asm as
+ * mk_dot_pairs). A NaN stays a NaN; a number under 2^-126 becomes 0, as
+ * the dot products would read it. */
+
+/* the 16 numbers of x rounded, in 16-bit lanes */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m256i
+mk_round_bf16(__m512 x)
+{
+    __m256i rounded;
+    __asm__("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(x));
+    return rounded;
+}
+
+/* mk_pair_rows, the numbers rounded: dst (ceil(depth / 2), lanes) from x
+ * (depth, lanes), the second row of the last pair 0 past an odd depth */
+__attribute__((target("avx512f"))) static inline void mk_pair_rows_rounded(
+    float *dst, ptrdiff_t dst_row, const float *x, ptrdiff_t x_row, ptrdiff_t depth,
+    ptrdiff_t lanes)
+{
+    for (ptrdiff_t c = 0; c < depth; c += 2) {
+        const float *first = x + c * x_row, *second = x + (c + 1) * x_row;
+        float *pair = dst + c / 2 * dst_row;
+        for (ptrdiff_t l = 0; l < lanes; l += 16) {
+            __mmask16 part = lanes - l >= 16 ? 0xffff : (__mmask16)((1u << (lanes - l)) - 1);
+            __m512i low = _mm512_cvtepu16_epi32(
+                mk_round_bf16(_mm512_maskz_loadu_ps(part, first + l)));
+            __m512i high = _mm512_setzero_si512();
+            if (c + 1 < depth)
+                high = _mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(mk_round_bf16(_mm512_maskz_loadu_ps(part, second + l))),
+                    16);
+            _mm512_mask_storeu_epi32(pair + l, part, _mm512_or_si512(low, high));
+        }
+    }
+}
+
+/* mk_pair_along, the numbers rounded: dst[c] the pair of x[2c], x[2c + 1]
+ * for c < ceil(count / 2), the second 0 past an odd count */
+__attribute__((target("avx512f"))) static inline void mk_pair_along_rounded(float *dst,
+                                                                           const float *x,
+                                                                           ptrdiff_t count)
+{
+    for (ptrdiff_t c = 0; c < count; c += 32) {
+        ptrdiff_t left = count - c;
+        __mmask16 first = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        __mmask16 second = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        __mmask16 pairs = left >= 32 ? 0xffff : (__mmask16)((1u << ((left + 1) / 2)) - 1);
+        __m512 low = _mm512_maskz_loadu_ps(first, x + c);
+        __m512 high = _mm512_maskz_loadu_ps(second, x + c + 16);
+        /* the 16-bit lanes 0-15 from low, 16-31 from high: 32-bit lane l
+         * holds x[2l] and x[2l + 1] */
+        __m512i rounded;
+        __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(rounded) : "v"(high), "v"(low));
+        _mm512_mask_storeu_epi32(dst + c / 2, pairs, rounded);
+    }
+}
+
 /* The sum of a vector's lanes (the decoding scores' dot products) */
 __attribute__((target("avx512f"))) static inline float mk_hsum_w16(__m512 x)
 {
