@@ -32,7 +32,12 @@
  * scores Q K^T and dP = dO V^T, run on pairs of bfloat16 values where a
  * block's operands all are bfloat16 values (as tensors widened from
  * bfloat16 are; the output gradient too, when it was bfloat16); the other
- * three take p or dS, which are not, and stay float32. Each key block and
+ * three take p or dS, which are not, and stay float32, unless the caller
+ * asks for bfloat16 arithmetic (bf16_products, attnx.h: attnx.torch's
+ * bfloat16 tensors): then p and dS are rounded to bfloat16
+ * (mk_pair_rows_rounded, mk_pair_along_rounded) and dV, dK, dQ run on the
+ * pairs too, where the block's Q, dO and K are bfloat16 values. Each key
+ * block and
  * (once per work item) each query block is put in pair rows, which tells
  * whether its numbers all are bfloat16 values.
  *
