@@ -165,3 +165,130 @@ def test_torch_float32_tensors_are_attnx_float32_bit_for_bit():
     want = kernel_results(q, k, v, dout, False, causal=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.numpy(), w)
+
+
+# The forward's P V (the AVX-512 micro-kernels: e a multiple of 8, 48 rows
+# or more). Within one key tile (the kernels' 256 keys) the online softmax
+# rounds each p = exp(s - max) against the row's final max, so the float64
+# reference from the same inputs with p rounded to bfloat16 is what the
+# kernel computes, up to float32: its sums (FP32_RTOL of the sum of |p v|)
+# and the float32 scores and exp2, whose relative error of a few 1e-7 can
+# round a p that lies within it of a midpoint between two bfloat16 values
+# to the other one (an error of one bfloat16 step of that p, allowed for
+# those p alone). A wrong value, pair or index, or p left unrounded, is an
+# error of the size of bfloat16's rounding, 1e-3 of the results.
+FP32_RTOL = 1e-5
+P_NEAR_MIDPOINT = 2e-6
+# (heads, n, m, d, e, options): one query tile and two (240 rows a tile;
+# the float32 path packs the values only for two), odd m and m not a whole
+# panel of 8 keys (a pair's second key 0), n < m and n > m, a causal band,
+# a padding mask, a per-query mask, an odd d (the scores' pairs padded),
+# e of 5 groups of 8 columns
+FORWARD_CASES = [
+    (2, 300, 256, 64, 64, {}),
+    (1, 240, 251, 32, 40, {"causal": True}),
+    (2, 64, 131, 17, 16, {"causal": True}),
+    (3, 100, 77, 64, 8, {}),
+    (2, 48, 250, 33, 24, {"mask": "padding"}),
+    (1, 90, 100, 64, 32, {"mask": "per query"}),
+]
+
+
+def _forward_case(case, seed=0):
+    heads, n, m, d, e, options = case
+    rng = np.random.default_rng(seed)
+    q, k, v = bf16_values(rng, heads, n, d), bf16_values(rng, heads, m, d), bf16_values(rng, heads, m, e)
+    options = dict(options)
+    if options.get("mask") == "padding":
+        lengths = rng.integers(m // 2, m + 1, size=heads)
+        options["mask"] = (np.arange(m)[None, :] < lengths[:, None])[:, None, :]
+    elif options.get("mask") == "per query":
+        options["mask"] = rng.random((heads, n, m)) < 0.7
+        options["mask"][..., 0] = True
+    return q, k, v, options
+
+
+def _visible(n, m, options):
+    """which keys each query sees (True: seen), attnx's causal band aligned
+    to the last key"""
+    seen = np.ones((n, m), dtype=bool)
+    if options.get("causal"):
+        seen &= np.tril(seen, m - n)
+    if options.get("mask") is not None:
+        seen = seen & options["mask"]
+    return seen
+
+
+def _round_bf16(x):
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).double().numpy()
+
+
+def rounded_p_reference(q, k, v, options):
+    """out with p rounded to bfloat16 against the row's max (float64 from
+    the same inputs) and the allowance of each entry (see FP32_RTOL)"""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    s = np.where(_visible(q.shape[-2], k.shape[-2], options), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    total = p.sum(-1, keepdims=True)
+    rounded = _round_bf16(p)
+    # a p this close to a midpoint may round either way: one step of it
+    # (bfloat16 steps by 2^-8 of the power of two under it, 2^-9 below it)
+    fraction, exponent = np.frexp(rounded)
+    step = np.ldexp(np.where((p < rounded) & (fraction == 0.5), 0.5, 1.0), exponent - 8)
+    midpoint = rounded + np.where(p >= rounded, 1, -1) * step / 2
+    either_way = np.abs(p - midpoint) <= P_NEAR_MIDPOINT * p
+    allowance = (FP32_RTOL * (p @ np.abs(v)) + (either_way * step) @ np.abs(v)) / total
+    return rounded @ v / total, p @ v / total, allowance
+
+
+@needs_dot
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
+def test_forward_rounds_p_as_bfloat16_against_the_float64_reference(case):
+    q, k, v, options = _forward_case(case)
+    with dispatched(softmax_forward="avx512_bf16"):
+        got = attnx.softmax_attention(q, k, v, _bf16_products=True, **options)
+    want, unrounded, allowance = rounded_p_reference(q, k, v, options)
+    excess = np.abs(got - want) - allowance
+    assert np.max(excess) <= 0, np.unravel_index(np.argmax(excess), excess.shape)
+    # and the rounding happened (p unrounded is off by far more)
+    assert relative_error(got, unrounded) > ROUNDED_AT_LEAST
+
+
+@needs_dot
+def test_forward_over_several_key_tiles_rounds_p_within_bfloat16s_error():
+    """Past one key tile, p is rounded against the running max (as torch's
+    kernel does it per block of keys): within bfloat16's error of the
+    unrounded float64 result, and away from float32's."""
+    q, k, v, options = _forward_case((2, 260, 1100, 64, 64, {"causal": True}))
+    with dispatched(softmax_forward="avx512_bf16"):
+        got = attnx.softmax_attention(q, k, v, _bf16_products=True, **options)
+    _, unrounded, _ = rounded_p_reference(q, k, v, options)
+    assert ROUNDED_AT_LEAST < relative_error(got, unrounded) < ROUNDED_RTOL
+
+
+@needs_dot
+def test_forward_values_that_are_no_bfloat16_values_keep_float32_p_v():
+    """Queries and keys bfloat16 values, values not: P V stays float32 (its
+    pairs would truncate them), bit for bit the call without the keyword."""
+    rng = np.random.default_rng(7)
+    q, k = bf16_values(rng, 2, 300, 64), bf16_values(rng, 2, 500, 64)
+    v = rng.standard_normal((2, 500, 64)).astype(np.float32)
+    with dispatched(softmax_forward="avx512_bf16"):
+        got = attnx.softmax_attention(q, k, v, _bf16_products=True)
+        want = attnx.softmax_attention(q, k, v)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES[:3], ids=str)
+def test_forward_without_the_dot_products_is_float32(case):
+    """ATTNX_DISABLE_CPU_FEATURES=AVX512_BF16 (as dispatched chooses the
+    kernels with it): the keyword changes nothing, bit for bit, and the
+    result is float32's."""
+    q, k, v, options = _forward_case(case)
+    with dispatched(disabled="AVX512_BF16"):
+        got = attnx.softmax_attention(q, k, v, _bf16_products=True, **options)
+        want = attnx.softmax_attention(q, k, v, **options)
+    np.testing.assert_array_equal(got, want)
+    _, unrounded, _ = rounded_p_reference(q, k, v, options)
+    assert relative_error(got, unrounded) < 5e-6
