@@ -2,9 +2,10 @@
 kernels have the bfloat16 dot products (the avx512_bf16 and amx sets of
 csrc/dispatch.c), attnx.torch asks the C kernels, by a private keyword
 (_bf16_products; attnx.h's bf16_products), for what torch's own CPU flash
-attention computes for bfloat16: the probabilities p and their gradients
-dS rounded to bfloat16 and multiplied on the dot products, float32 sums.
-float32 and float64 callers never take it.
+attention computes for bfloat16: the probabilities p (the forward's P V)
+and their gradients dS (the backward's products) rounded to bfloat16 and
+multiplied on the dot products, float32 sums. float32 and float64 callers
+never take it.
 
 Tested: the rounded results against float64 references computed from the
 same bfloat16 inputs, with a bound set by bfloat16's rounding (each p and
