@@ -93,6 +93,15 @@ typedef struct {
                                           kept ones scaled by 1 / (1 - dropout_p) */
     uint64_t seed;                     /* of the dropout mask */
     attnx_interrupt *interrupt;        /* or NULL */
+    /* 1: the caller's tensors are bfloat16 (q, k, v, dout hold bfloat16
+     * values) and it asks for bfloat16 arithmetic as PyTorch's CPU flash
+     * attention does it: the probabilities (and in the backward,
+     * softmax_backward.c, their gradients) rounded to bfloat16 and every
+     * product on the bfloat16 dot products, float32 sums (float32 kernels
+     * with those products only: dispatch.h's attnx_kernels_bf16_dot; in
+     * the forward the AVX-512 micro-kernels, softmax_mk.c, not AMX's);
+     * 0: float32 accuracy */
+    int bf16_products;
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);

@@ -67,6 +67,10 @@
 #define MK_KB(w) ((w) == 16 ? 8 : 4)
 /* every strip size divides this */
 #define MK_ROW_ALIGN 48
+/* Keys per slice of a P V tile (mk_add_pv): the slice of a strip's P^T (3 W
+ * rows, 24 KB in float32 with AVX-512) stays in L1 while the value panels
+ * stream past. */
+#define MK_KC 128
 /* query rows per call of the decoding scores kernel (mk_decode_scores):
  * one load of a key serves this many rows */
 #define MK_DECODE_ROWS 4
@@ -336,6 +340,66 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 {
     __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
+}
+
+/* The pairs of numbers that are no bfloat16 values (the probabilities and
+ * their gradients, where the caller asked for bfloat16 products: the
+ * bf16_products of attnx_softmax_args) rounded to the nearest bfloat16,
+ * ties to even, by VCVTNEPS2BF16 and VCVTNE2PS2BF16 (avx512_bf16; asm as
+ * mk_dot_pairs). A NaN stays a NaN; a number under 2^-126 becomes 0, as
+ * the dot products would read it. */
+
+/* the 16 numbers of x rounded, in 16-bit lanes */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m256i
+mk_round_bf16(__m512 x)
+{
+    __m256i rounded;
+    __asm__("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(x));
+    return rounded;
+}
+
+/* mk_pair_rows, the numbers rounded: dst (ceil(depth / 2), lanes) from x
+ * (depth, lanes), the second row of the last pair 0 past an odd depth */
+__attribute__((target("avx512f"))) static inline void mk_pair_rows_rounded(
+    float *dst, ptrdiff_t dst_row, const float *x, ptrdiff_t x_row, ptrdiff_t depth,
+    ptrdiff_t lanes)
+{
+    for (ptrdiff_t c = 0; c < depth; c += 2) {
+        const float *first = x + c * x_row, *second = x + (c + 1) * x_row;
+        float *pair = dst + c / 2 * dst_row;
+        for (ptrdiff_t l = 0; l < lanes; l += 16) {
+            __mmask16 part = lanes - l >= 16 ? 0xffff : (__mmask16)((1u << (lanes - l)) - 1);
+            __m512i low = _mm512_cvtepu16_epi32(
+                mk_round_bf16(_mm512_maskz_loadu_ps(part, first + l)));
+            __m512i high = _mm512_setzero_si512();
+            if (c + 1 < depth)
+                high = _mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(mk_round_bf16(_mm512_maskz_loadu_ps(part, second + l))),
+                    16);
+            _mm512_mask_storeu_epi32(pair + l, part, _mm512_or_si512(low, high));
+        }
+    }
+}
+
+/* mk_pair_along, the numbers rounded: dst[c] the pair of x[2c], x[2c + 1]
+ * for c < ceil(count / 2), the second 0 past an odd count */
+__attribute__((target("avx512f"))) static inline void mk_pair_along_rounded(float *dst,
+                                                                           const float *x,
+                                                                           ptrdiff_t count)
+{
+    for (ptrdiff_t c = 0; c < count; c += 32) {
+        ptrdiff_t left = count - c;
+        __mmask16 first = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        __mmask16 second = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        __mmask16 pairs = left >= 32 ? 0xffff : (__mmask16)((1u << ((left + 1) / 2)) - 1);
+        __m512 low = _mm512_maskz_loadu_ps(first, x + c);
+        __m512 high = _mm512_maskz_loadu_ps(second, x + c + 16);
+        /* the 16-bit lanes 0-15 from low, 16-31 from high: 32-bit lane l
+         * holds x[2l] and x[2l + 1] */
+        __m512i rounded;
+        __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(rounded) : "v"(high), "v"(low));
+        _mm512_mask_storeu_epi32(dst + c / 2, pairs, rounded);
+    }
 }
 
 /* The sum of a vector's lanes (the decoding scores' dot products) */
@@ -706,10 +770,14 @@ static inline void mk_scores_pairs_w16(
  * over `keys` keys from the start of panel p0:
  *   ot[cc][r] = ot[cc][r] (times correction[r], if given) + sum_j p[j][r] v[j][cc]
  * the transpose of the scores block, with P^T's columns for the queries
- * and the values for the keys: both products are the same loop. */
+ * and the values for the keys: both products are the same loop. With
+ * `pairs` (a constant; MK_PAIRS only), pt holds pair rows of keys
+ * (mk_pair_rows_rounded) and the values pairs of keys, key_step apart
+ * (mk_values): the bfloat16 dot products, one pair of keys a step. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
     MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction, const int vectors)
+    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction, const int vectors,
+    const int pairs)
 {
     const MK_REAL *v_group = (const MK_REAL *)values->base + group * values->group_step;
     const ptrdiff_t slots = values->slots, key_step = values->key_step;
@@ -724,6 +792,27 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
             for (int cc = 0; cc < MK_KB_W; cc++) acc[cc][h] *= factor;
         }
     ptrdiff_t slot = p0 % slots;
+#ifdef MK_PAIRS
+    if (pairs)
+        for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
+            const MK_REAL *v_panel = v_group + slot * values->panel_step;
+            const MK_REAL *p_panel = pt + k0 / 2 * pt_ld;
+            ptrdiff_t panel_keys = keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W;
+            for (ptrdiff_t jj = 0; jj < (panel_keys + 1) / 2; jj++) {
+                MK_VEC p_j[MK_RV];
+                for (int h = 0; h < vectors; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
+#pragma GCC unroll 8
+                for (int cc = 0; cc < MK_KB_W; cc++) {
+                    /* a broadcast, no arithmetic: the bits stay as they are */
+                    __m512 v_jc = _mm512_set1_ps(v_panel[jj * key_step + cc]);
+                    for (int h = 0; h < vectors; h++)
+                        acc[cc][h] = (MK_VEC)mk_dot_pairs((__m512)acc[cc][h], (__m512)p_j[h], v_jc);
+                }
+            }
+            if (++slot == slots) slot = 0;
+        }
+    else
+#endif
     for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
         const MK_REAL *v_panel = v_group + slot * values->panel_step;
         const MK_REAL *p_panel = pt + k0 * pt_ld;
@@ -744,16 +833,14 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
         for (int h = 0; h < vectors; h++) *(MK_VEC *)(ot + cc * ot_ld + h * MK_W) = acc[cc][h];
 }
 
-/* Keys per slice of the tile: the slice of a strip's P^T (3 W rows, 24 KB
- * in float32 with AVX-512) stays in L1 while the value panels stream past. */
-#define MK_KC 128
-
 /* mk_add_pv for the strips from row r_begin to r_end, each in its first
- * `vectors` vectors of rows (a constant where this is inlined) */
+ * `vectors` vectors of rows (constants where this is inlined, as `pairs`:
+ * then each strip's slice of P^T is rounded into p_pairs first, pair rows
+ * MK_STRIP(MK_W) numbers apart) */
 static inline __attribute__((always_inline)) void MK_NAME(mk_add_pv_strips)(
     const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
-    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, ptrdiff_t r_begin,
-    ptrdiff_t r_end, const int vectors)
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, MK_REAL *p_pairs,
+    ptrdiff_t r_begin, ptrdiff_t r_end, const int vectors, const int pairs)
 {
     const ptrdiff_t strip = MK_STRIP(MK_W), kb = MK_KB_W;
     for (ptrdiff_t k0 = 0; k0 < t->cols; k0 += MK_KC)
@@ -767,39 +854,84 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_add_pv_strips)(
             /* the panel padding past the tile's keys has P = 0: skipped */
             hi = hi < t->cols ? hi : t->cols;
             if (hi <= lo) continue;
+            const MK_REAL *p_slice = pt + lo * pt_ld + r0;
+            ptrdiff_t p_ld = pt_ld;
+#ifdef MK_PAIRS
+            /* lo is a multiple of kb: the pairs are those of the panels */
+            if (pairs) {
+                mk_pair_rows_rounded(p_pairs, strip, p_slice, pt_ld, hi - lo, vectors * MK_W);
+                p_slice = p_pairs;
+                p_ld = strip;
+            }
+#endif
             for (ptrdiff_t g = 0; g < e; g += kb)
-                MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, pt + lo * pt_ld + r0, pt_ld,
-                                     values, g / kb, (t->j0 + lo) / kb, hi - lo,
-                                     strip_correction, vectors);
+                MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, p_slice, p_ld, values, g / kb,
+                                     (t->j0 + lo) / kb, hi - lo, strip_correction, vectors,
+                                     pairs);
         }
 }
 
 /* The last strip in 1 or 2 vectors, out of line (see mk_scores_last_strip) */
 static __attribute__((noinline)) void MK_NAME(mk_add_pv_last_strip)(
     const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
-    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, ptrdiff_t r0)
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, MK_REAL *p_pairs,
+    ptrdiff_t r0, int pairs)
 {
-    if (t->rows - r0 > MK_W)
-        MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, r0, t->rows, 2);
-    else
-        MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, r0, t->rows, 1);
+#define MK_LAST(vectors, pairs)                                                              \
+    MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, p_pairs, r0, \
+                              t->rows, vectors, pairs)
+#ifdef MK_PAIRS
+    if (pairs) {
+        if (t->rows - r0 > MK_W) MK_LAST(2, 1);
+        else MK_LAST(1, 1);
+        return;
+    }
+#endif
+    if (t->rows - r0 > MK_W) MK_LAST(2, 0);
+    else MK_LAST(1, 0);
+#undef MK_LAST
 }
 
 /* ot (e, ot_ld) += V^T P^T over the keys each strip computes
  * (mk_strip_keys) that the tile holds, the tile's P^T in pt (row stride
  * pt_ld). Each strip's columns of ot are first multiplied by its rows'
- * correction, the online softmax's rescaling. */
+ * correction, the online softmax's rescaling. With `pairs` (a constant),
+ * by the bfloat16 dot products (mk_add_pv_pairs_w16). */
+static inline __attribute__((always_inline)) void MK_NAME(mk_add_pv_by)(
+    const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
+    const mk_values *values, ptrdiff_t e, const MK_REAL *correction, MK_REAL *p_pairs,
+    const int pairs)
+{
+    ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
+    MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, p_pairs, 0, full,
+                              MK_RV, pairs);
+    if (full < t->rows)
+        MK_NAME(mk_add_pv_last_strip)(t, ot, ot_ld, pt, pt_ld, values, e, correction, p_pairs,
+                                      full, pairs);
+}
+
 static inline void MK_TYPED(mk_add_pv_w16, mk_add_pv_d8, mk_add_pv_w8, mk_add_pv_d4,
                             mk_add_pv_n4, mk_add_pv_nd2)(
     const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld,
     const mk_values *values, ptrdiff_t e, const MK_REAL *correction)
 {
-    ptrdiff_t full = MK_NAME(mk_full_strip_rows)(t->rows);
-    MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, 0, full, MK_RV);
-    if (full < t->rows)
-        MK_NAME(mk_add_pv_last_strip)(t, ot, ot_ld, pt, pt_ld, values, e, correction, full);
+    MK_NAME(mk_add_pv_by)(t, ot, ot_ld, pt, pt_ld, values, e, correction, NULL, 0);
 }
-#undef MK_KC
+
+#ifdef MK_PAIRS
+/* mk_add_pv by the bfloat16 dot products, P rounded to bfloat16 (the
+ * caller's bfloat16 arithmetic: bf16_products of attnx_softmax_args):
+ * values holds pairs of bfloat16 values, the keys 2c and 2c + 1 of a panel
+ * in pair c (mk_pair_rows), key_step from one pair to the next; p_pairs
+ * (MK_KC / 2, 3 W) is the space for a strip's slice of P, rounded */
+static inline void mk_add_pv_pairs_w16(const mk_tile *t, MK_REAL *ot, ptrdiff_t ot_ld,
+                                       const MK_REAL *pt, ptrdiff_t pt_ld,
+                                       const mk_values *values, ptrdiff_t e,
+                                       const MK_REAL *correction, MK_REAL *p_pairs)
+{
+    MK_NAME(mk_add_pv_by)(t, ot, ot_ld, pt, pt_ld, values, e, correction, p_pairs, 1);
+}
+#endif
 
 /* the softmax backward's products, at every width */
 #include "mk_backward.h"

@@ -25,8 +25,8 @@
 #endif
 
 /* one block of block_rows x vecs vectors (constants once inlined, as
- * `pairs`: a and b hold pair rows of bfloat16 values, depth counts them,
- * and a_col is 1; MK_PAIRS only) */
+ * `pairs`: a and b hold pairs of bfloat16 values, depth counts them;
+ * MK_PAIRS only) */
 static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_block)(
     int block_rows, int vecs, ptrdiff_t depth, MK_REAL alpha, const MK_REAL *a, ptrdiff_t a_row,
     ptrdiff_t a_col, const MK_REAL *b, ptrdiff_t b_row, int accumulate, MK_REAL *c,
@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_block)(
 #ifdef MK_PAIRS
             if (pairs) {  /* a constant once inlined: no test in the loop */
                 /* a broadcast, no arithmetic: the bits stay as they are */
-                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p]);
+                __m512 a_rp = _mm512_set1_ps(a[r * a_row + p * a_col]);
 #pragma GCC unroll 2
                 for (int x = 0; x < vecs; x++)
                     sum[r][x] = (MK_VEC)mk_dot_pairs((__m512)sum[r][x], (__m512)b_p[x], a_rp);
@@ -110,16 +110,19 @@ static __attribute__((unused)) void MK_TYPED(mk_gemm_w16, mk_gemm_d8, mk_gemm_w8
 }
 
 #ifdef MK_PAIRS
-/* c (rows, cols) = alpha a b by the bfloat16 dot products: a (rows,
- * depth_pairs) rows a_row apart and b (depth_pairs, cols) rows b_row apart
- * in pair rows (mk_pair_along, mk_pair_rows) */
+/* c (rows, cols) = alpha a b (or += when accumulate) by the bfloat16 dot
+ * products: a's pair (r, p) at a[r a_row + p a_col], b (depth_pairs, cols)
+ * rows b_row apart, both in pairs along the depth (mk_pair_along,
+ * mk_pair_rows and their _rounded twins) */
 static __attribute__((unused)) void mk_gemm_pairs_w16(ptrdiff_t rows, ptrdiff_t cols,
                                                       ptrdiff_t depth_pairs, float alpha,
                                                       const float *a, ptrdiff_t a_row,
-                                                      const float *b, ptrdiff_t b_row, float *c,
+                                                      ptrdiff_t a_col, const float *b,
+                                                      ptrdiff_t b_row, int accumulate, float *c,
                                                       ptrdiff_t c_row)
 {
-    MK_NAME(mk_gemm_by)(rows, cols, depth_pairs, alpha, a, a_row, 1, b, b_row, 0, c, c_row, 1);
+    MK_NAME(mk_gemm_by)(rows, cols, depth_pairs, alpha, a, a_row, a_col, b, b_row, accumulate, c,
+                        c_row, 1);
 }
 #endif
 

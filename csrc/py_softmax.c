@@ -21,12 +21,15 @@ static const attnx_param softmax_params[NPARAMS] = {
 };
 
 /* Shared by both front ends. scale_obj NULL means gaussian attention with
- * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)). */
+ * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)).
+ * Their keyword _bf16_products, left out of their documented signatures
+ * (attnx.torch passes it for bfloat16 tensors only), is the
+ * bf16_products of attnx_softmax_args (attnx.h). */
 static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_obj,
                                 PyObject *scale_obj, double sigma, PyObject *causal_obj,
                                 PyObject *mask_obj, PyObject *bias_obj, PyObject *window_obj,
                                 PyObject *dropout_obj, PyObject *seed_obj, PyObject *out_obj,
-                                int return_lse)
+                                int return_lse, int bf16_products)
 {
     int causal, has_left, has_right;
     npy_intp left, right;
@@ -73,6 +76,7 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
         .dropout_p = dropout_p,
         .seed = seed,
         .interrupt = &interrupt,
+        .bf16_products = bf16_products,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -93,29 +97,29 @@ done:
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"q", "k", "v", "scale", "causal", "mask", "bias", "window",
-                             "dropout_p", "seed", "out", "return_lse", NULL};
+                             "dropout_p", "seed", "out", "return_lse", "_bf16_products", NULL};
     PyObject *q, *k, *v, *scale = Py_None, *causal = Py_False, *mask = Py_None, *bias = Py_None,
              *window = Py_None, *dropout = Py_None, *seed = Py_None, *out = Py_None;
-    int return_lse = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOOOp:softmax_attention", kwlist,
+    int return_lse = 0, bf16_products = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOOOpp:softmax_attention", kwlist,
                                      &q, &k, &v, &scale, &causal, &mask, &bias, &window, &dropout,
-                                     &seed, &out, &return_lse))
+                                     &seed, &out, &return_lse, &bf16_products))
         return NULL;
     return softmax_common(q, k, v, scale, 0, causal, mask, bias, window, dropout, seed, out,
-                          return_lse);
+                          return_lse, bf16_products);
 }
 
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"q", "k", "v", "sigma", "causal", "mask", "bias", "window",
-                             "dropout_p", "seed", "out", "return_lse", NULL};
+                             "dropout_p", "seed", "out", "return_lse", "_bf16_products", NULL};
     PyObject *q, *k, *v, *sigma_obj = NULL, *causal = Py_False, *mask = Py_None, *bias = Py_None,
              *window = Py_None, *dropout = Py_None, *seed = Py_None, *out = Py_None;
-    int return_lse = 0;
+    int return_lse = 0, bf16_products = 0;
     double sigma = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O$OOOOOOOp:gaussian_attention", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O$OOOOOOOpp:gaussian_attention", kwlist,
                                      &q, &k, &v, &sigma_obj, &causal, &mask, &bias, &window,
-                                     &dropout, &seed, &out, &return_lse))
+                                     &dropout, &seed, &out, &return_lse, &bf16_products))
         return NULL;
     if (sigma_obj && attnx_parse_positive(sigma_obj, "sigma", &sigma) < 0) return NULL;
     if (1 / (sigma * sigma) == 0 || !isfinite(1 / (sigma * sigma))) {
@@ -126,7 +130,7 @@ PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *
         return NULL;
     }
     return softmax_common(q, k, v, NULL, sigma, causal, mask, bias, window, dropout, seed, out,
-                          return_lse);
+                          return_lse, bf16_products);
 }
 
 const char attnx_softmax_attention_doc[] = (

@@ -32,25 +32,28 @@ static const attnx_param backward_params[NPARAMS] = {
  * bias, window, dropout_p, seed, bias_grad, dq, dk, dv) -> (dq, dk, dv,
  * dbias or None), each of the broadcast batch shape in the compute dtype,
  * written into the dq, dk, dv given (None: allocated). sigma None:
- * softmax (scale None: 1/sqrt(d)); sigma given: gaussian attention. */
+ * softmax (scale None: 1/sqrt(d)); sigma given: gaussian attention.
+ * _bf16_products (attnx.torch, for bfloat16 tensors only): the
+ * bf16_products of attnx_softmax_args (attnx.h). */
 PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"dout", "q", "k", "v", "out", "lse", "scale", "sigma", "causal",
                                "mask", "bias", "window", "dropout_p", "seed", "bias_grad", "dq",
-                               "dk", "dv", NULL};
+                               "dk", "dv", "_bf16_products", NULL};
     PyObject *objs[NPARAMS] = {NULL}, *scale_obj = Py_None, *sigma_obj = Py_None,
              *causal_obj = Py_False, *window_obj = Py_None, *dropout_obj = Py_None,
              *seed_obj = Py_None, *ret = NULL;
-    int bias_grad = 0, causal, has_left, has_right;
+    int bias_grad = 0, bf16_products = 0, causal, has_left, has_right;
     npy_intp left, right;
     double scale = 0, sigma = 0, dropout_p;
     uint64_t seed;
     objs[MASK] = objs[BIAS] = objs[DQ] = objs[DK] = objs[DV] = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OOOOOOOOpOOO:softmax_backward",
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OOOOOOOOpOOOp:softmax_backward",
                                      keywords, &objs[DOUT], &objs[Q], &objs[K], &objs[V],
                                      &objs[OUT], &objs[LSE], &scale_obj, &sigma_obj, &causal_obj,
                                      &objs[MASK], &objs[BIAS], &window_obj, &dropout_obj,
-                                     &seed_obj, &bias_grad, &objs[DQ], &objs[DK], &objs[DV]))
+                                     &seed_obj, &bias_grad, &objs[DQ], &objs[DK], &objs[DV],
+                                     &bf16_products))
         return NULL;
     if (attnx_parse_causal(causal_obj, &causal) < 0 ||
         attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0 ||
@@ -96,6 +99,7 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kw
             .dropout_p = dropout_p,
             .seed = seed,
             .interrupt = &interrupt,
+            .bf16_products = bf16_products,
         },
         .dout = attnx_data(&call, DOUT),
         .dq = attnx_data(&call, DQ), .dk = attnx_data(&call, DK), .dv = attnx_data(&call, DV),

@@ -32,7 +32,12 @@
  * scores Q K^T and dP = dO V^T, run on pairs of bfloat16 values where a
  * block's operands all are bfloat16 values (as tensors widened from
  * bfloat16 are; the output gradient too, when it was bfloat16); the other
- * three take p or dS, which are not, and stay float32. Each key block and
+ * three take p or dS, which are not, and stay float32, unless the caller
+ * asks for bfloat16 arithmetic (bf16_products, attnx.h: attnx.torch's
+ * bfloat16 tensors): then p and dS are rounded to bfloat16
+ * (mk_pair_rows_rounded, mk_pair_along_rounded) and dV, dK, dQ run on the
+ * pairs too, where the block's Q, dO and K are bfloat16 values. Each key
+ * block and
  * (once per work item) each query block is put in pair rows, which tells
  * whether its numbers all are bfloat16 values.
  *
@@ -116,6 +121,13 @@ typedef struct {
                                     * which of Q_EXACT, DOUT_EXACT hold */
     int k_exact, v_exact;          /* the key block's K, V are all bfloat16 values */
     int q_exact, dout_exact;       /* the same of the query block at hand */
+    /* the caller's bfloat16 arithmetic (bf16_products): the products of p
+     * and dS on pairs too; pd_pairs NULL: not asked for */
+    float *pd_pairs, *ds_pairs;    /* (BR / 2, BC): ptd, dS rounded, query rows paired */
+    float *ds_along;               /* (BR, BC / 2): dS rounded, paired along its rows */
+    float *q_rows, *dout_rows;     /* (BR / 2, d), (BR / 2, e): the query rows' Q, dO paired */
+    float *k_rows;                 /* (BC / 2, d): the key block's K, keys paired */
+    int k_rows_exact;              /* its keys are all bfloat16 values */
 } SFX(bwd_work);
 
 /* The operands of one head, positioned once. */
@@ -265,7 +277,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
 #ifdef BWD_PAIRS
     if (score_pairs)
         mk_gemm_pairs_w16(rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2), d / 2,
-                       w->kt_pairs, BC, w->pt, BC);
+                          1, w->kt_pairs, BC, 0, w->pt, BC);
     else
 #endif
     if (mk)
@@ -279,14 +291,29 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                 memset(h->dbias + (i0 + r) * dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         return;
     }
+    /* the caller's bfloat16 arithmetic (bf16_products): p and dS rounded to
+     * bfloat16 and their three products on pairs too, where Q, dO and K
+     * are bfloat16 values (so that pairing them is exact) */
+#ifdef BWD_PAIRS
+    const int rounded = mk && w->pd_pairs && w->k_rows_exact &&
+                        mk_pair_rows(w->q_rows, d, q_i, a->q_row, rows, d) &&
+                        mk_pair_rows(w->dout_rows, e, do_i, dout_row, rows, e);
+#endif
     if (mk) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
+#ifdef BWD_PAIRS
+        if (rounded) {
+            mk_pair_rows_rounded(w->pd_pairs, BC, w->ptd, BC, rows, cols);
+            mk_gemm_pairs_w16(cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, BC, w->dout_rows, e, 1,
+                              dv_j, dv_row);
+        } else
+#endif
         SFX(bwd_gemm)(w->width, cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j,
                       dv_row);
 #ifdef BWD_PAIRS
         if (dp_pairs)
-            mk_gemm_pairs_w16(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2,
-                           w->vt_pairs, BC, w->dpt, BC);
+            mk_gemm_pairs_w16(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2, 1,
+                              w->vt_pairs, BC, 0, w->dpt, BC);
         else
 #endif
         SFX(bwd_gemm)(w->width, rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt,
@@ -315,6 +342,17 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
+#ifdef BWD_PAIRS
+    if (rounded) {
+        mk_pair_rows_rounded(w->ds_pairs, BC, w->dpt, BC, rows, cols);
+        for (ptrdiff_t r = 0; r < rows; r++)
+            mk_pair_along_rounded(w->ds_along + r * (BC / 2), w->dpt + r * BC, cols);
+        mk_gemm_pairs_w16(cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, BC, w->q_rows, d, 1,
+                          dk_j, dk_row);
+        mk_gemm_pairs_w16(rows, d, (cols + 1) / 2, scale, w->ds_along, BC / 2, 1, w->k_rows, d, 1,
+                          dq_i, dq_row);
+    } else
+#endif
     if (mk) {
         SFX(bwd_gemm)(w->width, cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j,
                       dk_row);
@@ -412,6 +450,9 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             w->k_exact = mk_pair_rows(w->kt_pairs, BC, w->kt, BC, a->d, BC);
             w->v_exact = mk_pair_rows(w->vt_pairs, BC, w->vt, BC, a->e, BC);
         }
+        if (w->k_rows)
+            w->k_rows_exact = mk_pair_rows(w->k_rows, a->d, h->k + j0 * a->k_row, a->k_row, cols,
+                                           a->d);
 #endif
         int k_bad = SFX(has_nonfinite)(h->k + j0 * a->k_row, cols, a->d, a->k_row) ||
                     SFX(has_nonfinite)(h->v + j0 * a->v_row, cols, a->e, a->v_row);
@@ -519,9 +560,16 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     pairs = width && attnx_kernels_bf16_dot(set);
 #endif
     ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (BC + n)) : 0;
+    /* and with the caller's bfloat16 arithmetic, the pairs of p, dS and
+     * the query and key rows (rounded) */
+    int rounded = pairs && a->bf16_products;
+    ptrdiff_t rounded_pairs = rounded ? 3 * LINES(BR / 2 * BC) + LINES(BR / 2 * (d + a->e)) +
+                                            LINES(BC / 2 * d)
+                                      : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
-    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed + paired;
+    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed + paired +
+                           rounded_pairs;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
@@ -544,7 +592,7 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
                                    .lanes = lanes, .kt = width ? kt : NULL,
                                    .vt = width ? kt + d * BC : NULL, .ptd = base,
                                    .keep = keeps + t * bytes};
-        if (dropout) works[t].ptd = kt + transposed + paired;
+        if (dropout) works[t].ptd = kt + transposed + paired + rounded_pairs;
 #ifdef BWD_PAIRS
         if (pairs) {
             float *pair_base = kt + transposed;
@@ -554,6 +602,17 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
             works[t].dout_pairs = works[t].q_pairs + n * d / 2;
             works[t].block_pairs = keeps + t * bytes + BC;
         }
+#ifdef BWD_PAIRS
+        if (rounded) {
+            float *rounded_base = kt + transposed + paired;
+            works[t].pd_pairs = rounded_base;
+            works[t].ds_pairs = rounded_base + BR / 2 * BC;
+            works[t].ds_along = rounded_base + 2 * (BR / 2 * BC);
+            works[t].q_rows = rounded_base + 3 * (BR / 2 * BC);
+            works[t].dout_rows = works[t].q_rows + BR / 2 * d;
+            works[t].k_rows = works[t].dout_rows + BR / 2 * a->e;
+        }
+#endif
 #endif
     }
 

@@ -15,9 +15,14 @@
  * which tells whether their numbers are all bfloat16 values, as they are
  * for tensors widened from bfloat16. A tile whose queries and keys all are
  * takes its scores from the pairs, in half the instructions; any other
- * tile, and P V always (P is no bfloat16 value), the float32 kernels. The
- * inputs decide, never the caller: a float32 number that is no bfloat16
- * value keeps its tile on float32. */
+ * tile the float32 kernels. The inputs decide, never the caller: a float32
+ * number that is no bfloat16 value keeps its tile on float32. P V is
+ * float32 (P is no bfloat16 value), unless the caller asks for bfloat16
+ * arithmetic (bf16_products, attnx.h): then the value panels are put in
+ * pairs of keys too, and a tile whose values are all bfloat16 values takes
+ * P V from the pairs, each strip's P rounded to bfloat16 on the way
+ * (mk_add_pv_pairs_w16); the online softmax's sums and rescaling stay
+ * float32. */
 #ifndef REAL
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +50,10 @@ typedef struct {
     unsigned char *exact; /* per slot: the panel's keys are all bfloat16 values */
     float *qt_pairs;      /* (strips, ceil(d / 2), strip) the tile's queries in pair rows */
     int q_exact;          /* the tile's queries are all bfloat16 values */
+    /* and P V by them (bf16_products); vt_pairs NULL: not asked for */
+    float *vt_pairs;      /* (slots, e / KB, KB / 2, KB) the value panels, keys paired */
+    unsigned char *v_exact; /* per slot: the panel's values are all bfloat16 values */
+    float *p_pairs;       /* (MK_KC / 2, strip) a strip's slice of P, rounded and paired */
 } packed_panels;
 #endif
 
@@ -66,6 +75,10 @@ struct SFX(mk_kernels) {
     void (*scores_pairs)(const mk_tile *t, REAL *st, ptrdiff_t st_ld, const REAL *qt,
                          const REAL *kt, ptrdiff_t slots, ptrdiff_t d_pairs, REAL scale,
                          const REAL *key_term, REAL *tile_max);
+    /* P V by them, P rounded (mk_add_pv_pairs_w16), or NULL */
+    void (*add_pv_pairs)(const mk_tile *t, REAL *ot, ptrdiff_t ot_ld, const REAL *pt,
+                         ptrdiff_t pt_ld, const mk_values *values, ptrdiff_t e,
+                         const REAL *correction, REAL *p_pairs);
 };
 
 #ifdef MK_HAVE_X86
@@ -169,6 +182,18 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
         if (pk->vt)
             SFX(mk_pack_values)((REAL *)pk->vt + slot * kb * e, v + p * kb * a->v_row, a->v_row,
                                 count, e, kb);
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+        /* group by group, the keys paired (the second of the last pair 0
+         * past an odd count; the pairs past it are never read: P V stops
+         * at the tile's last key) */
+        if (pk->vt_pairs) {
+            int exact = 1;
+            for (ptrdiff_t g = 0; g < e; g += kb)
+                exact &= mk_pair_rows(pk->vt_pairs + slot * kb * e / 2 + g * kb / 2,
+                                      kb, v + p * kb * a->v_row + g, a->v_row, count, kb);
+            pk->v_exact[slot] = (unsigned char)exact;
+        }
+#endif
         pk->owner[slot] = p + 1;
     }
 }
@@ -182,7 +207,7 @@ static void SFX(mk_prepare_tile)(const SFX(softmax_backend) *be, const attnx_sof
 {
     packed_panels *pk = w->operands;
     memset(w->ot, 0, (size_t)(a->e * w->st_ld) * sizeof(REAL));
-    if (pk->k != k || (pk->vt && pk->v != v)) {
+    if (pk->k != k || ((pk->vt || pk->vt_pairs) && pk->v != v)) {
         memset(pk->owner, 0, (size_t)pk->slots * sizeof *pk->owner);
         pk->k = k;
         pk->v = v;
@@ -208,8 +233,19 @@ static void SFX(mk_rescale_output)(SFX(tile_work) *w, ptrdiff_t rows, ptrdiff_t 
         for (ptrdiff_t r = 0; r < rows; r++) w->ot[c * w->st_ld + r] *= w->correction[r];
 }
 
+/* 1 when the values of the tile's panels are all bfloat16 values, with
+ * their pairs packed */
+static int SFX(mk_values_exact)(const packed_panels *pk, const mk_tile *t, ptrdiff_t kb)
+{
+    if (!pk->vt_pairs) return 0;
+    for (ptrdiff_t p = t->j0 / kb; p * kb < t->j0 + t->cols; p++)
+        if (!pk->v_exact[p % pk->slots]) return 0;
+    return 1;
+}
+
 /* ot += (P V_tile)^T after ot is rescaled by the rows' correction (folded
- * into the P V kernel), values from their panels or read in place; values
+ * into the P V kernel), values from their panels or read in place, or
+ * from their pairs (bf16_products, values all bfloat16 values); values
  * with inf or NaN take the plain path (softmax_add_visible_values) */
 static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
                                 const mk_tile *t, SFX(tile_work) *w, REAL *out, const REAL *v)
@@ -222,6 +258,13 @@ static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_soft
         return;
     }
     ptrdiff_t kb = be->kb;
+    if (SFX(mk_values_exact)(pk, t, kb)) {
+        /* pair c of a group: keys 2c and 2c + 1 of its panel */
+        mk_values pairs = {pk->vt_pairs, pk->slots, kb * a->e / 2, kb, kb * kb / 2};
+        be->mk->add_pv_pairs(t, w->ot, w->st_ld, w->st, w->st_ld, &pairs, a->e, w->correction,
+                             (REAL *)pk->p_pairs);
+        return;
+    }
     mk_values values = {pk->vt, pk->slots, kb * a->e, kb, kb * kb};
     if (!pk->vt) values = (mk_values){v, PTRDIFF_MAX, kb * a->v_row, a->v_row, kb};
     be->mk->add_pv(t, w->ot, w->st_ld, w->st, w->st_ld, &values, a->e, w->correction);
@@ -297,11 +340,18 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
     ptrdiff_t d_pairs = (a->d + 1) / 2;
     ptrdiff_t packed_pairs = pairs ? softmax_lines(slots * kb * d_pairs, size) : 0;
     ptrdiff_t query_pairs = pairs ? softmax_lines(st_ld * d_pairs, size) : 0;
-    ptrdiff_t per_thread = packed + packed_v + queries + outputs + packed_pairs + query_pairs;
+    /* and of P V, where the caller asks for bfloat16 arithmetic: the values
+     * in pairs (whether or not the float32 path packs them) and a strip's P */
+    int pv_pairs = pairs && a->bf16_products && be->mk->add_pv_pairs;
+    ptrdiff_t value_pairs = pv_pairs ? softmax_lines(slots * kb * a->e / 2, size) : 0;
+    ptrdiff_t p_pairs = pv_pairs ? softmax_lines(MK_KC / 2 * be->strip, size) : 0;
+    ptrdiff_t per_thread = packed + packed_v + queries + outputs + packed_pairs + query_pairs +
+                           value_pairs + p_pairs;
     REAL *scratch = NULL;
     ptrdiff_t *owners = malloc((size_t)(slots * threads + 1) * sizeof *owners);
     packed_panels *pks = calloc((size_t)threads, sizeof *pks);
-    unsigned char *exact = pairs ? malloc((size_t)(slots * threads)) : NULL;
+    /* per slot: the keys' exact, then (pv_pairs) the values' */
+    unsigned char *exact = pairs ? malloc((size_t)((1 + pv_pairs) * slots * threads)) : NULL;
     memory->blocks[1] = owners;
     memory->blocks[2] = pks;
     memory->blocks[3] = exact;
@@ -322,6 +372,11 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
             pks[t].qt_pairs = pks[t].kt_pairs + packed_pairs;
             pks[t].exact = exact + slots * t;
         }
+        if (pv_pairs) {
+            pks[t].vt_pairs = pks[t].qt_pairs + query_pairs;
+            pks[t].p_pairs = pks[t].vt_pairs + value_pairs;
+            pks[t].v_exact = exact + slots * (threads + t);
+        }
     }
     return ATTNX_OK;
 }
@@ -330,9 +385,9 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
  * _w16 on AVX-512 and _w8 on AVX2, float64 _d8 and _d4; NEON _n4, _nd2) */
 #ifdef MK_HAVE_NEON
 #if REAL_IS_DOUBLE
-static const mk_kernels_f64 mk_neon_f64 = {mk_scores_nd2, mk_add_pv_nd2, NULL};
+static const mk_kernels_f64 mk_neon_f64 = {mk_scores_nd2, mk_add_pv_nd2, NULL, NULL};
 #else
-static const mk_kernels_f32 mk_neon_f32 = {mk_scores_n4, mk_add_pv_n4, NULL};
+static const mk_kernels_f32 mk_neon_f32 = {mk_scores_n4, mk_add_pv_n4, NULL, NULL};
 #endif
 
 const SFX(softmax_backend) SFX(softmax_mk_neon) = {
@@ -353,11 +408,12 @@ const SFX(softmax_backend) SFX(softmax_mk_neon) = {
 };
 #else
 #if REAL_IS_DOUBLE
-static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8, NULL};
-static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4, NULL};
+static const mk_kernels_f64 mk_avx512_f64 = {mk_scores_d8, mk_add_pv_d8, NULL, NULL};
+static const mk_kernels_f64 mk_avx2_f64 = {mk_scores_d4, mk_add_pv_d4, NULL, NULL};
 #else
-static const mk_kernels_f32 mk_avx512_f32 = {mk_scores_w16, mk_add_pv_w16, mk_scores_pairs_w16};
-static const mk_kernels_f32 mk_avx2_f32 = {mk_scores_w8, mk_add_pv_w8, NULL};
+static const mk_kernels_f32 mk_avx512_f32 = {mk_scores_w16, mk_add_pv_w16, mk_scores_pairs_w16,
+                                             mk_add_pv_pairs_w16};
+static const mk_kernels_f32 mk_avx2_f32 = {mk_scores_w8, mk_add_pv_w8, NULL, NULL};
 
 /* the online softmax of a whole strip (3 vectors of 16 rows) in registers */
 static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,

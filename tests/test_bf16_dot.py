@@ -35,6 +35,9 @@ GRAD_RTOL = 5e-5
 # the instruction against the float32 path: the same numbers summed in
 # another order
 PATH_RTOL = 2e-5
+# attnx.torch's bfloat16 tensors with the dot products: p and dS rounded to
+# bfloat16 (tests/test_bf16_products.py), relative to the largest entry
+ROUNDED_RTOL = 6e-3
 
 
 def bf16_dot(name):
@@ -296,7 +299,9 @@ def test_inputs_are_not_modified():
 def test_torch_bf16_sdpa_is_torch_float32_sdpa_rounded(setting_name, options):
     """attnx.torch on bfloat16 tensors against torch's float32 SDPA of the
     same values: out and every gradient within one rounding to bfloat16
-    (half a unit of the float32 result) plus float32 tolerance."""
+    (half a unit of the float32 result) plus float32 tolerance; with the
+    dot products, plus the error of the rounded probabilities and their
+    gradients that bfloat16 tensors ask for (tests/test_bf16_products.py)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -326,6 +331,8 @@ def test_torch_bf16_sdpa_is_torch_float32_sdpa_rounded(setting_name, options):
         # attnx's float32 result is within `close` of want, and its rounding
         # to bfloat16 moves it by at most 2^-8 of itself
         close = GRAD_RTOL * max(float(np.max(np.abs(want))), 1.0)
+        if setting_name == "avx512_bf16":
+            close += ROUNDED_RTOL * float(np.max(np.abs(want)))
         bound = 2.0**-8 * (np.abs(want) + close) + close
         assert np.all(np.abs(got - want) <= bound), (name, np.max(np.abs(got - want) - bound))
 

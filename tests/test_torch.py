@@ -165,11 +165,17 @@ def test_half_precision_end_to_end(dtype):
         lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask),
         [q32, k32, v32], dout.float())
     eps = torch.finfo(dtype).eps
+    # bfloat16 with the bfloat16 dot products: also the error of the
+    # probabilities and their gradients rounded to bfloat16 in the backward
+    # (tests/test_bf16_products.py), relative to the largest entry
+    rounded = dtype == torch.bfloat16 and attnx.cpu_dispatch()["softmax_backward"] in (
+        "avx512_bf16", "amx")
     for a, b in [(ours, ref)] + list(zip(grads, ref_grads)):
         # the float32 result rounded once to the half dtype: within half an
         # ulp of it, plus float32's own rounding
         err = (a.float() - b).abs()
-        assert torch.all(err <= eps / 2 * b.abs() + 1e-5 * b.abs().max()), err.max()
+        slack = 6e-3 if rounded and a is not ours else 1e-5
+        assert torch.all(err <= eps / 2 * b.abs() + slack * b.abs().max()), err.max()
 
 
 def test_bad_inputs_raise_clear_errors():

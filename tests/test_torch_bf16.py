@@ -327,14 +327,28 @@ def test_conversion_ops_match_torch_and_pass_opcheck(torch, path):
     torch.library.opcheck(torch.ops.attnx.bfloat16_to_float32.default, (half.requires_grad_(),))
 
 
-def test_sdpa_bf16_is_the_float32_computation_rounded_once(torch, path):
-    """out and every gradient equal attnx's float32 computation on the
-    widened inputs, rounded once (bit for bit): the only rounding of the
-    bfloat16 path. Inputs in transformers' layout (a permuted view of one
-    (B, n, 3, H, d) tensor, read in place), a float mask in bfloat16, and
-    the gradient of out.sum() (an expanded, stride-0 dout); a float bias
-    with the causal flag goes through softmax_attention (torch's SDPA
-    refuses attn_mask with is_causal)."""
+# the softmax kernels without the bfloat16 dot products: the best of them
+# here, and plain C + BLAS
+FLOAT32_SOFTMAX = sorted({next(s for s in kernels_here("softmax_backward")
+                               if s not in ("avx512_bf16", "amx")), "plain"})
+
+
+@pytest.mark.parametrize("held", FLOAT32_SOFTMAX)
+def test_sdpa_bf16_is_the_float32_computation_rounded_once(torch, path, held):
+    """Where the kernels have no bfloat16 dot products (both softmax
+    families held to a set without them), out and every gradient
+    equal attnx's float32 computation on the widened inputs, rounded once
+    (bit for bit): the only rounding of the bfloat16 path there (with the
+    dot products, tests/test_bf16_products.py). Inputs in transformers'
+    layout (a permuted view of one (B, n, 3, H, d) tensor, read in place),
+    a float mask in bfloat16, and the gradient of out.sum() (an expanded,
+    stride-0 dout); a float bias with the causal flag goes through
+    softmax_attention (torch's SDPA refuses attn_mask with is_causal)."""
+    with dispatched(softmax_forward=held, softmax_backward=held, convert=path):
+        _check_rounded_once(torch)
+
+
+def _check_rounded_once(torch):
     import attnx.torch as at
 
     B, n, H, d = 2, 37, 3, 16

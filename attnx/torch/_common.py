@@ -4,7 +4,9 @@ the window and causal options, the numpy views attnx's functions read, and
 the dtype conversions: bfloat16 and float16 tensors are computed in
 float32, widened once on the way in and narrowed once on the way out (the
 bfloat16 conversions are operators, in C, ``torch.ops.attnx.bfloat16_to_float32``
-and ``float32_to_bfloat16``).
+and ``float32_to_bfloat16``); softmax attention on bfloat16 tensors also
+asks the kernels for bfloat16 products where they have them, in the
+forward and the backward (_softmax.py, docs/pytorch.md).
 """
 import numpy as np
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 import attnx
+from attnx._softmax import _backward as _softmax_gradients
 
 from ._common import (
     _HALF,
@@ -71,7 +72,7 @@ def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropou
         if variant == "gaussian":
             args += (param,)
         _, lse = forward(*args, mask=_np(mask), bias=_wide_np(bias), out=wide.numpy(),
-                         return_lse=True, **options)
+                         return_lse=True, _bf16_products=q.dtype == torch.bfloat16, **options)
         lse = torch.from_numpy(lse)
     if q.dtype == dtype:
         return wide, lse, q.new_empty((0,))
@@ -121,11 +122,15 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
     grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
     args = tuple(_wide_np(t) for t in (dout, q, k, v)) + (_np(out), lse.numpy())
+    options = _softmax_options(variant, param, causal, window, dropout_p, seed)
     if variant == "gaussian":
-        args += (param,)
-    g = backward(*args, mask=_np(mask), bias=_wide_np(bias), bias_grad=bias_grad,
-                 dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
-                 **_softmax_options(variant, param, causal, window, dropout_p, seed))
+        options["sigma"] = param
+    # bfloat16 tensors take bfloat16 products (the probabilities and their
+    # gradients rounded, as torch's own CPU kernels do): the C entry's
+    # private keyword, which the public backward functions do not take
+    g = _softmax_gradients(*args, mask=_np(mask), bias=_wide_np(bias), bias_grad=bias_grad,
+                           dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
+                           _bf16_products=q.dtype == torch.bfloat16, **options)
     if bias_grad:
         dbias = (_narrowed(g.bias, bias.dtype) if bias.dtype in _HALF
                  else _from_numpy(g.bias, bias.dtype))
