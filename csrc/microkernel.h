@@ -975,6 +975,61 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
     _mm_setcsr(csr);
 }
 
+#elif MK_W == 8 && defined(MK_F32)
+/* 2^t for t <= 0 (and -inf, NaN) on AVX2, the same numbers as mk_exp2_w16
+ * gives with flush-to-zero: t = n + f with n = floor(t), 2^f by the same
+ * polynomial, 2^n built in the exponent bits. t is first raised to -127,
+ * whose n has exponent field 0: 2^n = 0, so every result under 2^-126
+ * (-inf's too) is 0 and none is subnormal. n's field comes from the float
+ * n + 127 + 1.5 2^23, whose low mantissa bits hold the integer n + 127.
+ * NaN stays NaN (the max keeps its second operand's NaN). */
+static inline __attribute__((always_inline)) __m256 mk_exp2_w8(__m256 t)
+{
+    t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(2.1690609157073274e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.2443081511840524e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6784725541209631e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5483524724105671e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022979581422316f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314698705747602f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000001815494f));
+    __m256i biased = _mm256_castps_si256(_mm256_add_ps(n, _mm256_set1_ps(12583039.0f)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+
+/* mk_softmax_strip_w16 on AVX2, 8 rows per vector; its weights are never
+ * subnormal (mk_exp2_w8), so it needs no flush-to-zero */
+static inline void mk_softmax_strip_w8(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
+                                       const float *tile_max, float *row_max, float *row_sum,
+                                       float *correction, const int vectors)
+{
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    __m256 sub[MK_RV], sum[MK_RV];
+    for (int h = 0; h < vectors; h++) {
+        __m256 old_max = _mm256_loadu_ps(row_max + h * 8);
+        __m256 new_max = _mm256_max_ps(old_max, _mm256_loadu_ps(tile_max + h * 8));
+        __m256 unseen = _mm256_cmp_ps(new_max, neg_inf, _CMP_EQ_OQ);
+        __m256 same = _mm256_or_ps(_mm256_cmp_ps(new_max, old_max, _CMP_EQ_OQ),
+                                   _mm256_cmp_ps(old_max, neg_inf, _CMP_EQ_OQ));
+        sub[h] = _mm256_andnot_ps(unseen, new_max);
+        __m256 corr = _mm256_blendv_ps(mk_exp2_w8(_mm256_sub_ps(old_max, sub[h])),
+                                       _mm256_set1_ps(1.0f), same);
+        _mm256_storeu_ps(correction + h * 8, corr);
+        _mm256_storeu_ps(row_max + h * 8, new_max);
+        sum[h] = _mm256_mul_ps(_mm256_loadu_ps(row_sum + h * 8), corr);
+    }
+    for (ptrdiff_t j = lo; j < hi; j++)
+        for (int h = 0; h < vectors; h++) {
+            float *s = st + j * st_ld + h * 8;
+            __m256 p = mk_exp2_w8(_mm256_sub_ps(_mm256_loadu_ps(s), sub[h]));
+            _mm256_storeu_ps(s, p);
+            sum[h] = _mm256_add_ps(sum[h], p);
+        }
+    for (int h = 0; h < vectors; h++) _mm256_storeu_ps(row_sum + h * 8, sum[h]);
+}
+
 #endif
 
 #ifdef MK_F32

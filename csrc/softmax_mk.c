@@ -366,6 +366,14 @@ static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff
     mk_softmax_strip_w16(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
                          w->row_sum + r0, w->correction + r0, MK_RV);
 }
+
+/* the same on AVX2 (3 vectors of 8 rows) */
+static void mk_softmax_strip_avx2_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,
+                                      ptrdiff_t lo, ptrdiff_t hi)
+{
+    mk_softmax_strip_w8(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
+                        w->row_sum + r0, w->correction + r0, MK_RV);
+}
 #endif
 
 const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
@@ -401,7 +409,11 @@ const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
     .prepare_tile = SFX(mk_prepare_tile),
     .key_tile = SFX(softmax_strips_key_tile),
     .scores = SFX(mk_tile_scores),
+#if REAL_IS_DOUBLE
     .softmax_strip = SFX(softmax_online_strip),
+#else
+    .softmax_strip = mk_softmax_strip_avx2_f32,
+#endif
     .add_pv = SFX(mk_tile_add_pv),
     .finish_tile = SFX(mk_finish_tile),
 };
