@@ -587,13 +587,20 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
     }
     MK_VEC row_max[MK_RV];
     for (int h = 0; h < vectors; h++) row_max[h] = *(const MK_VEC *)(strip_max + h * MK_W);
+    /* the terms read before the first store to st (which may alias them, as
+     * far as the compiler knows: else it reloads each per vector) */
+    MK_REAL term[MK_KB_W];
+#pragma GCC unroll 8
+    for (int jj = 0; jj < MK_KB_W; jj++) term[jj] = key_term[jj];
+    const MK_VEC scale_v = (MK_VEC){0} + scale;
 #pragma GCC unroll 8
     for (int jj = 0; jj < MK_KB_W; jj++) {
+        /* a masked key (term -inf) must not turn a NaN score into a NaN
+         * weight: it is -inf outright (one predictable test per key) */
+        const int masked = term[jj] == -INFINITY;
+        const MK_VEC term_v = (MK_VEC){0} + term[jj];
         for (int h = 0; h < vectors; h++) {
-            /* a masked key (term -inf) must not turn a NaN score into a
-             * NaN weight: it is -inf outright */
-            MK_VEC s = key_term[jj] == -INFINITY ? (MK_VEC){0} - INFINITY
-                                                  : acc[jj][h] * scale + key_term[jj];
+            MK_VEC s = masked ? (MK_VEC){0} - INFINITY : acc[jj][h] * scale_v + term_v;
             *(MK_VEC *)(st + jj * st_ld + h * MK_W) = s;
             row_max[h] = MK_VMAX(row_max[h], s);
         }
@@ -630,9 +637,12 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
         /* the padding lanes past the last row are never read: no matter
          * whether they see the keys */
         mk_block_all_keys(t, r0, strip, &all_lo, &all_hi);
-        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
+        /* the panels' slots counted on, not divided for per block: the
+         * division's latency held up each block's first loads */
+        ptrdiff_t slot = (t->j0 + lo) / kb % slots;
+        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb, slot = slot + 1 == slots ? 0 : slot + 1) {
             int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
-            const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
+            const MK_REAL *panel = kt + slot * kb * d;
             MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
                                      key_term + c0, tile_max + r0, whole, vectors, pairs);
             if (!whole) MK_NAME(mk_hide_and_max)(t, st, st_ld, r0, strip, c0, kb, tile_max);
