@@ -217,6 +217,20 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
     }
 }
 
+/* dst[c][r] = src[r][c] for a 4 x 4 block of floats (SSE, in every x86-64):
+ * an AVX2 key panel, 4 keys */
+static inline void mk_transpose4(float *dst, ptrdiff_t dst_row, const float *src,
+                                 ptrdiff_t src_row)
+{
+    __m128 row0 = _mm_loadu_ps(src), row1 = _mm_loadu_ps(src + src_row);
+    __m128 row2 = _mm_loadu_ps(src + 2 * src_row), row3 = _mm_loadu_ps(src + 3 * src_row);
+    _MM_TRANSPOSE4_PS(row0, row1, row2, row3);
+    _mm_storeu_ps(dst, row0);
+    _mm_storeu_ps(dst + dst_row, row1);
+    _mm_storeu_ps(dst + 2 * dst_row, row2);
+    _mm_storeu_ps(dst + 3 * dst_row, row3);
+}
+
 /* dst[c][r] = src[r][c] for a 16 x 16 block of floats: each row of dst is
  * written whole, one cache line where dst is aligned (so the line need not
  * be read first) */

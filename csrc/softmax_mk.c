@@ -72,16 +72,12 @@ struct SFX(mk_kernels) {
 /* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
  * by square blocks of `side` numbers, what they leave by blocks half as
  * big, the rest one by one. The blocks: 16 x 16 floats on AVX-512, 8 x 8
- * floats, 4 x 4 doubles (only called where the micro-kernels run, so AVX2
- * is there). */
+ * and 4 x 4 floats, 4 x 4 doubles (only called where the micro-kernels
+ * run, so AVX2 is there). */
 static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
                                  ptrdiff_t count, ptrdiff_t d, ptrdiff_t side)
 {
-#if REAL_IS_DOUBLE
     if (side < 4) {
-#else
-    if (side < 8) {
-#endif
         for (ptrdiff_t r = 0; r < count; r++)
             for (ptrdiff_t c = 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
         return;
@@ -96,8 +92,10 @@ static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, pt
 #else
             if (side == 16)
                 mk_transpose16(block, dst_row, from, x_row);
-            else
+            else if (side == 8)
                 mk_transpose8(block, dst_row, from, x_row);
+            else
+                mk_transpose4(block, dst_row, from, x_row);
 #endif
         }
     /* the columns right of the blocks, then the rows below them */
