@@ -727,13 +727,13 @@ static inline void mk_scores_pairs_w16(
 
 /* One block: one group of KB columns of the values, for the rows of a
  * strip in its first `vectors` vectors (a constant where this is inlined),
- * over `keys` keys from the start of panel p0:
+ * over `keys` keys from the start of the panel in slot `slot`:
  *   ot[cc][r] = ot[cc][r] (times correction[r], if given) + sum_j p[j][r] v[j][cc]
  * the transpose of the scores block, with P^T's columns for the queries
  * and the values for the keys: both products are the same loop. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
     MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction, const int vectors)
+    ptrdiff_t group, ptrdiff_t slot, ptrdiff_t keys, const MK_REAL *correction, const int vectors)
 {
     const MK_REAL *v_group = (const MK_REAL *)values->base + group * values->group_step;
     const ptrdiff_t slots = values->slots, key_step = values->key_step;
@@ -747,19 +747,18 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
 #pragma GCC unroll 8
             for (int cc = 0; cc < MK_KB_W; cc++) acc[cc][h] *= factor;
         }
-    ptrdiff_t slot = p0 % slots;
+    const MK_REAL *p_j = pt;
     for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
-        const MK_REAL *v_panel = v_group + slot * values->panel_step;
-        const MK_REAL *p_panel = pt + k0 * pt_ld;
-        ptrdiff_t panel_keys = keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W;
-        for (ptrdiff_t jj = 0; jj < panel_keys; jj++) {
-            MK_VEC p_j[MK_RV];
-            for (int h = 0; h < vectors; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
+        const MK_REAL *v_j = v_group + slot * values->panel_step;
+        const MK_REAL *p_end = p_j + (keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W) * pt_ld;
+        /* pointers stepped key by key: gcc multiplied jj by key_step and
+         * reloaded spilled indices in the loop */
+        for (; p_j < p_end; p_j += pt_ld, v_j += key_step) {
+            MK_VEC p_jh[MK_RV];
+            for (int h = 0; h < vectors; h++) p_jh[h] = *(const MK_VEC *)(p_j + h * MK_W);
 #pragma GCC unroll 8
-            for (int cc = 0; cc < MK_KB_W; cc++) {
-                MK_REAL v_jc = v_panel[jj * key_step + cc];
-                for (int h = 0; h < vectors; h++) acc[cc][h] += p_j[h] * v_jc;
-            }
+            for (int cc = 0; cc < MK_KB_W; cc++)
+                for (int h = 0; h < vectors; h++) acc[cc][h] += p_jh[h] * v_j[cc];
         }
         if (++slot == slots) slot = 0;
     }
@@ -791,10 +790,10 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_add_pv_strips)(
             /* the panel padding past the tile's keys has P = 0: skipped */
             hi = hi < t->cols ? hi : t->cols;
             if (hi <= lo) continue;
+            ptrdiff_t slot = (t->j0 + lo) / kb % values->slots;
             for (ptrdiff_t g = 0; g < e; g += kb)
                 MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, pt + lo * pt_ld + r0, pt_ld,
-                                     values, g / kb, (t->j0 + lo) / kb, hi - lo,
-                                     strip_correction, vectors);
+                                     values, g / kb, slot, hi - lo, strip_correction, vectors);
         }
 }
 

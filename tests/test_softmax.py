@@ -1331,6 +1331,36 @@ def test_kernel_set_reaches_the_kernel(dtype):
         assert not np.array_equal(results[first], results[second]), (first, second)
 
 
+def test_micro_kernel_weights_at_the_extremes():
+    """The micro-kernels' 2^x (csrc/microkernel.h: mk_exp2_w8 on AVX2,
+    mk_exp2_w16 on AVX-512) where it is most fragile: scores spread over
+    a hundred log2 units and more, so that weights fall under 2^-126 (0,
+    never subnormal), masked keys, and a NaN query row, causal and not;
+    every kernel set here against the reference, and the two x86 widths bit
+    for bit."""
+    rng = np.random.default_rng(71)
+    # small integers: exact dot products, so that the float32 scores'
+    # rounding, not at issue here, stays within tol; scores of std ~27 log2
+    # units put 5% of the weights under 2^-126 and 16% in [2^-126, 2^-100)
+    q, k = (rng.integers(-7, 8, (2, count, 64)).astype(np.float32) for count in (200, 300))
+    v = make(rng, (2, 300, 64), np.float32)
+    q[1, 7, 3] = np.nan
+    mask = rng.random((2, 1, 300)) < 0.8
+    for causal in (False, True):
+        want = ref_softmax(q, k, v, mask=mask, causal=causal)
+        results = {}
+        for name in KERNELS_HERE:
+            with dispatched(softmax_forward=name):
+                results[name] = attnx.softmax_attention(q, k, v, mask=mask, causal=causal)
+            got = results[name]
+            assert np.all(np.isnan(got[1, 7])), name
+            rest = np.ones(got.shape[:2], bool)
+            rest[1, 7] = False
+            assert_close(got[rest], want[rest], np.float32, vscale(v), err_msg=name)
+        if "avx2" in results and "avx512" in results:
+            np.testing.assert_array_equal(results["avx2"], results["avx512"])
+
+
 @pytest.mark.parametrize("n,m,d,e", [(100, 100, 40, 40), (130, 77, 130, 136), (64, 300, 8, 8),
                                      (257, 513, 96, 32)])
 def test_amx_padding_of_d_e_and_keys(kernels, n, m, d, e):
