@@ -221,6 +221,20 @@ __attribute__((target("avx2"))) static inline void mk_transpose8(float *dst, ptr
     }
 }
 
+/* dst[c][r] = src[r][c] for a 4 x 4 block of floats (SSE, in every x86-64):
+ * an AVX2 key panel, 4 keys */
+static inline void mk_transpose4(float *dst, ptrdiff_t dst_row, const float *src,
+                                 ptrdiff_t src_row)
+{
+    __m128 row0 = _mm_loadu_ps(src), row1 = _mm_loadu_ps(src + src_row);
+    __m128 row2 = _mm_loadu_ps(src + 2 * src_row), row3 = _mm_loadu_ps(src + 3 * src_row);
+    _MM_TRANSPOSE4_PS(row0, row1, row2, row3);
+    _mm_storeu_ps(dst, row0);
+    _mm_storeu_ps(dst + dst_row, row1);
+    _mm_storeu_ps(dst + 2 * dst_row, row2);
+    _mm_storeu_ps(dst + 3 * dst_row, row3);
+}
+
 /* dst[c][r] = src[r][c] for a 16 x 16 block of floats: each row of dst is
  * written whole, one cache line where dst is aligned (so the line need not
  * be read first) */
@@ -651,13 +665,20 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_block)(
     }
     MK_VEC row_max[MK_RV];
     for (int h = 0; h < vectors; h++) row_max[h] = *(const MK_VEC *)(strip_max + h * MK_W);
+    /* the terms read before the first store to st (which may alias them, as
+     * far as the compiler knows: else it reloads each per vector) */
+    MK_REAL term[MK_KB_W];
+#pragma GCC unroll 8
+    for (int jj = 0; jj < MK_KB_W; jj++) term[jj] = key_term[jj];
+    const MK_VEC scale_v = (MK_VEC){0} + scale;
 #pragma GCC unroll 8
     for (int jj = 0; jj < MK_KB_W; jj++) {
+        /* a masked key (term -inf) must not turn a NaN score into a NaN
+         * weight: it is -inf outright (one predictable test per key) */
+        const int masked = term[jj] == -INFINITY;
+        const MK_VEC term_v = (MK_VEC){0} + term[jj];
         for (int h = 0; h < vectors; h++) {
-            /* a masked key (term -inf) must not turn a NaN score into a
-             * NaN weight: it is -inf outright */
-            MK_VEC s = key_term[jj] == -INFINITY ? (MK_VEC){0} - INFINITY
-                                                  : acc[jj][h] * scale + key_term[jj];
+            MK_VEC s = masked ? (MK_VEC){0} - INFINITY : acc[jj][h] * scale_v + term_v;
             *(MK_VEC *)(st + jj * st_ld + h * MK_W) = s;
             row_max[h] = MK_VMAX(row_max[h], s);
         }
@@ -694,9 +715,12 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_scores_strips)(
         /* the padding lanes past the last row are never read: no matter
          * whether they see the keys */
         mk_block_all_keys(t, r0, strip, &all_lo, &all_hi);
-        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb) {
+        /* the panels' slots counted on, not divided for per block: the
+         * division's latency held up each block's first loads */
+        ptrdiff_t slot = (t->j0 + lo) / kb % slots;
+        for (ptrdiff_t c0 = lo; c0 < hi; c0 += kb, slot = slot + 1 == slots ? 0 : slot + 1) {
             int whole = all_lo <= c0 && c0 + kb <= all_hi && c0 + kb <= t->cols;
-            const MK_REAL *panel = kt + (t->j0 + c0) / kb % slots * kb * d;
+            const MK_REAL *panel = kt + slot * kb * d;
             MK_NAME(mk_scores_block)(st + c0 * st_ld + r0, st_ld, qt + r0 * d, panel, d, scale,
                                      key_term + c0, tile_max + r0, whole, vectors, pairs);
             if (!whole) MK_NAME(mk_hide_and_max)(t, st, st_ld, r0, strip, c0, kb, tile_max);
@@ -767,7 +791,7 @@ static inline void mk_scores_pairs_w16(
 
 /* One block: one group of KB columns of the values, for the rows of a
  * strip in its first `vectors` vectors (a constant where this is inlined),
- * over `keys` keys from the start of panel p0:
+ * over `keys` keys from the start of the panel in slot `slot`:
  *   ot[cc][r] = ot[cc][r] (times correction[r], if given) + sum_j p[j][r] v[j][cc]
  * the transpose of the scores block, with P^T's columns for the queries
  * and the values for the keys: both products are the same loop. With
@@ -776,7 +800,7 @@ static inline void mk_scores_pairs_w16(
  * (mk_values): the bfloat16 dot products, one pair of keys a step. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
     MK_REAL *ot, ptrdiff_t ot_ld, const MK_REAL *pt, ptrdiff_t pt_ld, const mk_values *values,
-    ptrdiff_t group, ptrdiff_t p0, ptrdiff_t keys, const MK_REAL *correction, const int vectors,
+    ptrdiff_t group, ptrdiff_t slot, ptrdiff_t keys, const MK_REAL *correction, const int vectors,
     const int pairs)
 {
     const MK_REAL *v_group = (const MK_REAL *)values->base + group * values->group_step;
@@ -791,7 +815,6 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
 #pragma GCC unroll 8
             for (int cc = 0; cc < MK_KB_W; cc++) acc[cc][h] *= factor;
         }
-    ptrdiff_t slot = p0 % slots;
 #ifdef MK_PAIRS
     if (pairs)
         for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
@@ -813,20 +836,22 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_pv_block)(
         }
     else
 #endif
-    for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
-        const MK_REAL *v_panel = v_group + slot * values->panel_step;
-        const MK_REAL *p_panel = pt + k0 * pt_ld;
-        ptrdiff_t panel_keys = keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W;
-        for (ptrdiff_t jj = 0; jj < panel_keys; jj++) {
-            MK_VEC p_j[MK_RV];
-            for (int h = 0; h < vectors; h++) p_j[h] = *(const MK_VEC *)(p_panel + jj * pt_ld + h * MK_W);
+    {
+        const MK_REAL *p_j = pt;
+        for (ptrdiff_t k0 = 0; k0 < keys; k0 += MK_KB_W) {
+            const MK_REAL *v_j = v_group + slot * values->panel_step;
+            const MK_REAL *p_end = p_j + (keys - k0 < MK_KB_W ? keys - k0 : MK_KB_W) * pt_ld;
+            /* pointers stepped key by key: gcc multiplied jj by key_step and
+             * reloaded spilled indices in the loop */
+            for (; p_j < p_end; p_j += pt_ld, v_j += key_step) {
+                MK_VEC p_jh[MK_RV];
+                for (int h = 0; h < vectors; h++) p_jh[h] = *(const MK_VEC *)(p_j + h * MK_W);
 #pragma GCC unroll 8
-            for (int cc = 0; cc < MK_KB_W; cc++) {
-                MK_REAL v_jc = v_panel[jj * key_step + cc];
-                for (int h = 0; h < vectors; h++) acc[cc][h] += p_j[h] * v_jc;
+                for (int cc = 0; cc < MK_KB_W; cc++)
+                    for (int h = 0; h < vectors; h++) acc[cc][h] += p_jh[h] * v_j[cc];
             }
+            if (++slot == slots) slot = 0;
         }
-        if (++slot == slots) slot = 0;
     }
 #pragma GCC unroll 8
     for (int cc = 0; cc < MK_KB_W; cc++)
@@ -864,10 +889,10 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_add_pv_strips)(
                 p_ld = strip;
             }
 #endif
+            ptrdiff_t slot = (t->j0 + lo) / kb % values->slots;
             for (ptrdiff_t g = 0; g < e; g += kb)
                 MK_NAME(mk_pv_block)(ot + g * ot_ld + r0, ot_ld, p_slice, p_ld, values, g / kb,
-                                     (t->j0 + lo) / kb, hi - lo, strip_correction, vectors,
-                                     pairs);
+                                     slot, hi - lo, strip_correction, vectors, pairs);
         }
 }
 
@@ -1105,6 +1130,61 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
         }
     for (int h = 0; h < vectors; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
     _mm_setcsr(csr);
+}
+
+#elif MK_W == 8 && defined(MK_F32)
+/* 2^t for t <= 0 (and -inf, NaN) on AVX2, the same numbers as mk_exp2_w16
+ * gives with flush-to-zero: t = n + f with n = floor(t), 2^f by the same
+ * polynomial, 2^n built in the exponent bits. t is first raised to -127,
+ * whose n has exponent field 0: 2^n = 0, so every result under 2^-126
+ * (-inf's too) is 0 and none is subnormal. n's field comes from the float
+ * n + 127 + 1.5 2^23, whose low mantissa bits hold the integer n + 127.
+ * NaN stays NaN (the max keeps its second operand's NaN). */
+static inline __attribute__((always_inline)) __m256 mk_exp2_w8(__m256 t)
+{
+    t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(2.1690609157073274e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.2443081511840524e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6784725541209631e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5483524724105671e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022979581422316f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314698705747602f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000001815494f));
+    __m256i biased = _mm256_castps_si256(_mm256_add_ps(n, _mm256_set1_ps(12583039.0f)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+
+/* mk_softmax_strip_w16 on AVX2, 8 rows per vector; its weights are never
+ * subnormal (mk_exp2_w8), so it needs no flush-to-zero */
+static inline void mk_softmax_strip_w8(float *st, ptrdiff_t st_ld, ptrdiff_t lo, ptrdiff_t hi,
+                                       const float *tile_max, float *row_max, float *row_sum,
+                                       float *correction, const int vectors)
+{
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    __m256 sub[MK_RV], sum[MK_RV];
+    for (int h = 0; h < vectors; h++) {
+        __m256 old_max = _mm256_loadu_ps(row_max + h * 8);
+        __m256 new_max = _mm256_max_ps(old_max, _mm256_loadu_ps(tile_max + h * 8));
+        __m256 unseen = _mm256_cmp_ps(new_max, neg_inf, _CMP_EQ_OQ);
+        __m256 same = _mm256_or_ps(_mm256_cmp_ps(new_max, old_max, _CMP_EQ_OQ),
+                                   _mm256_cmp_ps(old_max, neg_inf, _CMP_EQ_OQ));
+        sub[h] = _mm256_andnot_ps(unseen, new_max);
+        __m256 corr = _mm256_blendv_ps(mk_exp2_w8(_mm256_sub_ps(old_max, sub[h])),
+                                       _mm256_set1_ps(1.0f), same);
+        _mm256_storeu_ps(correction + h * 8, corr);
+        _mm256_storeu_ps(row_max + h * 8, new_max);
+        sum[h] = _mm256_mul_ps(_mm256_loadu_ps(row_sum + h * 8), corr);
+    }
+    for (ptrdiff_t j = lo; j < hi; j++)
+        for (int h = 0; h < vectors; h++) {
+            float *s = st + j * st_ld + h * 8;
+            __m256 p = mk_exp2_w8(_mm256_sub_ps(_mm256_loadu_ps(s), sub[h]));
+            _mm256_storeu_ps(s, p);
+            sum[h] = _mm256_add_ps(sum[h], p);
+        }
+    for (int h = 0; h < vectors; h++) _mm256_storeu_ps(row_sum + h * 8, sum[h]);
 }
 
 #endif

@@ -70,33 +70,48 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_block)(
         }
 }
 
-/* the rows in blocks of MK_GEMM_ROWS, then one at a time */
+/* the columns of rows [r0, r0 + block_rows) (block_rows a constant once
+ * inlined): blocks of 2 vectors, then 1 */
+static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_rows)(
+    int block_rows, ptrdiff_t r0, ptrdiff_t cols, ptrdiff_t depth, MK_REAL alpha,
+    const MK_REAL *a, ptrdiff_t a_row, ptrdiff_t a_col, const MK_REAL *b, ptrdiff_t b_row,
+    int accumulate, MK_REAL *c, ptrdiff_t c_row, const int pairs)
+{
+    const MK_REAL *a_r = a + r0 * a_row;
+    MK_REAL *c_r = c + r0 * c_row;
+    ptrdiff_t c0 = 0;
+    for (; c0 + 2 * MK_W <= cols; c0 += 2 * MK_W)
+        MK_NAME(mk_gemm_block)(block_rows, 2, depth, alpha, a_r, a_row, a_col, b + c0, b_row,
+                               accumulate, c_r + c0, c_row, pairs);
+    if (c0 < cols)
+        MK_NAME(mk_gemm_block)(block_rows, 1, depth, alpha, a_r, a_row, a_col, b + c0, b_row,
+                               accumulate, c_r + c0, c_row, pairs);
+}
+
+/* The rows in blocks of MK_GEMM_ROWS, then of 4, then the 1 to 3 left in
+ * one block. A block of few rows has few sums, each a chain of
+ * multiply-adds waiting on the one before: 2 rows of 2 vectors run at half
+ * the rate, 1 row at a quarter. So where blocks of 6 leave 2 rows (128 =
+ * 21 x 6 + 2, the backward's blocks), the last 8 rows go as 2 blocks of 4. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_gemm_by)(
     ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth, MK_REAL alpha, const MK_REAL *a,
     ptrdiff_t a_row, ptrdiff_t a_col, const MK_REAL *b, ptrdiff_t b_row, int accumulate,
     MK_REAL *c, ptrdiff_t c_row, const int pairs)
 {
-    ptrdiff_t r0 = 0;
-    for (; r0 + MK_GEMM_ROWS <= rows; r0 += MK_GEMM_ROWS) {
-        const MK_REAL *a_r = a + r0 * a_row;
-        MK_REAL *c_r = c + r0 * c_row;
-        ptrdiff_t c0 = 0;
-        for (; c0 + 2 * MK_W <= cols; c0 += 2 * MK_W)
-            MK_NAME(mk_gemm_block)(MK_GEMM_ROWS, 2, depth, alpha, a_r, a_row, a_col, b + c0,
-                                   b_row, accumulate, c_r + c0, c_row, pairs);
-        if (c0 < cols)
-            MK_NAME(mk_gemm_block)(MK_GEMM_ROWS, 1, depth, alpha, a_r, a_row, a_col, b + c0,
-                                   b_row, accumulate, c_r + c0, c_row, pairs);
+#define MK_ROWS(count, r0)                                                                    \
+    MK_NAME(mk_gemm_rows)(count, r0, cols, depth, alpha, a, a_row, a_col, b, b_row, accumulate, \
+                          c, c_row, pairs)
+    ptrdiff_t full = rows / MK_GEMM_ROWS * MK_GEMM_ROWS, r0 = 0;
+    if (rows - full == 2 && full >= MK_GEMM_ROWS && MK_GEMM_ROWS == 6) full -= MK_GEMM_ROWS;
+    for (; r0 < full; r0 += MK_GEMM_ROWS) MK_ROWS(MK_GEMM_ROWS, r0);
+    for (; r0 + 4 <= rows; r0 += 4) MK_ROWS(4, r0);
+    switch (rows - r0) {
+    case 3: MK_ROWS(3, r0); break;
+    case 2: MK_ROWS(2, r0); break;
+    case 1: MK_ROWS(1, r0); break;
+    default: break;
     }
-    for (; r0 < rows; r0++) {
-        ptrdiff_t c0 = 0;
-        for (; c0 + 2 * MK_W <= cols; c0 += 2 * MK_W)
-            MK_NAME(mk_gemm_block)(1, 2, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0,
-                                   b_row, accumulate, c + r0 * c_row + c0, c_row, pairs);
-        if (c0 < cols)
-            MK_NAME(mk_gemm_block)(1, 1, depth, alpha, a + r0 * a_row, a_row, a_col, b + c0,
-                                   b_row, accumulate, c + r0 * c_row + c0, c_row, pairs);
-    }
+#undef MK_ROWS
 }
 
 static __attribute__((unused)) void MK_TYPED(mk_gemm_w16, mk_gemm_d8, mk_gemm_w8, mk_gemm_d4,

@@ -85,16 +85,12 @@ struct SFX(mk_kernels) {
 /* dst[c][r] = x[r][c] for r < count, c < d (row strides dst_row, x_row):
  * by square blocks of `side` numbers, what they leave by blocks half as
  * big, the rest one by one. The blocks: 16 x 16 floats on AVX-512, 8 x 8
- * floats, 4 x 4 doubles (only called where the micro-kernels run, so AVX2
- * is there). */
+ * and 4 x 4 floats, 4 x 4 doubles (only called where the micro-kernels
+ * run, so AVX2 is there). */
 static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, ptrdiff_t x_row,
                                  ptrdiff_t count, ptrdiff_t d, ptrdiff_t side)
 {
-#if REAL_IS_DOUBLE
     if (side < 4) {
-#else
-    if (side < 8) {
-#endif
         for (ptrdiff_t r = 0; r < count; r++)
             for (ptrdiff_t c = 0; c < d; c++) dst[c * dst_row + r] = x[r * x_row + c];
         return;
@@ -109,8 +105,10 @@ static void SFX(mk_transpose_by)(REAL *dst, ptrdiff_t dst_row, const REAL *x, pt
 #else
             if (side == 16)
                 mk_transpose16(block, dst_row, from, x_row);
-            else
+            else if (side == 8)
                 mk_transpose8(block, dst_row, from, x_row);
+            else
+                mk_transpose4(block, dst_row, from, x_row);
 #endif
         }
     /* the columns right of the blocks, then the rows below them */
@@ -422,6 +420,14 @@ static void mk_softmax_strip_avx512_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff
     mk_softmax_strip_w16(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
                          w->row_sum + r0, w->correction + r0, MK_RV);
 }
+
+/* the same on AVX2 (3 vectors of 8 rows) */
+static void mk_softmax_strip_avx2_f32(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1,
+                                      ptrdiff_t lo, ptrdiff_t hi)
+{
+    mk_softmax_strip_w8(w->st + r0, w->st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
+                        w->row_sum + r0, w->correction + r0, MK_RV);
+}
 #endif
 
 const SFX(softmax_backend) SFX(softmax_mk_avx512) = {
@@ -457,7 +463,11 @@ const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
     .prepare_tile = SFX(mk_prepare_tile),
     .key_tile = SFX(softmax_strips_key_tile),
     .scores = SFX(mk_tile_scores),
+#if REAL_IS_DOUBLE
     .softmax_strip = SFX(softmax_online_strip),
+#else
+    .softmax_strip = mk_softmax_strip_avx2_f32,
+#endif
     .add_pv = SFX(mk_tile_add_pv),
     .finish_tile = SFX(mk_finish_tile),
 };

@@ -1304,12 +1304,14 @@ def test_amx_used_where_the_cpu_has_it():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_kernel_set_reaches_the_kernel(dtype):
     """Each kernel set of the softmax forward this CPU has computes the same
-    call in its own order of operations (BLAS, micro-kernels of each width,
-    AMX products): the results all match the reference but no two are the
+    call in its own order of operations (BLAS, the micro-kernels, AMX
+    products): the results all match the reference but no two are the
     same bits, so the table's choice does choose the kernel that runs, and
     the tests above do run each one. The bfloat16 dot products take only
     inputs that are all bfloat16 values, so on these avx512_bf16 is avx512
-    bit for bit."""
+    bit for bit. The micro-kernels of the two x86 widths are one order of
+    operations (csrc/microkernel.h: the same sums, and the same 2^x,
+    mk_exp2_w8 and mk_exp2_w16): avx2 is avx512 bit for bit."""
     rng = np.random.default_rng(67)
     q, k, v = qkv(rng, (2,), 300, 300, 64, 64, dtype)
     want = ref_softmax(q, k, v, causal=True)
@@ -1322,11 +1324,41 @@ def test_kernel_set_reaches_the_kernel(dtype):
         assert_close(results[name], want, dtype, vscale(v), err_msg=name)
     if "avx512_bf16" in results:
         np.testing.assert_array_equal(results.pop("avx512_bf16"), results["avx512"])
-    # float64 sums the same numbers in the same order at both widths
-    pairs = [(first, second) for i, first in enumerate(results) for second in list(results)[i + 1:]
-             if dtype == np.float32 or "plain" in (first, second)]
+    if "avx2" in results and "avx512" in results:
+        np.testing.assert_array_equal(results.pop("avx2"), results["avx512"])
+    pairs = [(first, second) for i, first in enumerate(results) for second in list(results)[i + 1:]]
     for first, second in pairs:
         assert not np.array_equal(results[first], results[second]), (first, second)
+
+
+def test_micro_kernel_weights_at_the_extremes():
+    """The micro-kernels' 2^x (csrc/microkernel.h: mk_exp2_w8 on AVX2,
+    mk_exp2_w16 on AVX-512) where it is most fragile: scores spread over
+    a hundred log2 units and more, so that weights fall under 2^-126 (0,
+    never subnormal), masked keys, and a NaN query row, causal and not;
+    every kernel set here against the reference, and the two x86 widths bit
+    for bit."""
+    rng = np.random.default_rng(71)
+    # small integers: exact dot products, so that the float32 scores'
+    # rounding, not at issue here, stays within tol; scores of std ~27 log2
+    # units put 5% of the weights under 2^-126 and 16% in [2^-126, 2^-100)
+    q, k = (rng.integers(-7, 8, (2, count, 64)).astype(np.float32) for count in (200, 300))
+    v = make(rng, (2, 300, 64), np.float32)
+    q[1, 7, 3] = np.nan
+    mask = rng.random((2, 1, 300)) < 0.8
+    for causal in (False, True):
+        want = ref_softmax(q, k, v, mask=mask, causal=causal)
+        results = {}
+        for name in KERNELS_HERE:
+            with dispatched(softmax_forward=name):
+                results[name] = attnx.softmax_attention(q, k, v, mask=mask, causal=causal)
+            got = results[name]
+            assert np.all(np.isnan(got[1, 7])), name
+            rest = np.ones(got.shape[:2], bool)
+            rest[1, 7] = False
+            assert_close(got[rest], want[rest], np.float32, vscale(v), err_msg=name)
+        if "avx2" in results and "avx512" in results:
+            np.testing.assert_array_equal(results["avx2"], results["avx512"])
 
 
 @pytest.mark.parametrize("n,m,d,e", [(100, 100, 40, 40), (130, 77, 130, 136), (64, 300, 8, 8),
