@@ -603,6 +603,25 @@ typedef MK_REAL MK_VEC __attribute__((vector_size(MK_W * sizeof(MK_REAL)),
         }                                                         \
     }
 
+/* CALL(vectors, pairs) for a tile's last strip, rows r0 to t->rows in 1
+ * or 2 vectors, with `pairs` (MK_PAIRS only) 0 or 1: constants in each
+ * call, so that each combination is compiled for itself */
+#ifdef MK_PAIRS
+#define MK_LAST_STRIP(t, r0, pairs, CALL)                          \
+    do {                                                            \
+        int two_vectors = (t)->rows - (r0) > MK_W;                  \
+        if (pairs) {                                                \
+            if (two_vectors) CALL(2, 1); else CALL(1, 1);           \
+        } else if (two_vectors) CALL(2, 0); else CALL(1, 0);        \
+    } while (0)
+#else
+#define MK_LAST_STRIP(t, r0, pairs, CALL)                          \
+    do {                                                            \
+        (void)(pairs);                                              \
+        if ((t)->rows - (r0) > MK_W) CALL(2, 0); else CALL(1, 0);   \
+    } while (0)
+#endif
+
 /* The band hides some scores of the block of keys [c0, c0 + kb) and strip
  * rows [r0, r0 + strip): set those to -inf, then fold the block into the
  * strip's row max. Runs on the few blocks that straddle the band's edges;
@@ -738,15 +757,7 @@ static __attribute__((noinline)) void MK_NAME(mk_scores_last_strip)(
 #define MK_LAST(vectors, pairs)                                                               \
     MK_NAME(mk_scores_strips)(t, st, st_ld, qt, kt, slots, d, scale, key_term, tile_max, r0, \
                               t->rows, vectors, pairs)
-#ifdef MK_PAIRS
-    if (pairs) {
-        if (t->rows - r0 > MK_W) MK_LAST(2, 1);
-        else MK_LAST(1, 1);
-        return;
-    }
-#endif
-    if (t->rows - r0 > MK_W) MK_LAST(2, 0);
-    else MK_LAST(1, 0);
+    MK_LAST_STRIP(t, r0, pairs, MK_LAST);
 #undef MK_LAST
 }
 
@@ -905,15 +916,7 @@ static __attribute__((noinline)) void MK_NAME(mk_add_pv_last_strip)(
 #define MK_LAST(vectors, pairs)                                                              \
     MK_NAME(mk_add_pv_strips)(t, ot, ot_ld, pt, pt_ld, values, e, correction, p_pairs, r0, \
                               t->rows, vectors, pairs)
-#ifdef MK_PAIRS
-    if (pairs) {
-        if (t->rows - r0 > MK_W) MK_LAST(2, 1);
-        else MK_LAST(1, 1);
-        return;
-    }
-#endif
-    if (t->rows - r0 > MK_W) MK_LAST(2, 0);
-    else MK_LAST(1, 0);
+    MK_LAST_STRIP(t, r0, pairs, MK_LAST);
 #undef MK_LAST
 }
 
@@ -1202,6 +1205,7 @@ static inline void mk_softmax_strip_w8(float *st, ptrdiff_t st_ld, ptrdiff_t lo,
 #endif
 
 #undef MK_COLUMNS_BY4
+#undef MK_LAST_STRIP
 #undef MK_CAT2
 #undef MK_CAT
 #undef MK_NAME
