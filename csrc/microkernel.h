@@ -359,7 +359,7 @@ mk_dot_pairs(__m512 acc, __m512 a, __m512 b)
 /* The pairs of numbers that are no bfloat16 values (the probabilities and
  * their gradients, where the caller asked for bfloat16 products: the
  * bf16_products of attnx_softmax_args) rounded to the nearest bfloat16,
- * ties to even, by VCVTNEPS2BF16 and VCVTNE2PS2BF16 (avx512_bf16; asm as
+ * ties to even, by VCVTNEPS2BF16 (avx512_bf16; asm as
  * mk_dot_pairs). A NaN stays a NaN; a number under 2^-126 becomes 0, as
  * the dot products would read it. */
 
@@ -392,27 +392,6 @@ __attribute__((target("avx512f"))) static inline void mk_pair_rows_rounded(
                     16);
             _mm512_mask_storeu_epi32(pair + l, part, _mm512_or_si512(low, high));
         }
-    }
-}
-
-/* mk_pair_along, the numbers rounded: dst[c] the pair of x[2c], x[2c + 1]
- * for c < ceil(count / 2), the second 0 past an odd count */
-__attribute__((target("avx512f"))) static inline void mk_pair_along_rounded(float *dst,
-                                                                           const float *x,
-                                                                           ptrdiff_t count)
-{
-    for (ptrdiff_t c = 0; c < count; c += 32) {
-        ptrdiff_t left = count - c;
-        __mmask16 first = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-        __mmask16 second = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
-        __mmask16 pairs = left >= 32 ? 0xffff : (__mmask16)((1u << ((left + 1) / 2)) - 1);
-        __m512 low = _mm512_maskz_loadu_ps(first, x + c);
-        __m512 high = _mm512_maskz_loadu_ps(second, x + c + 16);
-        /* the 16-bit lanes 0-15 from low, 16-31 from high: 32-bit lane l
-         * holds x[2l] and x[2l + 1] */
-        __m512i rounded;
-        __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(rounded) : "v"(high), "v"(low));
-        _mm512_mask_storeu_epi32(dst + c / 2, pairs, rounded);
     }
 }
 
@@ -1133,6 +1112,74 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
         }
     for (int h = 0; h < vectors; h++) _mm512_storeu_ps(row_sum + h * 16, sum[h]);
     _mm_setcsr(csr);
+}
+
+/* The backward's probabilities of one row (softmax_backward.c,
+ * bwd_probabilities): p[c] <- 2^(p[c] + key_term[c] - offset) for
+ * c < count, the numbers vexp2 (vec_real.h) gives: 0 under 2^-125 (its
+ * EXP2_LO) and
+ * where key_term[c] is -inf (a hidden key, whatever its score). Returns
+ * whether any is non-zero. */
+static inline int mk_probabilities_w16(float *p, const float *key_term, float offset,
+                                       ptrdiff_t count)
+{
+    const __m512 zero = _mm512_setzero_ps(), lowest = _mm512_set1_ps(-125.0f);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), row_offset = _mm512_set1_ps(offset);
+    __mmask16 nonzero = 0;
+    for (ptrdiff_t c = 0; c < count; c += 16) {
+        __mmask16 part = count - c >= 16 ? 0xffff : (__mmask16)((1u << (count - c)) - 1);
+        __m512 term = _mm512_maskz_loadu_ps(part, key_term + c);
+        __m512 x = _mm512_sub_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(part, p + c), term),
+                                 row_offset);
+        /* x < -125 gives 0; NaN passes (unordered) and stays NaN */
+        __mmask16 kept = _mm512_cmp_ps_mask(term, neg_inf, _CMP_NEQ_OQ) &
+                         _mm512_cmp_ps_mask(x, lowest, _CMP_NLT_UQ);
+        /* min(0, x): p <= 1 where rounding put a score above the lse */
+        __m512 y = _mm512_maskz_mov_ps(kept, mk_exp2_w16(_mm512_min_ps(zero, x)));
+        nonzero |= _mm512_mask_cmp_ps_mask(part, y, zero, _CMP_NEQ_UQ);
+        _mm512_mask_storeu_ps(p + c, part, y);
+    }
+    return nonzero != 0;
+}
+
+/* The backward's dS of a query block x key block (softmax_backward.c,
+ * bwd_score_grads) where it is rounded for the bfloat16 products: ds
+ * (rows, cols; rows `ld` apart) <- pd dP - p D_i from dP in ds, exactly 0
+ * where p is; and rounded to bfloat16, its rows paired (ds_pairs: pair row
+ * r / 2 from rows r, r + 1, `ld` numbers apart, the second 0 past an odd
+ * rows) and each row paired along itself (ds_along: row r at r ld / 2),
+ * in the pass that computes dS. */
+static inline void mk_score_grads_pairs_w16(float *ds, const float *p, const float *pd,
+                                            const float *row_delta, ptrdiff_t rows,
+                                            ptrdiff_t cols, ptrdiff_t ld, float *ds_pairs,
+                                            float *ds_along)
+{
+    const __m512 zero = _mm512_setzero_ps();
+    for (ptrdiff_t r = 0; r < rows; r += 2) {
+        const int both = r + 1 < rows;
+        for (ptrdiff_t c = 0; c < cols; c += 16) {
+            ptrdiff_t left = cols - c;
+            __mmask16 part = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            __mmask16 pairs = left >= 16 ? 0xff : (__mmask16)((1u << ((left + 1) / 2)) - 1);
+            __m256i rounded[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int h = 0; h <= both; h++) {
+                ptrdiff_t at = (r + h) * ld + c;
+                __m512 p_h = _mm512_maskz_loadu_ps(part, p + at);
+                __m512 value = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(part, pd + at),
+                                               _mm512_maskz_loadu_ps(part, ds + at),
+                                               _mm512_mul_ps(p_h, _mm512_set1_ps(row_delta[r + h])));
+                value = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p_h, zero, _CMP_NEQ_UQ), value);
+                _mm512_mask_storeu_ps(ds + at, part, value);
+                rounded[h] = mk_round_bf16(value);
+                /* 16 numbers rounded are 8 pairs along the row */
+                _mm512_mask_storeu_epi32(ds_along + (r + h) * (ld / 2) + c / 2, pairs,
+                                         _mm512_castsi256_si512(rounded[h]));
+            }
+            __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(rounded[0]),
+                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded[1]), 16));
+            _mm512_mask_storeu_epi32(ds_pairs + r / 2 * ld + c, part, pair);
+        }
+    }
 }
 
 #elif MK_W == 8 && defined(MK_F32)

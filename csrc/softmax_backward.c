@@ -35,11 +35,11 @@
  * three take p or dS, which are not, and stay float32, unless the caller
  * asks for bfloat16 arithmetic (bf16_products, attnx.h: attnx.torch's
  * bfloat16 tensors): then p and dS are rounded to bfloat16
- * (mk_pair_rows_rounded, mk_pair_along_rounded) and dV, dK, dQ run on the
- * pairs too, where the block's Q, dO and K are bfloat16 values. Each key
- * block and
- * (once per work item) each query block is put in pair rows, which tells
- * whether its numbers all are bfloat16 values.
+ * (mk_pair_rows_rounded; dS in the pass that computes it,
+ * mk_score_grads_pairs_w16) and dV, dK, dQ run on the pairs too, where the
+ * block's Q, dO and K are bfloat16 values. Each key block and (once per
+ * work item) each query block is put in pair rows, which tells whether its
+ * numbers all are bfloat16 values.
  *
  * Legend: n queries, m keys, d features, e value features;
  *   pt  (BR, BC)  log2-unit scores, then p, of a query block x key block
@@ -67,8 +67,9 @@
  * per-group dQ partials stay small. */
 #define TARGET_ITEMS 8
 
-/* bwd_work's block_pairs: a query block paired, its Q, its dO exact */
-enum { PAIRED = 1, Q_EXACT = 2, DOUT_EXACT = 4 };
+/* bwd_work's block_pairs: a query block paired along its rows, its Q, its
+ * dO exact; its rows paired (q_block_rows, dout_block_rows) */
+enum { PAIRED = 1, Q_EXACT = 2, DOUT_EXACT = 4, ROWS_PAIRED = 8 };
 
 #define ATTNX_FAMILY_FILE "softmax_backward.c"
 #include "real.h"
@@ -125,7 +126,11 @@ typedef struct {
      * and dS on pairs too; pd_pairs NULL: not asked for */
     float *pd_pairs, *ds_pairs;    /* (BR / 2, BC): ptd, dS rounded, query rows paired */
     float *ds_along;               /* (BR, BC / 2): dS rounded, paired along its rows */
-    float *q_rows, *dout_rows;     /* (BR / 2, d), (BR / 2, e): the query rows' Q, dO paired */
+    float *q_rows, *dout_rows;     /* (BR / 2, d), (BR / 2, e): the query rows' Q, dO paired,
+                                    * where they start at an odd row of their block */
+    float *q_block_rows, *dout_block_rows; /* (n + BR) / 2 pair rows of d, e: the item's
+                                            * query blocks' Q, dO paired across rows, by
+                                            * block as needed */
     float *k_rows;                 /* (BC / 2, d): the key block's K, keys paired */
     int k_rows_exact;              /* its keys are all bfloat16 values */
 } SFX(bwd_work);
@@ -149,6 +154,7 @@ static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff
     for (ptrdiff_t i = 0; i < a->n; i++) {
         const REAL *o_i = h->out + i * a->out_row, *do_i = h->dout + i * dout_row;
         REAL delta = 0;
+#pragma omp simd reduction(+ : delta)
         for (ptrdiff_t c = 0; c < a->e; c++) delta += do_i[c] * o_i[c];
         h->row_delta[i] = delta;
     }
@@ -194,11 +200,18 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
             const REAL *bias_i = h->bias + i * a->bias_row + j0 * a->bias_col;
             for (ptrdiff_t c = lo; c < hi; c++) p_r[c] += LOG2E * bias_i[c * a->bias_col];
         }
+#ifdef BWD_PAIRS
+        if (w->width == 16)
+            any |= mk_probabilities_w16(p_r + lo, key_term + lo, offset, hi - lo);
+        else
+#endif
+        {
 #pragma omp simd reduction(| : any)
-        for (ptrdiff_t c = lo; c < hi; c++) {
-            REAL p = SFX(vexp2)(p_r[c] + key_term[c] - offset);
-            p_r[c] = key_term[c] == neg_inf ? 0 : p;
-            any |= p_r[c] != 0;
+            for (ptrdiff_t c = lo; c < hi; c++) {
+                REAL p = SFX(vexp2)(p_r[c] + key_term[c] - offset);
+                p_r[c] = key_term[c] == neg_inf ? 0 : p;
+                any |= p_r[c] != 0;
+            }
         }
         if (per_query_mask) {
             const unsigned char *mask_i = h->mask + i * a->mask_row + j0 * a->mask_col;
@@ -246,6 +259,28 @@ static void SFX(add_products_skipping_zeros)(REAL *acc, ptrdiff_t acc_row, const
             for (ptrdiff_t w = 0; w < width; w++) acc[r * acc_row + w] += alpha * x_rc * y[c * y_row + w];
         }
 }
+
+#ifdef BWD_PAIRS
+/* The query block from block_start (a multiple of BR) with its rows paired
+ * (q_block_rows, dout_block_rows), the first time the item needs them;
+ * returns whether its Q and dO all are bfloat16 values (bwd_pair_queries,
+ * which paired the block along its rows, found out) */
+static int SFX(bwd_pair_query_rows)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
+                                    SFX(bwd_work) *w, ptrdiff_t block_start, ptrdiff_t dout_row)
+{
+    unsigned char *state = &w->block_pairs[block_start / BR];
+    if (!(*state & Q_EXACT) || !(*state & DOUT_EXACT)) return 0;
+    if (!(*state & ROWS_PAIRED)) {
+        ptrdiff_t rows = ATTNX_MIN(BR, a->n - block_start);
+        mk_pair_rows(w->q_block_rows + block_start / 2 * a->d, a->d,
+                     h->q + block_start * a->q_row, a->q_row, rows, a->d);
+        mk_pair_rows(w->dout_block_rows + block_start / 2 * a->e, a->e,
+                     h->dout + block_start * dout_row, dout_row, rows, a->e);
+        *state |= ROWS_PAIRED;
+    }
+    return 1;
+}
+#endif
 
 /* One query block x key block: the five products and the elementwise
  * passes between them. dq_i: the rows' dQ (item's partial or dq itself). */
@@ -295,16 +330,32 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
      * bfloat16 and their three products on pairs too, where Q, dO and K
      * are bfloat16 values (so that pairing them is exact) */
 #ifdef BWD_PAIRS
-    const int rounded = mk && w->pd_pairs && w->k_rows_exact &&
-                        mk_pair_rows(w->q_rows, d, q_i, a->q_row, rows, d) &&
-                        mk_pair_rows(w->dout_rows, e, do_i, dout_row, rows, e);
+    int rounded = mk && w->pd_pairs && w->k_rows_exact;
+    const float *q_rows = NULL, *dout_rows = NULL;
+    if (rounded) {
+        /* the block's paired rows from i0 on, where i0 starts a pair of
+         * them; else the rows paired here */
+        ptrdiff_t block_start = i0 - i0 % BR;
+        if ((i0 - block_start) % 2 == 0 && SFX(bwd_pair_query_rows)(a, h, w, block_start,
+                                                                     dout_row)) {
+            q_rows = w->q_block_rows + i0 / 2 * d;
+            dout_rows = w->dout_block_rows + i0 / 2 * e;
+        } else if ((i0 - block_start) % 2 != 0 &&
+                   mk_pair_rows(w->q_rows, d, q_i, a->q_row, rows, d) &&
+                   mk_pair_rows(w->dout_rows, e, do_i, dout_row, rows, e)) {
+            q_rows = w->q_rows;
+            dout_rows = w->dout_rows;
+        } else {
+            rounded = 0;
+        }
+    }
 #endif
     if (mk) {
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
 #ifdef BWD_PAIRS
         if (rounded) {
             mk_pair_rows_rounded(w->pd_pairs, BC, w->ptd, BC, rows, cols);
-            mk_gemm_pairs_w16(cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, BC, w->dout_rows, e, 1,
+            mk_gemm_pairs_w16(cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, BC, dout_rows, e, 1,
                               dv_j, dv_row);
         } else
 #endif
@@ -333,7 +384,13 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                 w->dpt[r * BC + c] = dp;
             }
     }
-    /* pass 2: dS */
+    /* pass 2: dS, rounded and paired for its products on pairs */
+#ifdef BWD_PAIRS
+    if (rounded)
+        mk_score_grads_pairs_w16(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols, BC,
+                                 w->ds_pairs, w->ds_along);
+    else
+#endif
     SFX(bwd_score_grads)(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols);
     if (h->dbias)
         for (ptrdiff_t r = 0; r < rows; r++)
@@ -344,10 +401,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
 #ifdef BWD_PAIRS
     if (rounded) {
-        mk_pair_rows_rounded(w->ds_pairs, BC, w->dpt, BC, rows, cols);
-        for (ptrdiff_t r = 0; r < rows; r++)
-            mk_pair_along_rounded(w->ds_along + r * (BC / 2), w->dpt + r * BC, cols);
-        mk_gemm_pairs_w16(cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, BC, w->q_rows, d, 1,
+        mk_gemm_pairs_w16(cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, BC, q_rows, d, 1,
                           dk_j, dk_row);
         mk_gemm_pairs_w16(rows, d, (cols + 1) / 2, scale, w->ds_along, BC / 2, 1, w->k_rows, d, 1,
                           dq_i, dq_row);
@@ -370,15 +424,15 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     }
 }
 
-/* dst (width, BC) <- x (count, width) transposed, columns past count 0 */
+/* dst (features, BC) <- x (count, features) transposed, columns past count
+ * 0, by the forward's blocked transpose for the kernels' width */
 static void SFX(transpose_padded)(REAL *dst, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
-                                  ptrdiff_t width)
+                                  ptrdiff_t features, int width)
 {
-    for (ptrdiff_t c = 0; c < width; c++) {
-        REAL *dst_c = dst + c * BC;
-        for (ptrdiff_t j = 0; j < count; j++) dst_c[j] = x[j * x_row + c];
-        for (ptrdiff_t j = count; j < BC; j++) dst_c[j] = 0;
-    }
+    SFX(mk_transpose)(dst, BC, x, x_row, count, features, width);
+    if (count < BC)
+        for (ptrdiff_t c = 0; c < features; c++)
+            memset(dst + c * BC + count, 0, (size_t)(BC - count) * sizeof(REAL));
 }
 
 /* The rows [first, end) of queries that see some key of [j0, j0 + cols):
@@ -442,8 +496,8 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
         }
         SFX(softmax_fill_key_term)(a, w->key_term, h->k, h->bias, h->mask, j0, cols, cols);
         if (w->width) {
-            SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d);
-            SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e);
+            SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d, w->width);
+            SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e, w->width);
         }
 #ifdef BWD_PAIRS
         if (w->kt_pairs) {
@@ -563,8 +617,9 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     /* and with the caller's bfloat16 arithmetic, the pairs of p, dS and
      * the query and key rows (rounded) */
     int rounded = pairs && a->bf16_products;
+    ptrdiff_t block_rows = query_blocks * (BR / 2);
     ptrdiff_t rounded_pairs = rounded ? 3 * LINES(BR / 2 * BC) + LINES(BR / 2 * (d + a->e)) +
-                                            LINES(BC / 2 * d)
+                                            LINES(BC / 2 * d) + LINES(block_rows * (d + a->e))
                                       : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
@@ -601,18 +656,18 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
             works[t].q_pairs = works[t].vt_pairs + a->e / 2 * BC;
             works[t].dout_pairs = works[t].q_pairs + n * d / 2;
             works[t].block_pairs = keeps + t * bytes + BC;
+            if (rounded) {
+                float *rounded_base = kt + transposed + paired;
+                works[t].pd_pairs = rounded_base;
+                works[t].ds_pairs = rounded_base + BR / 2 * BC;
+                works[t].ds_along = rounded_base + 2 * (BR / 2 * BC);
+                works[t].q_rows = rounded_base + 3 * (BR / 2 * BC);
+                works[t].dout_rows = works[t].q_rows + BR / 2 * d;
+                works[t].k_rows = works[t].dout_rows + BR / 2 * a->e;
+                works[t].q_block_rows = works[t].k_rows + BC / 2 * d;
+                works[t].dout_block_rows = works[t].q_block_rows + block_rows * d;
+            }
         }
-#ifdef BWD_PAIRS
-        if (rounded) {
-            float *rounded_base = kt + transposed + paired;
-            works[t].pd_pairs = rounded_base;
-            works[t].ds_pairs = rounded_base + BR / 2 * BC;
-            works[t].ds_along = rounded_base + 2 * (BR / 2 * BC);
-            works[t].q_rows = rounded_base + 3 * (BR / 2 * BC);
-            works[t].dout_rows = works[t].q_rows + BR / 2 * d;
-            works[t].k_rows = works[t].dout_rows + BR / 2 * a->e;
-        }
-#endif
 #endif
     }
 
