@@ -1116,10 +1116,11 @@ static inline void mk_softmax_strip_w16(float *st, ptrdiff_t st_ld, ptrdiff_t lo
 
 /* The backward's probabilities of one row (softmax_backward.c,
  * bwd_probabilities): p[c] <- 2^(p[c] + key_term[c] - offset) for
- * c < count, the numbers vexp2 (vec_real.h) gives: 0 under 2^-125 (its
- * EXP2_LO) and
- * where key_term[c] is -inf (a hidden key, whatever its score). Returns
- * whether any is non-zero. */
+ * c < count, as vexp2 (vec_real.h) computes it, to its error (mk_exp2_w16
+ * is the same fit, on [0, 1)): 1 where the exponent is above 0, 0 where it
+ * is under -125 (vexp2's EXP2_LO) or key_term[c] is -inf (a hidden key,
+ * whatever its score).
+ * Returns whether any is non-zero. */
 static inline int mk_probabilities_w16(float *p, const float *key_term, float offset,
                                        ptrdiff_t count)
 {
