@@ -232,6 +232,8 @@ def _check_flag(value, name):
 def _shape(x, name):
     if x is None:
         return None
+    if isinstance(x, np.ndarray):
+        return x.shape  # what np.shape returns, without its dispatch (a decoding step's cost)
     try:
         return np.shape(x)
     except Exception as error:  # ragged lists and the like

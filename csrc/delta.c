@@ -61,6 +61,11 @@
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
 #define CACHE_LINE 64
 #define L2NORM_EPS 1e-6
+/* a decoding step's columns per block (token_step), 256 bytes: its two
+ * sums are 2 x 4 vectors in AVX-512 registers, 2 x 8 in AVX2's 16 */
+#define STEP_COLUMNS (256 / (ptrdiff_t)sizeof(REAL))
+/* and its scratch per thread: k normalised, D, D q, D k */
+#define TOKEN_SCRATCH(K) (4 * (K))
 
 #define ATTNX_FAMILY_FILE "delta.c"
 #include "real.h"
@@ -326,14 +331,50 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
     SFX(gemm)(1, 0, K, V, L, 1, w->Kd, K, w->U, V, 1, S, V);
 }
 
+/* Columns [j0, j0 + width) of one token's step (token_step): their sums
+ * (D S0)^T k and (D S0)^T q over every row, then u, o and S1 on them. Every
+ * column is independent of the others, so a block's sums stay in registers
+ * (token_step calls this with width STEP_COLUMNS, a constant once inlined)
+ * and its rows are still in the cache when S1 is written; the update runs
+ * the rows backwards, through the ones the sums read last. kd = D k. */
+static inline __attribute__((always_inline)) void SFX(step_columns)(
+    ptrdiff_t K, ptrdiff_t j0, ptrdiff_t width, const REAL *S0, ptrdiff_t S0_row, REAL *S1,
+    ptrdiff_t S1_row, const REAL *kn, const REAL *dec, const REAL *kd, const REAL *qd,
+    const REAL *v, REAL beta, REAL kq, REAL *o)
+{
+    REAL kv[STEP_COLUMNS] = {0}, qs[STEP_COLUMNS] = {0}, u[STEP_COLUMNS];
+    for (ptrdiff_t c = 0; c < K; c++) {
+        const REAL *row = S0 + c * S0_row + j0;
+        REAL kc = kd[c], qc = qd[c];
+#pragma omp simd
+        for (ptrdiff_t j = 0; j < width; j++) {
+            kv[j] += kc * row[j];
+            qs[j] += qc * row[j];
+        }
+    }
+#pragma omp simd
+    for (ptrdiff_t j = 0; j < width; j++) {
+        u[j] = beta * (v[j0 + j] - kv[j]);
+        o[j0 + j] = qs[j] + kq * u[j];
+    }
+    for (ptrdiff_t c = K - 1; c >= 0; c--) {
+        const REAL *row = S0 + c * S0_row + j0;
+        REAL *updated = S1 + c * S1_row + j0;
+        REAL e = dec[c], kc = kn[c];
+#pragma omp simd
+        for (ptrdiff_t j = 0; j < width; j++) updated[j] = e * row[j] + kc * u[j];
+    }
+}
+
 /* One token of one head: S1 = D S0 + k u^T, u = beta (v - (D S0)^T k),
  * o = S1^T q = (D S0)^T q + u (k . q), with q, k normalised and scaled and
- * D = diag(exp(g)). S0 (row stride S0_row) is read once for both products
- * (four rows at a time, the two sums staying in L1), then once more (from
- * the cache) as S1 is written; S1 may be S0 itself. A decoding step is
+ * D = diag(exp(g)). S0 (row stride S0_row) is read once for both products,
+ * then once more (from the cache) as S1 is written, block of columns by
+ * block (step_columns); S1 may be S0 itself. A decoding step is
  * memory-bound on the state: this reads it once from memory and writes it
  * once, where a step as the recurrence reads (decay, S^T k, then the
- * update and S^T q) makes two passes over it. scratch: 3 K + 3 V numbers. */
+ * update and S^T q) makes two passes over it. scratch: TOKEN_SCRATCH(K)
+ * numbers. */
 static ATTNX_HOT void SFX(token_step)(const attnx_delta_args *a, ptrdiff_t h, ptrdiff_t t,
                                       const REAL *S0, ptrdiff_t S0_row, REAL *S1, REAL *scratch)
 {
@@ -344,7 +385,7 @@ static ATTNX_HOT void SFX(token_step)(const attnx_delta_args *a, ptrdiff_t h, pt
     REAL *o = (REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT) + t * a->out_row;
     const char *g = SFX(head)(a, a->g, h, ATTNX_DR_G);
     const REAL beta = *(const REAL *)(SFX(head)(a, a->beta, h, ATTNX_DR_BETA) + t * a->beta_step);
-    REAL *kn = scratch, *dec = kn + K, *qd = dec + K, *kv = qd + K, *qs = kv + V, *u = qs + V;
+    REAL *kn = scratch, *dec = kn + K, *qd = dec + K, *kd = qd + K;
     REAL iq = a->l2norm ? SFX(inv_norm)(q, K) : 1, ik = a->l2norm ? SFX(inv_norm)(k, K) : 1;
     REAL fq = iq * (REAL)a->scale, kq = 0;
     if (a->gate == ATTNX_GATE_CHANNEL) {
@@ -355,50 +396,21 @@ static ATTNX_HOT void SFX(token_step)(const attnx_delta_args *a, ptrdiff_t h, pt
         REAL e = a->gate == ATTNX_GATE_SCALAR ? SFX(vexp)(*(const REAL *)(g + t * a->g_step)) : 1;
         for (ptrdiff_t c = 0; c < K; c++) dec[c] = e;
     }
-    /* kn = k normalised, qd = D q (normalised, scaled), kq = k . q */
+    /* kn = k normalised, kd = D kn, qd = D q (normalised, scaled), kq = k . q */
 #pragma omp simd reduction(+ : kq)
     for (ptrdiff_t c = 0; c < K; c++) {
         REAL kc = k[c] * ik, qc = q[c] * fq;
         kq += kc * qc;
         kn[c] = kc;
+        kd[c] = kc * dec[c];
         qd[c] = qc * dec[c];
     }
-    /* kv = (D S0)^T k, qs = (D S0)^T q */
-    for (ptrdiff_t j = 0; j < V; j++) kv[j] = qs[j] = 0;
-    ptrdiff_t c = 0;
-    for (; c + 4 <= K; c += 4) {
-        const REAL *r0 = S0 + c * S0_row, *r1 = r0 + S0_row, *r2 = r1 + S0_row, *r3 = r2 + S0_row;
-        REAL k0 = kn[c] * dec[c], k1 = kn[c + 1] * dec[c + 1], k2 = kn[c + 2] * dec[c + 2];
-        REAL k3 = kn[c + 3] * dec[c + 3];
-        REAL q0 = qd[c], q1 = qd[c + 1], q2 = qd[c + 2], q3 = qd[c + 3];
-#pragma omp simd
-        for (ptrdiff_t j = 0; j < V; j++) {
-            kv[j] += k0 * r0[j] + k1 * r1[j] + k2 * r2[j] + k3 * r3[j];
-            qs[j] += q0 * r0[j] + q1 * r1[j] + q2 * r2[j] + q3 * r3[j];
-        }
-    }
-    for (; c < K; c++) {
-        const REAL *r0 = S0 + c * S0_row;
-        REAL k0 = kn[c] * dec[c], q0 = qd[c];
-#pragma omp simd
-        for (ptrdiff_t j = 0; j < V; j++) {
-            kv[j] += k0 * r0[j];
-            qs[j] += q0 * r0[j];
-        }
-    }
-#pragma omp simd
-    for (ptrdiff_t j = 0; j < V; j++) {
-        u[j] = beta * (v[j] - kv[j]);
-        o[j] = qs[j] + kq * u[j];
-    }
-    /* S1 = D S0 + k u^T */
-    for (c = 0; c < K; c++) {
-        REAL e = dec[c], kc = kn[c];
-        const REAL *r0 = S0 + c * S0_row;
-        REAL *w0 = S1 + c * V;
-#pragma omp simd
-        for (ptrdiff_t j = 0; j < V; j++) w0[j] = e * r0[j] + kc * u[j];
-    }
+    ptrdiff_t j0 = 0;
+    for (; j0 + STEP_COLUMNS <= V; j0 += STEP_COLUMNS)
+        SFX(step_columns)(K, j0, STEP_COLUMNS, S0, S0_row, S1, V, kn, dec, kd, qd, v, beta, kq,
+                          o);
+    if (j0 < V)
+        SFX(step_columns)(K, j0, V - j0, S0, S0_row, S1, V, kn, dec, kd, qd, v, beta, kq, o);
 }
 
 /* The token loop on head h: from S0 (or zeros) into S1 (C order) */
@@ -463,12 +475,12 @@ static void SFX(recurrent_share)(void *context, int me, int range, int ranges)
 {
     const SFX(recurrent_task) *task = context;
     const attnx_delta_args *a = task->a;
-    const ptrdiff_t K = a->dk, V = a->dv;
+    const ptrdiff_t K = a->dk;
     REAL *scratch = task->scratch + task->per_thread * (size_t)me;
     for (ptrdiff_t h = a->heads * range / ranges, end = a->heads * (range + 1) / ranges; h < end;
          h++) {
         if (a->interrupt && attnx_interrupted(a->interrupt, me == 0)) break;
-        REAL *S1 = a->S1 ? (REAL *)SFX(head)(a, a->S1, h, ATTNX_DR_S1) : scratch + 3 * (K + V);
+        REAL *S1 = a->S1 ? (REAL *)SFX(head)(a, a->S1, h, ATTNX_DR_S1) : scratch + TOKEN_SCRATCH(K);
         SFX(recurrent_head)(a, h, S1, scratch);
     }
 }
@@ -479,7 +491,7 @@ static int SFX(recurrent_fwd)(const attnx_delta_args *a)
     const int threads = SFX(plan_threads)(a);
     /* per thread: the token's vectors, the state when the caller keeps
      * none; whole cache lines, so threads never share one */
-    size_t per_thread = (size_t)(3 * (K + V) + (a->S1 ? 0 : K * V));
+    size_t per_thread = (size_t)(TOKEN_SCRATCH(K) + (a->S1 ? 0 : K * V));
     per_thread = (per_thread + CACHE_LINE / sizeof(REAL) - 1) / (CACHE_LINE / sizeof(REAL)) *
                  (CACHE_LINE / sizeof(REAL));
     REAL *scratch = attnx_aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));

@@ -141,6 +141,27 @@ def test_token_loop_on_threads_from_a_strided_state(gate):
         attnx.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-6), (np.float64, 1e-12)])
+@pytest.mark.parametrize("dv", [1, 64, 100, 129])
+def test_step_over_blocks_of_columns(dtype, tol, dv):
+    # a decoding step takes the state's columns in blocks of 256 bytes (64
+    # float32 or 32 float64 numbers) and what is left: every block count
+    # with and without a rest, from an initial state read through a row
+    # stride, then in place
+    rng = np.random.default_rng(7)
+    q, k, v, beta, g = make(rng, H=3, n=4, dk=17, dv=dv, gate="channel", dtype=dtype)
+    S0 = (rng.standard_normal((3, 17, dv + 3)) * 0.1).astype(dtype)[:, :, :dv]
+    ref_o, ref_S = reference(q, k, v, beta, g, qk_l2norm=True, initial_state=S0)
+    o, state = attnx.delta_rule_attention(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], g[:, :1],
+                                          qk_l2norm=True, method="recurrent", initial_state=S0,
+                                          return_state=True)
+    steps = [o] + [state.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], beta[:, t:t + 1],
+                              g[:, t:t + 1]) for t in range(1, 4)]
+    assert state.S.dtype == dtype
+    close(np.concatenate(steps, axis=1), ref_o, tol)
+    close(state.S, ref_S, tol)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 30))
 def test_gate_special_cases(seed, n):
