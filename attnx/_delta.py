@@ -247,14 +247,15 @@ class _Call:
     consecutive value heads; the gate as scalar or per channel."""
 
     def __init__(self, q, k, v, beta, g, initial_state, scale):
-        shapes = {name: _shape(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta))}
-        for name, shape in shapes.items():
+        q_shape, k_shape, v_shape = _shape(q, "q"), _shape(k, "k"), _shape(v, "v")
+        beta_shape = _shape(beta, "beta")
+        for name, shape, least in (("q", q_shape, 2), ("k", k_shape, 2), ("v", v_shape, 2),
+                                   ("beta", beta_shape, 1)):
             if shape is None:
                 raise TypeError(f"{name} is required, got None")
-            if len(shape) < (1 if name == "beta" else 2):
+            if len(shape) < least:
                 raise ValueError(f"{name} must have shape (..., n{'' if name == 'beta' else ', d'}),"
                                  f" got {shape}")
-        q_shape, k_shape, v_shape = shapes["q"], shapes["k"], shapes["v"]
         d_k = q_shape[-1]
         self.groups = 1
         if len(q_shape) >= 3 and len(k_shape) >= 3 and len(v_shape) >= 3:
@@ -265,7 +266,7 @@ class _Call:
                                      f"heads of q and k")
                 self.groups, self.key_heads = h_v // h_k, h_k
         g_shape = _shape(g, "g")
-        self.g_channel_kind = g_shape is not None and len(g_shape) == len(shapes["beta"]) + 1
+        self.g_channel_kind = g_shape is not None and len(g_shape) == len(beta_shape) + 1
         if g_shape is not None and self.g_channel_kind and g_shape[-1] != d_k:
             raise ValueError(f"g must have shape (..., n) like beta, or (..., n, d_k) with d_k = "
                              f"{d_k} (q's last axis), got {g_shape}")
@@ -278,11 +279,14 @@ class _Call:
                 raise TypeError(f"scale must be a number, got {scale!r}") from error
             if not (math.isfinite(self.scale) and self.scale > 0):
                 raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-        self.q = self.split(q, 3, key=True)
-        self.k = self.split(k, 3, key=True)
-        self.v = self.split(v, 3)
-        self.beta = self.split(beta, 2)
-        gate = self.split(g, 3 if self.g_channel_kind else 2)
+        if self.groups == 1:  # as split would leave them (a decoding step's cost)
+            self.q, self.k, self.v, self.beta, gate = q, k, v, beta, g
+        else:
+            self.q = self.split(q, 3, key=True)
+            self.k = self.split(k, 3, key=True)
+            self.v = self.split(v, 3)
+            self.beta = self.split(beta, 2)
+            gate = self.split(g, 3 if self.g_channel_kind else 2)
         self.g_scalar = None if self.g_channel_kind else gate
         self.g_channel = gate if self.g_channel_kind else None
         self.initial_state = initial_state
