@@ -53,9 +53,19 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "dispatch.h"
+#include "microkernel.h"
 #include "portable.h"
 
+#if defined(MK_HAVE_X86) || defined(MK_HAVE_NEON)
+/* the chunks' products on the register-blocked mk_gemm (mk_backward.h)
+ * where the family's table chose a set with them (dispatch.c) */
+#define DELTA_KERNELS 1
+#endif
+
 #define SUB 16
+/* rows per block of the triangular solve on the family's kernels */
+#define SOLVE_ROWS 16
 /* as linear.c: below this much work per call, one thread */
 #define MIN_PARALLEL_FLOPS 1e6
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
@@ -71,6 +81,7 @@
 #include "real.h"
 
 #else /* REAL: the body, compiled once per type */
+#include "softmax_internal.h"  /* mk_transpose */
 
 #if REAL_IS_DOUBLE
 #define TRSM ATTNX_CBLAS(cblas_dtrsm)
@@ -79,25 +90,18 @@
 #endif
 #define WS SFX(delta_ws)
 
-/* X (L, V) <- (I + A)^{-1} X (trans 0) or (I + A)^{-T} X (trans 1), A strictly
- * lower (L, L) with row stride lda, read below its diagonal only */
-static void SFX(unit_lower_solve)(int trans, ptrdiff_t L, ptrdiff_t V, const REAL *A,
-                                  ptrdiff_t lda, REAL *X)
-{
-    if (L <= 1 || V == 0) return;
-    TRSM(CblasRowMajor, CblasLeft, CblasLower, trans ? CblasTrans : CblasNoTrans, CblasUnit,
-         (int)L, (int)V, 1, A, (int)lda, X, (int)V);
-}
-
 /* Everything one thread needs for the heads it runs. */
 typedef struct {
     const attnx_delta_args *a;
     ptrdiff_t C, K, V;
     int channel;               /* the gate is per channel: G is (L, K), else (L) */
+    int width;                 /* the family's kernels (attnx_kernels_width); 0: BLAS */
+    ptrdiff_t lanes;           /* their numbers per vector */
     /* the chunk's rows */
     REAL *Q, *Kn, *G, *beta, *inv_q, *inv_k;
     /* products */
     REAL *Kg, *Qg, *Kd, *M, *P, *Lm, *U, *E, *xs, *xs2, *ys;
+    REAL *BT;                  /* a product's B transposed, for the family's kernels */
     REAL *S;                   /* the running state when the caller keeps none */
     /* backward */
     REAL *dQg, *dKg, *dKd, *R1, *R2, *C1, *dG, *dU, *dP, *dA, *dS, *dSn, *Vn, *dbeta;
@@ -113,7 +117,8 @@ static ptrdiff_t SFX(chunk_keep_size)(ptrdiff_t C, ptrdiff_t K, ptrdiff_t V)
 static size_t SFX(ws_size)(ptrdiff_t C, ptrdiff_t K, ptrdiff_t V, ptrdiff_t n, int backward)
 {
     size_t CK = (size_t)(C * K), CC = (size_t)(C * C), CV = (size_t)(C * V), KV = (size_t)(K * V);
-    size_t size = 7 * CK + 3 * (size_t)C + 4 * CC + CV + (CK > CV ? CK : CV) + 2 * (size_t)(SUB * K) + KV;
+    size_t size = 7 * CK + 3 * (size_t)C + 4 * CC + CV + (CK > CV ? CK : CV) +
+                  2 * (size_t)(SUB * K) + KV + (size_t)(ATTNX_MAX(K, C) * ATTNX_MAX(K, V));
     if (backward) {
         ptrdiff_t chunks = (n + C - 1) / C;
         size += 7 * CK + 2 * CV + 2 * CC + 2 * KV + (size_t)C +
@@ -129,6 +134,7 @@ static void SFX(ws_carve)(WS *w, REAL *mem, int backward)
 #define TAKE(ptr, count) (ptr = p, p += (count))
     TAKE(w->Q, C * K); TAKE(w->Kn, C * K); TAKE(w->G, C * K); TAKE(w->ys, C * K);
     TAKE(w->Kg, C * K); TAKE(w->Qg, C * K); TAKE(w->Kd, C * K);
+    TAKE(w->BT, ATTNX_MAX(K, C) * ATTNX_MAX(K, V));
     TAKE(w->beta, C); TAKE(w->inv_q, C); TAKE(w->inv_k, C);
     TAKE(w->M, C * C); TAKE(w->P, C * C); TAKE(w->Lm, C * C); TAKE(w->E, C * C);
     TAKE(w->U, C * V); TAKE(w->Vn, C * K > C * V ? C * K : C * V);
@@ -141,6 +147,89 @@ static void SFX(ws_carve)(WS *w, REAL *mem, int backward)
         w->keep = p;
     }
 #undef TAKE
+}
+
+/* A thread's WS before its memory: the sizes, the gate's kind, the
+ * family's kernels */
+static WS SFX(ws_for)(const attnx_delta_args *a, ptrdiff_t C)
+{
+    WS w = {.a = a, .C = C, .K = a->dk, .V = a->dv, .channel = a->gate == ATTNX_GATE_CHANNEL};
+#ifdef DELTA_KERNELS
+    w.width = attnx_kernels_width(attnx_kernels(ATTNX_FAMILY_DELTA));
+#endif
+    w.lanes = w.width ? MK_LANES(w.width, sizeof(REAL)) : 1;
+    return w;
+}
+
+/* C (M, N) = alpha op(A) op(B) + beta C: on the family's register-blocked
+ * mk_gemm where it applies (beta 0 or 1, N whole vectors, no operand
+ * broadcast with row stride 0; a transposed B is transposed into w->BT
+ * first, as mk_gemm reads B's rows), else SFX(gemm) (BLAS). These products
+ * are small (a chunk of 64 rows against a 128 x 128 state), and OpenBLAS
+ * spends a good part of such a call copying its operands into its own
+ * layout, which mk_gemm does not need. */
+static inline void SFX(product)(const WS *w, int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N,
+                                ptrdiff_t depth, REAL alpha, const REAL *A, ptrdiff_t lda,
+                                const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C, ptrdiff_t ldc)
+{
+#ifdef DELTA_KERNELS
+    if (w->width && (beta == 0 || beta == 1) && N % w->lanes == 0 && M > 0 && N > 0 &&
+        depth > 0 && lda != 0 && ldb != 0) {
+        if (trans_b) {
+            SFX(mk_transpose)(w->BT, N, B, ldb, N, depth, w->width);
+            B = w->BT, ldb = N;
+        }
+        TYPED(mk_gemm_f32, mk_gemm_f64)(w->width, M, N, depth, alpha, A, trans_a ? 1 : lda,
+                                        trans_a ? lda : 1, B, ldb, beta == 1, C, ldc);
+        return;
+    }
+#endif
+    SFX(gemm)(trans_a, trans_b, M, N, depth, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* X (L, V) <- (I + A)^{-1} X (trans 0) or (I + A)^{-T} X (trans 1), A strictly
+ * lower (L, L) with row stride lda, read below its diagonal only. On the
+ * family's kernels by blocks of SOLVE_ROWS rows, first to last (trans: last
+ * to first): what the rows solved before give a block is one product, the
+ * block itself is solved row by row. Else BLAS's trsm. */
+static void SFX(unit_lower_solve)(const WS *w, int trans, ptrdiff_t L, ptrdiff_t V,
+                                  const REAL *A, ptrdiff_t lda, REAL *X)
+{
+    if (L <= 1 || V == 0) return;
+    if (!w->width || V % w->lanes != 0) {
+        TRSM(CblasRowMajor, CblasLeft, CblasLower, trans ? CblasTrans : CblasNoTrans, CblasUnit,
+             (int)L, (int)V, 1, A, (int)lda, X, (int)V);
+        return;
+    }
+    for (ptrdiff_t block = 0; block < L; block += SOLVE_ROWS) {
+        ptrdiff_t b0 = trans ? (L - 1 - block) / SOLVE_ROWS * SOLVE_ROWS : block;
+        ptrdiff_t b1 = ATTNX_MIN(L, b0 + SOLVE_ROWS);
+        if (!trans) {
+            /* X_i -= sum_{j < i} A_ij X_j */
+            if (b0 > 0)
+                SFX(product)(w, 0, 0, b1 - b0, V, b0, -1, A + b0 * lda, lda, X, V, 1,
+                             X + b0 * V, V);
+            for (ptrdiff_t i = b0 + 1; i < b1; i++)
+                for (ptrdiff_t j = b0; j < i; j++) {
+                    REAL a_ij = A[i * lda + j], *x_i = X + i * V;
+                    const REAL *x_j = X + j * V;
+#pragma omp simd
+                    for (ptrdiff_t c = 0; c < V; c++) x_i[c] -= a_ij * x_j[c];
+                }
+        } else {
+            /* X_i -= sum_{j > i} A_ji X_j: A^T's rows are A's columns */
+            if (b1 < L)
+                SFX(product)(w, 1, 0, b1 - b0, V, L - b1, -1, A + b1 * lda + b0, lda,
+                             X + b1 * V, V, 1, X + b0 * V, V);
+            for (ptrdiff_t i = b1 - 2; i >= b0; i--)
+                for (ptrdiff_t j = i + 1; j < b1; j++) {
+                    REAL a_ji = A[j * lda + i], *x_i = X + i * V;
+                    const REAL *x_j = X + j * V;
+#pragma omp simd
+                    for (ptrdiff_t c = 0; c < V; c++) x_i[c] -= a_ji * x_j[c];
+                }
+        }
+    }
 }
 
 /* Head h's operand at `slot`: its base plus the head's byte offset. */
@@ -241,8 +330,8 @@ static ATTNX_HOT void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
     const ptrdiff_t C = w->C, K = w->K;
     REAL *M = w->M, *P = w->P;
     if (!w->channel) {
-        SFX(gemm)(0, 1, L, L, K, 1, w->Kn, K, w->Kn, K, 0, M, C);
-        if (want_P) SFX(gemm)(0, 1, L, L, K, 1, w->Q, K, w->Kn, K, 0, P, C);
+        SFX(product)(w, 0, 1, L, L, K, 1, w->Kn, K, w->Kn, K, 0, M, C);
+        if (want_P) SFX(product)(w, 0, 1, L, L, K, 1, w->Q, K, w->Kn, K, 0, P, C);
         SFX(scalar_decays)(w, L);
         for (ptrdiff_t t = 0; t < L; t++) {
             const REAL *E_t = w->E + t * C;
@@ -260,10 +349,10 @@ static ATTNX_HOT void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
         if (tb > 0) {  /* columns of earlier sub-blocks, split at r = tb */
             SFX(decay_rows)(w, tb, w->Kn, w->G, G_r, -1, w->ys);
             SFX(decay_rows)(w, rows, w->Kn + tb * K, w->G + tb * K, G_r, 1, w->xs);
-            SFX(gemm)(0, 1, rows, tb, K, 1, w->xs, K, w->ys, K, 0, M + tb * C, C);
+            SFX(product)(w, 0, 1, rows, tb, K, 1, w->xs, K, w->ys, K, 0, M + tb * C, C);
             if (want_P) {
                 SFX(decay_rows)(w, rows, w->Q + tb * K, w->G + tb * K, G_r, 1, w->xs2);
-                SFX(gemm)(0, 1, rows, tb, K, 1, w->xs2, K, w->ys, K, 0, P + tb * C, C);
+                SFX(product)(w, 0, 1, rows, tb, K, 1, w->xs2, K, w->ys, K, 0, P + tb * C, C);
             }
         }
         for (ptrdiff_t t = tb; t < te; t++) {  /* the sub-block itself, exactly */
@@ -300,7 +389,7 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
     /* R = diag(beta) (V - (Kn . e^G) S0), solved in place into U */
     SFX(decay_rows)(w, L, w->Kn, w->G, NULL, 1, w->Kg);
     for (ptrdiff_t t = 0; t < L; t++) memcpy(w->U + t * V, v + t * v_row, (size_t)V * sizeof(REAL));
-    SFX(gemm)(0, 0, L, V, K, -1, w->Kg, K, S, V, 1, w->U, V);
+    SFX(product)(w, 0, 0, L, V, K, -1, w->Kg, K, S, V, 1, w->U, V);
     if (keep) memcpy(keep + K * V + 2 * C * C + C * V, w->U, (size_t)(L * V) * sizeof(REAL));
     for (ptrdiff_t t = 0; t < L; t++) {
         REAL b = w->beta[t], *U_t = w->U + t * V;
@@ -310,7 +399,7 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
     SFX(gated_products)(w, L, want_P);
     for (ptrdiff_t t = 0; t < L; t++)
         for (ptrdiff_t s = 0; s < t; s++) w->Lm[t * C + s] = w->beta[t] * w->M[t * C + s];
-    SFX(unit_lower_solve)(0, L, V, w->Lm, C, w->U);
+    SFX(unit_lower_solve)(w, 0, L, V, w->Lm, C, w->U);
     if (keep) {
         memcpy(keep + K * V, w->M, (size_t)(L * C) * sizeof(REAL));
         memcpy(keep + K * V + C * C, w->P, (size_t)(L * C) * sizeof(REAL));
@@ -318,8 +407,8 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
     }
     if (out) {  /* O = (Q . e^G) S0 + P U */
         SFX(decay_rows)(w, L, w->Q, w->G, NULL, 1, w->Qg);
-        SFX(gemm)(0, 0, L, V, K, 1, w->Qg, K, S, V, 0, out, out_row);
-        SFX(gemm)(0, 0, L, V, L, 1, w->P, C, w->U, V, 1, out, out_row);
+        SFX(product)(w, 0, 0, L, V, K, 1, w->Qg, K, S, V, 0, out, out_row);
+        SFX(product)(w, 0, 0, L, V, L, 1, w->P, C, w->U, V, 1, out, out_row);
     }
     /* S1 = e^{Gend} . S0 + (Kn . e^{Gend - G})^T U */
     SFX(decay_rows)(w, L, w->Kn, w->G, Gend, -1, w->Kd);
@@ -328,7 +417,7 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
 #pragma omp simd
         for (ptrdiff_t j = 0; j < V; j++) S_c[j] *= f;
     }
-    SFX(gemm)(1, 0, K, V, L, 1, w->Kd, K, w->U, V, 1, S, V);
+    SFX(product)(w, 1, 0, K, V, L, 1, w->Kd, K, w->U, V, 1, S, V);
 }
 
 /* Columns [j0, j0 + width) of one token's step (token_step): their sums
@@ -523,7 +612,7 @@ int TYPED(attnx_delta_fwd_f32, attnx_delta_fwd_f64)(const attnx_delta_args *a)
 #pragma omp parallel num_threads(attnx_omp_threads(threads))
     {
         REAL *mem = malloc(per_thread * sizeof(REAL));
-        WS w = {.a = a, .C = C, .K = K, .V = V, .channel = a->gate == ATTNX_GATE_CHANNEL};
+        WS w = SFX(ws_for)(a, C);
         if (!mem) {
 #pragma omp atomic write
             status = ATTNX_ENOMEM;
@@ -573,10 +662,10 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
                 W1[t * C + s] *= w->E[t * C + s];
                 W2[t * C + s] *= w->E[t * C + s];
             }
-        SFX(gemm)(0, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->R1, K);
-        SFX(gemm)(0, 0, L, K, L, 1, W2, C, w->Kn, K, 0, w->R2, K);
-        SFX(gemm)(1, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->C1, K);
-        SFX(gemm)(1, 0, L, K, L, 1, W2, C, w->Q, K, 1, w->C1, K);
+        SFX(product)(w, 0, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->R1, K);
+        SFX(product)(w, 0, 0, L, K, L, 1, W2, C, w->Kn, K, 0, w->R2, K);
+        SFX(product)(w, 1, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->C1, K);
+        SFX(product)(w, 1, 0, L, K, L, 1, W2, C, w->Q, K, 1, w->C1, K);
         return;
     }
     for (ptrdiff_t tb = 0; tb < L; tb += SUB) {
@@ -584,8 +673,8 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
         if (tb > 0) {  /* rows of this sub-block, columns before it: split at r = tb */
             const REAL *G_r = w->G + tb * K;
             SFX(decay_rows)(w, tb, w->Kn, w->G, G_r, -1, w->ys);
-            SFX(gemm)(0, 0, rows, K, tb, 1, W1 + tb * C, C, w->ys, K, 0, w->xs, K);
-            SFX(gemm)(0, 0, rows, K, tb, 1, W2 + tb * C, C, w->ys, K, 0, w->xs2, K);
+            SFX(product)(w, 0, 0, rows, K, tb, 1, W1 + tb * C, C, w->ys, K, 0, w->xs, K);
+            SFX(product)(w, 0, 0, rows, K, tb, 1, W2 + tb * C, C, w->ys, K, 0, w->xs2, K);
             for (ptrdiff_t t = tb; t < te; t++) {
                 const REAL *G_t = w->G + t * K, *x1 = w->xs + (t - tb) * K, *x2 = w->xs2 + (t - tb) * K;
                 REAL *r1 = w->R1 + t * K, *r2 = w->R2 + t * K;
@@ -601,9 +690,9 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
             const REAL *G_r = w->G + (te - 1) * K;
             ptrdiff_t later = L - te;
             SFX(decay_rows)(w, later, w->Kn + te * K, w->G + te * K, G_r, 1, w->ys);
-            SFX(gemm)(1, 0, rows, K, later, 1, W1 + te * C + tb, C, w->ys, K, 0, w->xs, K);
+            SFX(product)(w, 1, 0, rows, K, later, 1, W1 + te * C + tb, C, w->ys, K, 0, w->xs, K);
             SFX(decay_rows)(w, later, w->Q + te * K, w->G + te * K, G_r, 1, w->ys);
-            SFX(gemm)(1, 0, rows, K, later, 1, W2 + te * C + tb, C, w->ys, K, 1, w->xs, K);
+            SFX(product)(w, 1, 0, rows, K, later, 1, W2 + te * C + tb, C, w->ys, K, 1, w->xs, K);
             for (ptrdiff_t s = tb; s < te; s++) {
                 const REAL *G_s = w->G + s * K, *x = w->xs + (s - tb) * K;
                 REAL *c1 = w->C1 + s * K;
@@ -668,15 +757,15 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
     memset(w->dG, 0, (size_t)(L * K) * sizeof(REAL));
 
     /* O = Qg S0 + P U:  dQg = dO S0^T,  dP = dO U^T (lower),  dU = P^T dO */
-    SFX(gemm)(0, 1, L, K, V, 1, dO, ldo, S0, V, 0, w->dQg, K);
-    SFX(gemm)(0, 1, L, L, V, 1, dO, ldo, U, V, 0, w->dP, C);
+    SFX(product)(w, 0, 1, L, K, V, 1, dO, ldo, S0, V, 0, w->dQg, K);
+    SFX(product)(w, 0, 1, L, L, V, 1, dO, ldo, U, V, 0, w->dP, C);
     for (ptrdiff_t t = 0; t < L; t++)
         for (ptrdiff_t s = t + 1; s < L; s++) w->dP[t * C + s] = 0;
-    SFX(gemm)(1, 0, L, V, L, 1, P, C, dO, ldo, 0, w->dU, V);
+    SFX(product)(w, 1, 0, L, V, L, 1, P, C, dO, ldo, 0, w->dU, V);
     /* S1 = e^{Gend} . S0 + Kd^T U:  dU += Kd dS,  dKd = U dS^T,
      * dGend += e^{Gend} . rowsums(dS . S0),  dS0 = e^{Gend} . dS + Qg^T dO */
-    SFX(gemm)(0, 0, L, V, K, 1, w->Kd, K, dS, V, 1, w->dU, V);
-    SFX(gemm)(0, 1, L, K, V, 1, U, V, dS, V, 0, w->dKd, K);
+    SFX(product)(w, 0, 0, L, V, K, 1, w->Kd, K, dS, V, 1, w->dU, V);
+    SFX(product)(w, 0, 1, L, K, V, 1, U, V, dS, V, 0, w->dKd, K);
     REAL *dG_end = w->dG + (L - 1) * K;
     for (ptrdiff_t c = 0; c < K; c++) {
         REAL f = SFX(vexp)(w->channel ? Gend[c] : Gend[0]), dot = 0;
@@ -689,12 +778,12 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
         }
         dG_end[c] += f * dot;
     }
-    SFX(gemm)(1, 0, K, V, L, 1, w->Qg, K, dO, ldo, 1, dSn, V);
+    SFX(product)(w, 1, 0, K, V, L, 1, w->Qg, K, dO, ldo, 1, dSn, V);
     /* (I + diag(beta) M) U = R:  dR = (I + ..)^{-T} dU,  dA = -dR U^T (strictly lower);
      * R = diag(beta) Vn, Vn = V - Kg S0 */
-    SFX(unit_lower_solve)(1, L, V, w->Lm, C, w->dU);
+    SFX(unit_lower_solve)(w, 1, L, V, w->Lm, C, w->dU);
     REAL *dR = w->dU;
-    SFX(gemm)(0, 1, L, L, V, -1, dR, V, U, V, 0, w->dA, C);
+    SFX(product)(w, 0, 1, L, L, V, -1, dR, V, U, V, 0, w->dA, C);
     char *dbeta = (char *)SFX(head)(a, a->dbeta, h, ATTNX_DR_DBETA);
     REAL *dv = (REAL *)SFX(head)(a, a->dv_, h, ATTNX_DR_DV) + t0 * V;
     for (ptrdiff_t t = 0; t < L; t++) {
@@ -715,8 +804,8 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
         ((REAL *)dbeta)[t0 + t] = db;
     }
     /* Vn = V - Kg S0:  dKg = -dVn S0^T,  dS0 -= Kg^T dVn */
-    SFX(gemm)(0, 1, L, K, V, -1, w->Vn, V, S0, V, 0, w->dKg, K);
-    SFX(gemm)(1, 0, K, V, L, -1, w->Kg, K, w->Vn, V, 1, dSn, V);
+    SFX(product)(w, 0, 1, L, K, V, -1, w->Vn, V, S0, V, 0, w->dKg, K);
+    SFX(product)(w, 1, 0, K, V, L, -1, w->Kg, K, w->Vn, V, 1, dSn, V);
     /* through M and P to Kn, Q and G */
     SFX(gated_products_bwd)(w, L, w->dA, w->dP);
 
@@ -789,7 +878,7 @@ int TYPED(attnx_delta_bwd_f32, attnx_delta_bwd_f64)(const attnx_delta_args *a)
 #pragma omp parallel num_threads(attnx_omp_threads(threads))
     {
         REAL *mem = malloc((per_thread + 1) * sizeof(REAL));
-        WS w = {.a = a, .C = C, .K = K, .V = V, .channel = a->gate == ATTNX_GATE_CHANNEL};
+        WS w = SFX(ws_for)(a, C);
         if (!mem) {
 #pragma omp atomic write
             status = ATTNX_ENOMEM;

@@ -79,8 +79,8 @@ static const kernel_row decode_table[] = {
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
-/* the chunk products on mk_gemm (lsh.c) */
-static const kernel_row lsh_table[] = {
+/* the products on mk_gemm: LSH's chunks (lsh.c), the delta rule's (delta.c) */
+static const kernel_row mk_gemm_table[] = {
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
@@ -98,15 +98,15 @@ static const kernel_row convert_table[] = {
 static const kernel_row *const tables[ATTNX_FAMILIES] = {
     [ATTNX_FAMILY_SOFTMAX_FWD] = softmax_fwd_table, [ATTNX_FAMILY_SOFTMAX_BWD] = softmax_bwd_table,
     [ATTNX_FAMILY_LINEAR_FWD] = linear_table,       [ATTNX_FAMILY_LINEAR_BWD] = linear_table,
-    [ATTNX_FAMILY_DECODE] = decode_table,           [ATTNX_FAMILY_LSH] = lsh_table,
-    [ATTNX_FAMILY_CONVERT] = convert_table,
+    [ATTNX_FAMILY_DECODE] = decode_table,           [ATTNX_FAMILY_LSH] = mk_gemm_table,
+    [ATTNX_FAMILY_CONVERT] = convert_table,         [ATTNX_FAMILY_DELTA] = mk_gemm_table,
 };
 
 static const char *const family_names[ATTNX_FAMILIES] = {
     [ATTNX_FAMILY_SOFTMAX_FWD] = "softmax_forward", [ATTNX_FAMILY_SOFTMAX_BWD] = "softmax_backward",
     [ATTNX_FAMILY_LINEAR_FWD] = "linear_forward",   [ATTNX_FAMILY_LINEAR_BWD] = "linear_backward",
     [ATTNX_FAMILY_DECODE] = "decode",               [ATTNX_FAMILY_LSH] = "lsh",
-    [ATTNX_FAMILY_CONVERT] = "convert",
+    [ATTNX_FAMILY_CONVERT] = "convert",             [ATTNX_FAMILY_DELTA] = "delta_rule",
 };
 
 static const char *const set_names[ATTNX_KERNEL_SETS] = {
@@ -121,7 +121,7 @@ static const char *const set_names[ATTNX_KERNEL_SETS] = {
 
 int attnx_dispatch_table[ATTNX_FAMILIES];
 static attnx_cpu_set disabled_features = 0;
-static int family_limits[ATTNX_FAMILIES] = {-1, -1, -1, -1, -1, -1, -1};
+static int family_limits[ATTNX_FAMILIES] = {-1, -1, -1, -1, -1, -1, -1, -1};
 
 static int table_holds(const kernel_row *table, int set)
 {

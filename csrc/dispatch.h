@@ -21,6 +21,7 @@ enum {
     ATTNX_FAMILY_DECODE,       /* linear.c's single-token steps of a state */
     ATTNX_FAMILY_LSH,          /* lsh.c */
     ATTNX_FAMILY_CONVERT,      /* convert.c, bfloat16 <-> float32 */
+    ATTNX_FAMILY_DELTA,        /* delta.c's chunk products */
     ATTNX_FAMILIES
 };
 

@@ -34,6 +34,8 @@ linear_backward_kernels = _family_fixture("linear_backward")
 decode_kernels = _family_fixture("decode")
 lsh_kernels = _family_fixture("lsh")
 convert_kernels = _family_fixture("convert")
+delta_rule_kernels = _family_fixture("delta_rule")
 
 assert set(attnx.cpu_dispatch()) == {"softmax_forward", "softmax_backward", "linear_forward",
-                                     "linear_backward", "decode", "lsh", "convert"}
+                                     "linear_backward", "decode", "lsh", "convert",
+                                     "delta_rule"}

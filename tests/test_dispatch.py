@@ -108,7 +108,7 @@ def test_levels_this_machine_can_force():
 
 # the families with AVX2+FMA and NEON kernels of their own (csrc/dispatch.c)
 VECTOR_FAMILIES = ["softmax_forward", "softmax_backward", "linear_forward", "linear_backward",
-                   "decode", "lsh", "convert"]
+                   "decode", "lsh", "convert", "delta_rule"]
 
 
 def test_avx2_level_runs_the_avx2_kernels():
