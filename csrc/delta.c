@@ -42,6 +42,10 @@
  * sqrt(n) checkpoints); keeping them costs K V / C = 256 numbers per token
  * at K = V = 128, C = 64, about as much as the token's q, k, v and out.
  *
+ * Products: on the register-blocked kernels the delta_rule family's table
+ * chose (mk_gemm, dispatch.c) where a product's width is whole vectors,
+ * else BLAS (product); the triangular solve by blocks on the same kernels.
+ *
  * Threads: OpenMP over heads, BLAS single-threaded inside; a decoding step
  * (one token) splits its heads over attnx's own team (team.c) instead.
  */

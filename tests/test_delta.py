@@ -333,40 +333,6 @@ def test_backward_through_pieces(cut, gate, seed):
 
 
 
-@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 2e-5)])
-@pytest.mark.parametrize("chunk", [16, 32, 64])
-@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
-def test_kernel_sets_match_autograd(delta_rule_kernels, dtype, tol, chunk, gate):
-    # each kernel set of the delta_rule family: states of whole vectors
-    # (d_k = d_v = 32) take its products, its triangular solve and, for
-    # chunks of whole vectors (16, 32; the last chunk of 45 tokens has 13
-    # rows, a single chunk of 64 has 45), Kn^T for M and P; forward and
-    # backward against the float64 recurrence under autograd
-    rng = np.random.default_rng(11)
-    n, dk, dv = 45, 32, 32
-    q, k, v, beta, g = make(rng, n=n, dk=dk, dv=dv, gate=gate)
-    S0 = rng.standard_normal((2, dk, dv)) * 0.1
-    dout, dS = rng.standard_normal((2, n, dv)), rng.standard_normal((2, dk, dv))
-    leaves = [torch.tensor(x, requires_grad=True) if x is not None else None
-              for x in (q, k, v, beta, g, S0)]
-    out, S = torch_recurrence(*leaves, True)
-    ((out * torch.tensor(dout)).sum() + (S * torch.tensor(dS)).sum()).backward()
-    cast = (lambda x: None if x is None else x.astype(dtype))
-    inputs = [cast(x) for x in (q, k, v, beta, g)]
-    got, state = attnx.delta_rule_attention(*inputs, qk_l2norm=True, chunk=chunk,
-                                            initial_state=cast(S0), return_state=True)
-    assert got.dtype == dtype
-    close(got, out.detach().numpy(), tol)
-    close(state.S, S.detach().numpy(), tol)
-    grads = attnx.delta_rule_attention_backward(cast(dout), *inputs, qk_l2norm=True, chunk=chunk,
-                                                initial_state=cast(S0), grad_state=cast(dS))
-    for mine, leaf in zip(grads, leaves):
-        if leaf is None:
-            assert mine is None
-        else:
-            assert mine.dtype == dtype
-            close(mine, leaf.grad.numpy(), tol)
-
 def test_vjp():
     rng = np.random.default_rng(7)
     q, k, v, beta, g = make(rng, gate="channel")
