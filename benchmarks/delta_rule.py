@@ -10,22 +10,28 @@ Prints, per n, the best of --repeats calls of each: the chunked forward,
 forward + backward through attnx.torch (torch's autograd calling attnx's
 backward; torch's autograd through its own function, for n up to
 --torch-backward-max: it takes seconds beyond), and one decoding step; the
-ratios; and attnx's FLOP rates beside the rate of a large float32 GEMM
-(torch.mm, 2048^3) measured in the same run, the machine's practical FMA
-peak at that thread count. The FLOPs counted are those the chunk form
+ratios; and attnx's FLOP rates as fractions of the machine's float32
+multiply-add peak on those threads (harness.machine_peak, measured at the
+start of the run) and of a large float32 GEMM's rate (torch.mm, 2048^3,
+measured in the same run). The FLOPs counted are those the chunk form
 performs (GEMMs and triangular solves as executed), per token and head at
 chunk C, key size K, value size V: forward 6 K V + 4 C K + 3 C V, backward
 (which recomputes the chunks' forward products) 16 K V + 12 C K + 8 C V."""
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
 import torch
 
-import attnx
-import attnx.torch as at
-from attnx.torch import _delta as _torch_delta
-from transformers.models.qwen3_next import modeling_qwen3_next as qwen
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import attnx  # noqa: E402
+import attnx.torch as at  # noqa: E402
+import harness  # noqa: E402
+from attnx.torch import _delta as _torch_delta  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen  # noqa: E402
 
 
 def timings(fn, repeats):
@@ -64,9 +70,18 @@ def main():
     rng = np.random.default_rng(0)
     print(f"float32, {args.threads} threads, (1, n, {H} heads, {d}), g <= 0, qk l2norm; "
           f"best of {args.repeats}")
+    fma = harness.machine_peak(args.threads)
+    if fma is not None:
+        print(fma.describe())
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     peak = 2 * 2048 ** 3 / best(lambda: torch.mm(a, b), 5 * args.repeats)
     print(f"float32 GEMM (torch.mm, 2048^3): {peak / 1e9:.1f} GFLOP/s")
+
+    def rates(flops, seconds):
+        """attnx's FLOP rate and its fractions of the FMA peak and the GEMM's"""
+        rate = flops / seconds
+        of_peak = f"{fma.flops_fraction(rate):.0%} of the FMA peak, " if fma else ""
+        return f"{rate / 1e9:5.1f} GFLOP/s ({of_peak}{rate / peak:.0%} of the GEMM's)"
     per_token_fwd = 6 * d * d + 4 * C * d + 3 * C * d
     per_token_bwd = 16 * d * d + 12 * C * d + 8 * C * d
     for n in args.lengths:
@@ -81,8 +96,7 @@ def main():
                             args.repeats)
         flops = H * n * per_token_fwd
         print(f"n={n:6d} forward      attnx {t_ours * 1e3:9.1f} ms  torch {t_theirs * 1e3:9.1f} ms"
-              f"  ratio {t_theirs / t_ours:5.1f}x  attnx {flops / t_ours / 1e9:5.1f} GFLOP/s"
-              f" ({flops / t_ours / peak:.0%} of the GEMM's)")
+              f"  ratio {t_theirs / t_ours:5.1f}x  attnx {rates(flops, t_ours)}")
 
         def train(fn):
             xs = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
@@ -91,8 +105,7 @@ def main():
 
         t_ours = best(lambda: train(at.chunk_gated_delta_rule), args.repeats)
         flops = H * n * (per_token_fwd + per_token_bwd)
-        line = (f"n={n:6d} fwd+bwd      attnx {t_ours * 1e3:9.1f} ms  "
-                f"{flops / t_ours / 1e9:5.1f} GFLOP/s ({flops / t_ours / peak:.0%} of the GEMM's)")
+        line = f"n={n:6d} fwd+bwd      attnx {t_ours * 1e3:9.1f} ms  {rates(flops, t_ours)}"
         if n <= args.torch_backward_max:
             t_theirs = best(lambda: train(qwen.torch_chunk_gated_delta_rule), args.repeats)
             line += f"  torch {t_theirs * 1e3:9.1f} ms  ratio {t_theirs / t_ours:5.1f}x"
