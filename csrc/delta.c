@@ -290,24 +290,62 @@ static ATTNX_HOT void SFX(load_rows)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
 }
 
 /* dst (L, K) = X . e^{sign (G_t - ref)}: row t of X scaled by e^{G_t - ref}
- * (sign 1) or e^{ref - G_t} (sign -1), ref a row of G (NULL: zeros). */
-static ATTNX_HOT void SFX(decay_rows)(const WS *w, ptrdiff_t L, const REAL *X, const REAL *G,
-                            const REAL *ref, REAL sign, REAL *dst)
+ * (sign 1) or e^{ref - G_t} (sign -1), ref a row of G (NULL: zeros); and
+ * dst2 = X2 . the same factors when X2 is not NULL (each exponential once
+ * for both: per channel they are most of a chunk's own arithmetic). */
+static ATTNX_HOT void SFX(decay_rows)(const WS *w, ptrdiff_t L, const REAL *X, const REAL *X2,
+                                      const REAL *G, const REAL *ref, REAL sign, REAL *dst,
+                                      REAL *dst2)
 {
     const ptrdiff_t K = w->K;
     for (ptrdiff_t t = 0; t < L; t++) {
-        const REAL *x_t = X + t * K;
-        REAL *d_t = dst + t * K;
+        const REAL *x_t = X + t * K, *x2_t = X2 ? X2 + t * K : NULL;
+        REAL *d_t = dst + t * K, *d2_t = X2 ? dst2 + t * K : NULL;
         if (w->channel) {
             const REAL *G_t = G + t * K;
+            if (x2_t) {
 #pragma omp simd
-            for (ptrdiff_t c = 0; c < K; c++)
-                d_t[c] = x_t[c] * SFX(vexp)(sign * (G_t[c] - (ref ? ref[c] : 0)));
+                for (ptrdiff_t c = 0; c < K; c++) {
+                    REAL f = SFX(vexp)(sign * (G_t[c] - (ref ? ref[c] : 0)));
+                    d_t[c] = x_t[c] * f;
+                    d2_t[c] = x2_t[c] * f;
+                }
+            } else {
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < K; c++)
+                    d_t[c] = x_t[c] * SFX(vexp)(sign * (G_t[c] - (ref ? ref[c] : 0)));
+            }
         } else {
             REAL f = SFX(vexp)(sign * (G[t] - (ref ? ref[0] : 0)));
 #pragma omp simd
             for (ptrdiff_t c = 0; c < K; c++) d_t[c] = x_t[c] * f;
+            if (x2_t)
+#pragma omp simd
+                for (ptrdiff_t c = 0; c < K; c++) d2_t[c] = x2_t[c] * f;
         }
+    }
+}
+
+/* x *= factor, entry by entry (count entries) */
+static inline void SFX(scale_by)(REAL *x, const REAL *factor, ptrdiff_t count)
+{
+#pragma omp simd
+    for (ptrdiff_t c = 0; c < count; c++) x[c] *= factor[c];
+}
+
+/* decay (rows - 1, K): e^{G_t - G_{t-1}} per channel for the rows t of
+ * (tb, tb + rows), each <= 1 for gates <= 0: within a sub-block,
+ * e^{G_t - G_s} = e^{G_{s+1} - G_s} ... e^{G_t - G_{t-1}} for s < t, a
+ * running product of these factors, one exponential per row and channel
+ * instead of one per pair of rows and channel. */
+static ATTNX_HOT void SFX(row_decays)(const WS *w, ptrdiff_t tb, ptrdiff_t rows, REAL *decay)
+{
+    const ptrdiff_t K = w->K;
+    for (ptrdiff_t t = tb + 1; t < tb + rows; t++) {
+        const REAL *G_t = w->G + t * K, *G_prev = G_t - K;
+        REAL *d = decay + (t - tb - 1) * K;
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < K; c++) d[c] = SFX(vexp)(G_t[c] - G_prev[c]);
     }
 }
 
@@ -351,28 +389,33 @@ static ATTNX_HOT void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
         ptrdiff_t te = ATTNX_MIN(tb + SUB, L), rows = te - tb;
         const REAL *G_r = w->G + tb * K;
         if (tb > 0) {  /* columns of earlier sub-blocks, split at r = tb */
-            SFX(decay_rows)(w, tb, w->Kn, w->G, G_r, -1, w->ys);
-            SFX(decay_rows)(w, rows, w->Kn + tb * K, w->G + tb * K, G_r, 1, w->xs);
+            SFX(decay_rows)(w, tb, w->Kn, NULL, w->G, G_r, -1, w->ys, NULL);
+            SFX(decay_rows)(w, rows, w->Kn + tb * K, want_P ? w->Q + tb * K : NULL,
+                            w->G + tb * K, G_r, 1, w->xs, w->xs2);
             SFX(product)(w, 0, 1, rows, tb, K, 1, w->xs, K, w->ys, K, 0, M + tb * C, C);
-            if (want_P) {
-                SFX(decay_rows)(w, rows, w->Q + tb * K, w->G + tb * K, G_r, 1, w->xs2);
+            if (want_P)
                 SFX(product)(w, 0, 1, rows, tb, K, 1, w->xs2, K, w->ys, K, 0, P + tb * C, C);
-            }
         }
-        for (ptrdiff_t t = tb; t < te; t++) {  /* the sub-block itself, exactly */
-            const REAL *G_t = w->G + t * K, *k_t = w->Kn + t * K, *q_t = w->Q + t * K;
-            for (ptrdiff_t s = tb; s <= t; s++) {
-                const REAL *G_s = w->G + s * K, *k_s = w->Kn + s * K;
+        /* the sub-block itself, exactly: for each column s, run = e^{G_t - G_s} . k_s
+         * down the rows t >= s (row_decays) */
+        REAL *decay = w->xs, *run = w->xs2;
+        SFX(row_decays)(w, tb, rows, decay);
+        for (ptrdiff_t s = tb; s < te; s++) {
+            memcpy(run, w->Kn + s * K, (size_t)K * sizeof(REAL));
+            for (ptrdiff_t t = s; t < te; t++) {
+                const REAL *k_t = w->Kn + t * K, *q_t = w->Q + t * K;
+                if (t > s) SFX(scale_by)(run, decay + (t - tb - 1) * K, K);
                 REAL mk = 0, mq = 0;
 #pragma omp simd reduction(+ : mk, mq)
                 for (ptrdiff_t c = 0; c < K; c++) {
-                    REAL e = SFX(vexp)(G_t[c] - G_s[c]) * k_s[c];
-                    mk += k_t[c] * e;
-                    mq += q_t[c] * e;
+                    mk += k_t[c] * run[c];
+                    mq += q_t[c] * run[c];
                 }
                 M[t * C + s] = s < t ? mk : 0;
                 if (want_P) P[t * C + s] = mq;
             }
+        }
+        for (ptrdiff_t t = tb; t < te; t++) {
             for (ptrdiff_t s = t + 1; s < L; s++) {
                 M[t * C + s] = 0;
                 if (want_P) P[t * C + s] = 0;
@@ -391,7 +434,7 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
     const REAL *Gend = SFX(G_row)(w, L - 1);
     if (keep) memcpy(keep, S, (size_t)(K * V) * sizeof(REAL));
     /* R = diag(beta) (V - (Kn . e^G) S0), solved in place into U */
-    SFX(decay_rows)(w, L, w->Kn, w->G, NULL, 1, w->Kg);
+    SFX(decay_rows)(w, L, w->Kn, out ? w->Q : NULL, w->G, NULL, 1, w->Kg, w->Qg);
     for (ptrdiff_t t = 0; t < L; t++) memcpy(w->U + t * V, v + t * v_row, (size_t)V * sizeof(REAL));
     SFX(product)(w, 0, 0, L, V, K, -1, w->Kg, K, S, V, 1, w->U, V);
     if (keep) memcpy(keep + K * V + 2 * C * C + C * V, w->U, (size_t)(L * V) * sizeof(REAL));
@@ -409,13 +452,12 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
         memcpy(keep + K * V + C * C, w->P, (size_t)(L * C) * sizeof(REAL));
         memcpy(keep + K * V + 2 * C * C, w->U, (size_t)(L * V) * sizeof(REAL));
     }
-    if (out) {  /* O = (Q . e^G) S0 + P U */
-        SFX(decay_rows)(w, L, w->Q, w->G, NULL, 1, w->Qg);
+    if (out) {  /* O = (Q . e^G) S0 + P U, Qg made with Kg */
         SFX(product)(w, 0, 0, L, V, K, 1, w->Qg, K, S, V, 0, out, out_row);
         SFX(product)(w, 0, 0, L, V, L, 1, w->P, C, w->U, V, 1, out, out_row);
     }
     /* S1 = e^{Gend} . S0 + (Kn . e^{Gend - G})^T U */
-    SFX(decay_rows)(w, L, w->Kn, w->G, Gend, -1, w->Kd);
+    SFX(decay_rows)(w, L, w->Kn, NULL, w->G, Gend, -1, w->Kd, NULL);
     for (ptrdiff_t c = 0; c < K; c++) {
         REAL f = SFX(vexp)(w->channel ? Gend[c] : Gend[0]), *S_c = S + c * V;
 #pragma omp simd
@@ -676,7 +718,7 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
         ptrdiff_t te = ATTNX_MIN(tb + SUB, L), rows = te - tb;
         if (tb > 0) {  /* rows of this sub-block, columns before it: split at r = tb */
             const REAL *G_r = w->G + tb * K;
-            SFX(decay_rows)(w, tb, w->Kn, w->G, G_r, -1, w->ys);
+            SFX(decay_rows)(w, tb, w->Kn, NULL, w->G, G_r, -1, w->ys, NULL);
             SFX(product)(w, 0, 0, rows, K, tb, 1, W1 + tb * C, C, w->ys, K, 0, w->xs, K);
             SFX(product)(w, 0, 0, rows, K, tb, 1, W2 + tb * C, C, w->ys, K, 0, w->xs2, K);
             for (ptrdiff_t t = tb; t < te; t++) {
@@ -693,9 +735,9 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
         if (te < L) {  /* columns of this sub-block, rows after it: split at r = te - 1 */
             const REAL *G_r = w->G + (te - 1) * K;
             ptrdiff_t later = L - te;
-            SFX(decay_rows)(w, later, w->Kn + te * K, w->G + te * K, G_r, 1, w->ys);
+            SFX(decay_rows)(w, later, w->Kn + te * K, NULL, w->G + te * K, G_r, 1, w->ys, NULL);
             SFX(product)(w, 1, 0, rows, K, later, 1, W1 + te * C + tb, C, w->ys, K, 0, w->xs, K);
-            SFX(decay_rows)(w, later, w->Q + te * K, w->G + te * K, G_r, 1, w->ys);
+            SFX(decay_rows)(w, later, w->Q + te * K, NULL, w->G + te * K, G_r, 1, w->ys, NULL);
             SFX(product)(w, 1, 0, rows, K, later, 1, W2 + te * C + tb, C, w->ys, K, 1, w->xs, K);
             for (ptrdiff_t s = tb; s < te; s++) {
                 const REAL *G_s = w->G + s * K, *x = w->xs + (s - tb) * K;
@@ -704,18 +746,24 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
                 for (ptrdiff_t c = 0; c < K; c++) c1[c] += x[c] * SFX(vexp)(G_r[c] - G_s[c]);
             }
         }
-        for (ptrdiff_t t = tb; t < te; t++) {  /* the sub-block itself, exactly */
-            const REAL *G_t = w->G + t * K, *k_t = w->Kn + t * K, *q_t = w->Q + t * K;
-            REAL *r1 = w->R1 + t * K, *r2 = w->R2 + t * K;
-            for (ptrdiff_t s = tb; s <= t; s++) {
-                const REAL *G_s = w->G + s * K, *k_s = w->Kn + s * K;
-                REAL w1 = s < t ? W1[t * C + s] : 0, w2 = W2[t * C + s], *c1 = w->C1 + s * K;
+        /* the sub-block itself, exactly: for each column s, run = e^{G_t - G_s}
+         * down the rows t >= s (row_decays) */
+        REAL *decay = w->xs, *run = w->xs2;
+        SFX(row_decays)(w, tb, rows, decay);
+        for (ptrdiff_t s = tb; s < te; s++) {
+            const REAL *k_s = w->Kn + s * K;
+            REAL *c1 = w->C1 + s * K;
+            for (ptrdiff_t c = 0; c < K; c++) run[c] = 1;
+            for (ptrdiff_t t = s; t < te; t++) {
+                const REAL *k_t = w->Kn + t * K, *q_t = w->Q + t * K;
+                REAL *r1 = w->R1 + t * K, *r2 = w->R2 + t * K;
+                REAL w1 = s < t ? W1[t * C + s] : 0, w2 = W2[t * C + s];
+                if (t > s) SFX(scale_by)(run, decay + (t - tb - 1) * K, K);
 #pragma omp simd
                 for (ptrdiff_t c = 0; c < K; c++) {
-                    REAL e = SFX(vexp)(G_t[c] - G_s[c]);
-                    r1[c] += w1 * e * k_s[c];
-                    r2[c] += w2 * e * k_s[c];
-                    c1[c] += e * (w1 * k_t[c] + w2 * q_t[c]);
+                    r1[c] += w1 * run[c] * k_s[c];
+                    r2[c] += w2 * run[c] * k_s[c];
+                    c1[c] += run[c] * (w1 * k_t[c] + w2 * q_t[c]);
                 }
             }
         }
@@ -753,9 +801,8 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
     const ptrdiff_t ldo = a->dout_row;
     const REAL *Gend = SFX(G_row)(w, L - 1);
     REAL *dS = w->dS, *dSn = w->dSn;
-    SFX(decay_rows)(w, L, w->Kn, w->G, NULL, 1, w->Kg);
-    SFX(decay_rows)(w, L, w->Q, w->G, NULL, 1, w->Qg);
-    SFX(decay_rows)(w, L, w->Kn, w->G, Gend, -1, w->Kd);
+    SFX(decay_rows)(w, L, w->Kn, w->Q, w->G, NULL, 1, w->Kg, w->Qg);
+    SFX(decay_rows)(w, L, w->Kn, NULL, w->G, Gend, -1, w->Kd, NULL);
     for (ptrdiff_t t = 0; t < L; t++)
         for (ptrdiff_t s = 0; s < t; s++) w->Lm[t * C + s] = w->beta[t] * M[t * C + s];
     memset(w->dG, 0, (size_t)(L * K) * sizeof(REAL));
