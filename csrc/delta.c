@@ -68,15 +68,19 @@
 #endif
 
 #define SUB 16
-/* rows per block of the triangular solve on the family's kernels */
-#define SOLVE_ROWS 16
+/* rows per block of the triangular solve and of the products with a
+ * triangle of zeros, on the family's kernels */
+#define TRI_ROWS 16
+/* which triangle of a chunk's product is zero (triangle_product) */
+enum { TRI_RESULT, TRI_LEFT, TRI_LEFT_T };
 /* as linear.c: below this much work per call, one thread */
 #define MIN_PARALLEL_FLOPS 1e6
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
 #define CACHE_LINE 64
 #define L2NORM_EPS 1e-6
-/* a decoding step's columns per block (token_step), 256 bytes: its two
- * sums are 2 x 4 vectors in AVX-512 registers, 2 x 8 in AVX2's 16 */
+/* columns per block of a decoding step (token_step) and of a block's rows
+ * in the triangular solve (solve_columns), 256 bytes: a step's two sums
+ * are 2 x 4 vectors in AVX-512 registers, 2 x 8 in AVX2's 16 */
 #define STEP_COLUMNS (256 / (ptrdiff_t)sizeof(REAL))
 /* and its scratch per thread: k normalised, D, D q, D k */
 #define TOKEN_SCRATCH(K) (4 * (K))
@@ -191,13 +195,88 @@ static inline void SFX(product)(const WS *w, int trans_a, int trans_b, ptrdiff_t
     SFX(gemm)(trans_a, trans_b, M, N, depth, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+/* The chunk's products with a triangle of zeros, by blocks of TRI_ROWS rows
+ * of C, each block computing only up to the triangle: at L = 64 that is 5/8
+ * of the full product's work. The shapes, A and C with row strides lda, ldc:
+ *  TRI_RESULT  C (L, L) = alpha A B^T, B (L, depth), wanted on and below
+ *              the diagonal: a block of rows [r0, r1) takes the columns up to
+ *              r1 rounded up to whole vectors; its others are not written
+ *              (the callers set what lies above the diagonal);
+ *  TRI_LEFT    C (L, N) = alpha A B + beta C, A (L, L) zero above its
+ *              diagonal, B (L, N): a block takes depth [0, r1);
+ *  TRI_LEFT_T  C (L, N) = alpha A^T B + beta C, the same A and B: depth
+ *              [r0, L).
+ * Without the family's kernels, or for a chunk of L not whole vectors (the
+ * last one), one product of the full shape. */
+static void SFX(triangle_product)(const WS *w, int shape, ptrdiff_t L, ptrdiff_t N,
+                                  ptrdiff_t depth, REAL alpha, const REAL *A, ptrdiff_t lda,
+                                  const REAL *B, ptrdiff_t ldb, REAL beta, REAL *C,
+                                  ptrdiff_t ldc)
+{
+    if (!w->width || L % w->lanes != 0) {
+        if (shape == TRI_RESULT)
+            SFX(product)(w, 0, 1, L, L, depth, alpha, A, lda, B, ldb, beta, C, ldc);
+        else
+            SFX(product)(w, shape == TRI_LEFT_T, 0, L, N, L, alpha, A, lda, B, ldb, beta, C,
+                         ldc);
+        return;
+    }
+    if (shape == TRI_RESULT) {  /* B^T once, for every block */
+        SFX(mk_transpose)(w->BT, L, B, ldb, L, depth, w->width);
+        B = w->BT, ldb = L;
+    }
+    for (ptrdiff_t r0 = 0; r0 < L; r0 += TRI_ROWS) {
+        ptrdiff_t r1 = ATTNX_MIN(L, r0 + TRI_ROWS), rows = r1 - r0;
+        REAL *C_block = C + r0 * ldc;
+        if (shape == TRI_RESULT) {
+            ptrdiff_t cols = ATTNX_MIN(L, (r1 + w->lanes - 1) / w->lanes * w->lanes);
+            SFX(product)(w, 0, 0, rows, cols, depth, alpha, A + r0 * lda, lda, B, ldb, 0,
+                         C_block, ldc);
+        } else if (shape == TRI_LEFT) {
+            SFX(product)(w, 0, 0, rows, N, r1, alpha, A + r0 * lda, lda, B, ldb, beta,
+                         C_block, ldc);
+        } else {
+            SFX(product)(w, 1, 0, rows, N, L - r0, alpha, A + r0 * lda + r0, lda,
+                         B + r0 * ldb, ldb, beta, C_block, ldc);
+        }
+    }
+}
+
+/* Rows [b0, b1) of X (L, V) solved among themselves on columns [j0, j0 +
+ * width): x_i -= sum_j A_ij x_j over the block's rows j before i (trans:
+ * A_ji over those after, last row first). A row's columns stay in
+ * registers over its sum (unit_lower_solve calls this with width
+ * STEP_COLUMNS, a constant once inlined), read and written once. */
+static inline __attribute__((always_inline)) void SFX(solve_columns)(
+    int trans, ptrdiff_t b0, ptrdiff_t b1, ptrdiff_t j0, ptrdiff_t width, const REAL *A,
+    ptrdiff_t lda, REAL *X, ptrdiff_t V)
+{
+    /* the coefficients of row i: A_ij at A[i * a_row + j * a_col] */
+    const ptrdiff_t a_row = trans ? 1 : lda, a_col = trans ? lda : 1;
+    for (ptrdiff_t step = 1; step < b1 - b0; step++) {
+        ptrdiff_t i = trans ? b1 - 1 - step : b0 + step;
+        ptrdiff_t j_first = trans ? i + 1 : b0, count = step;
+        REAL *row_i = X + i * V + j0, x_i[STEP_COLUMNS];
+        const REAL *a_i = A + i * a_row + j_first * a_col, *rows_j = X + j_first * V + j0;
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < width; c++) x_i[c] = row_i[c];
+        for (ptrdiff_t j = 0; j < count; j++) {
+            const REAL a_ij = a_i[j * a_col], *row_j = rows_j + j * V;
+#pragma omp simd
+            for (ptrdiff_t c = 0; c < width; c++) x_i[c] -= a_ij * row_j[c];
+        }
+#pragma omp simd
+        for (ptrdiff_t c = 0; c < width; c++) row_i[c] = x_i[c];
+    }
+}
+
 /* X (L, V) <- (I + A)^{-1} X (trans 0) or (I + A)^{-T} X (trans 1), A strictly
  * lower (L, L) with row stride lda, read below its diagonal only. On the
- * family's kernels by blocks of SOLVE_ROWS rows, first to last (trans: last
+ * family's kernels by blocks of TRI_ROWS rows, first to last (trans: last
  * to first): what the rows solved before give a block is one product, the
  * block itself is solved row by row. Else BLAS's trsm. */
-static void SFX(unit_lower_solve)(const WS *w, int trans, ptrdiff_t L, ptrdiff_t V,
-                                  const REAL *A, ptrdiff_t lda, REAL *X)
+static ATTNX_HOT void SFX(unit_lower_solve)(const WS *w, int trans, ptrdiff_t L, ptrdiff_t V,
+                                            const REAL *A, ptrdiff_t lda, REAL *X)
 {
     if (L <= 1 || V == 0) return;
     if (!w->width || V % w->lanes != 0) {
@@ -205,34 +284,20 @@ static void SFX(unit_lower_solve)(const WS *w, int trans, ptrdiff_t L, ptrdiff_t
              (int)L, (int)V, 1, A, (int)lda, X, (int)V);
         return;
     }
-    for (ptrdiff_t block = 0; block < L; block += SOLVE_ROWS) {
-        ptrdiff_t b0 = trans ? (L - 1 - block) / SOLVE_ROWS * SOLVE_ROWS : block;
-        ptrdiff_t b1 = ATTNX_MIN(L, b0 + SOLVE_ROWS);
-        if (!trans) {
-            /* X_i -= sum_{j < i} A_ij X_j */
-            if (b0 > 0)
-                SFX(product)(w, 0, 0, b1 - b0, V, b0, -1, A + b0 * lda, lda, X, V, 1,
-                             X + b0 * V, V);
-            for (ptrdiff_t i = b0 + 1; i < b1; i++)
-                for (ptrdiff_t j = b0; j < i; j++) {
-                    REAL a_ij = A[i * lda + j], *x_i = X + i * V;
-                    const REAL *x_j = X + j * V;
-#pragma omp simd
-                    for (ptrdiff_t c = 0; c < V; c++) x_i[c] -= a_ij * x_j[c];
-                }
-        } else {
-            /* X_i -= sum_{j > i} A_ji X_j: A^T's rows are A's columns */
-            if (b1 < L)
-                SFX(product)(w, 1, 0, b1 - b0, V, L - b1, -1, A + b1 * lda + b0, lda,
-                             X + b1 * V, V, 1, X + b0 * V, V);
-            for (ptrdiff_t i = b1 - 2; i >= b0; i--)
-                for (ptrdiff_t j = i + 1; j < b1; j++) {
-                    REAL a_ji = A[j * lda + i], *x_i = X + i * V;
-                    const REAL *x_j = X + j * V;
-#pragma omp simd
-                    for (ptrdiff_t c = 0; c < V; c++) x_i[c] -= a_ji * x_j[c];
-                }
-        }
+    for (ptrdiff_t block = 0; block < L; block += TRI_ROWS) {
+        ptrdiff_t b0 = trans ? (L - 1 - block) / TRI_ROWS * TRI_ROWS : block;
+        ptrdiff_t b1 = ATTNX_MIN(L, b0 + TRI_ROWS);
+        /* X_i -= sum_{j < i} A_ij X_j (trans: sum_{j > i} A_ji X_j, A^T's rows
+         * are A's columns) for the rows j solved before the block */
+        if (!trans && b0 > 0)
+            SFX(product)(w, 0, 0, b1 - b0, V, b0, -1, A + b0 * lda, lda, X, V, 1, X + b0 * V, V);
+        if (trans && b1 < L)
+            SFX(product)(w, 1, 0, b1 - b0, V, L - b1, -1, A + b1 * lda + b0, lda, X + b1 * V, V,
+                         1, X + b0 * V, V);
+        ptrdiff_t j0 = 0;
+        for (; j0 + STEP_COLUMNS <= V; j0 += STEP_COLUMNS)
+            SFX(solve_columns)(trans, b0, b1, j0, STEP_COLUMNS, A, lda, X, V);
+        if (j0 < V) SFX(solve_columns)(trans, b0, b1, j0, V - j0, A, lda, X, V);
     }
 }
 
@@ -372,15 +437,16 @@ static ATTNX_HOT void SFX(gated_products)(WS *w, ptrdiff_t L, int want_P)
     const ptrdiff_t C = w->C, K = w->K;
     REAL *M = w->M, *P = w->P;
     if (!w->channel) {
-        SFX(product)(w, 0, 1, L, L, K, 1, w->Kn, K, w->Kn, K, 0, M, C);
-        if (want_P) SFX(product)(w, 0, 1, L, L, K, 1, w->Q, K, w->Kn, K, 0, P, C);
+        SFX(triangle_product)(w, TRI_RESULT, L, L, K, 1, w->Kn, K, w->Kn, K, 0, M, C);
+        if (want_P)
+            SFX(triangle_product)(w, TRI_RESULT, L, L, K, 1, w->Q, K, w->Kn, K, 0, P, C);
         SFX(scalar_decays)(w, L);
         for (ptrdiff_t t = 0; t < L; t++) {
             const REAL *E_t = w->E + t * C;
             REAL *M_t = M + t * C, *P_t = P + t * C;
             for (ptrdiff_t s = 0; s < L; s++) {
                 M_t[s] = s < t ? M_t[s] * E_t[s] : 0;
-                if (want_P) P_t[s] *= E_t[s];
+                if (want_P) P_t[s] = s <= t ? P_t[s] * E_t[s] : 0;
             }
         }
         return;
@@ -454,7 +520,7 @@ static ATTNX_HOT void SFX(chunk_fwd)(WS *w, ptrdiff_t L, REAL *S, const REAL *v,
     }
     if (out) {  /* O = (Q . e^G) S0 + P U, Qg made with Kg */
         SFX(product)(w, 0, 0, L, V, K, 1, w->Qg, K, S, V, 0, out, out_row);
-        SFX(product)(w, 0, 0, L, V, L, 1, w->P, C, w->U, V, 1, out, out_row);
+        SFX(triangle_product)(w, TRI_LEFT, L, V, L, 1, w->P, C, w->U, V, 1, out, out_row);
     }
     /* S1 = e^{Gend} . S0 + (Kn . e^{Gend - G})^T U */
     SFX(decay_rows)(w, L, w->Kn, NULL, w->G, Gend, -1, w->Kd, NULL);
@@ -708,10 +774,10 @@ static ATTNX_HOT void SFX(gated_products_bwd)(WS *w, ptrdiff_t L, REAL *W1, REAL
                 W1[t * C + s] *= w->E[t * C + s];
                 W2[t * C + s] *= w->E[t * C + s];
             }
-        SFX(product)(w, 0, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->R1, K);
-        SFX(product)(w, 0, 0, L, K, L, 1, W2, C, w->Kn, K, 0, w->R2, K);
-        SFX(product)(w, 1, 0, L, K, L, 1, W1, C, w->Kn, K, 0, w->C1, K);
-        SFX(product)(w, 1, 0, L, K, L, 1, W2, C, w->Q, K, 1, w->C1, K);
+        SFX(triangle_product)(w, TRI_LEFT, L, K, L, 1, W1, C, w->Kn, K, 0, w->R1, K);
+        SFX(triangle_product)(w, TRI_LEFT, L, K, L, 1, W2, C, w->Kn, K, 0, w->R2, K);
+        SFX(triangle_product)(w, TRI_LEFT_T, L, K, L, 1, W1, C, w->Kn, K, 0, w->C1, K);
+        SFX(triangle_product)(w, TRI_LEFT_T, L, K, L, 1, W2, C, w->Q, K, 1, w->C1, K);
         return;
     }
     for (ptrdiff_t tb = 0; tb < L; tb += SUB) {
@@ -809,10 +875,10 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
 
     /* O = Qg S0 + P U:  dQg = dO S0^T,  dP = dO U^T (lower),  dU = P^T dO */
     SFX(product)(w, 0, 1, L, K, V, 1, dO, ldo, S0, V, 0, w->dQg, K);
-    SFX(product)(w, 0, 1, L, L, V, 1, dO, ldo, U, V, 0, w->dP, C);
+    SFX(triangle_product)(w, TRI_RESULT, L, L, V, 1, dO, ldo, U, V, 0, w->dP, C);
     for (ptrdiff_t t = 0; t < L; t++)
         for (ptrdiff_t s = t + 1; s < L; s++) w->dP[t * C + s] = 0;
-    SFX(product)(w, 1, 0, L, V, L, 1, P, C, dO, ldo, 0, w->dU, V);
+    SFX(triangle_product)(w, TRI_LEFT_T, L, V, L, 1, P, C, dO, ldo, 0, w->dU, V);
     /* S1 = e^{Gend} . S0 + Kd^T U:  dU += Kd dS,  dKd = U dS^T,
      * dGend += e^{Gend} . rowsums(dS . S0),  dS0 = e^{Gend} . dS + Qg^T dO */
     SFX(product)(w, 0, 0, L, V, K, 1, w->Kd, K, dS, V, 1, w->dU, V);
@@ -834,7 +900,7 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
      * R = diag(beta) Vn, Vn = V - Kg S0 */
     SFX(unit_lower_solve)(w, 1, L, V, w->Lm, C, w->dU);
     REAL *dR = w->dU;
-    SFX(product)(w, 0, 1, L, L, V, -1, dR, V, U, V, 0, w->dA, C);
+    SFX(triangle_product)(w, TRI_RESULT, L, L, V, -1, dR, V, U, V, 0, w->dA, C);
     char *dbeta = (char *)SFX(head)(a, a->dbeta, h, ATTNX_DR_DBETA);
     REAL *dv = (REAL *)SFX(head)(a, a->dv_, h, ATTNX_DR_DV) + t0 * V;
     for (ptrdiff_t t = 0; t < L; t++) {
