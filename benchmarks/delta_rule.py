@@ -15,8 +15,10 @@ multiply-add peak on those threads (harness.machine_peak, measured at the
 start of the run) and of a large float32 GEMM's rate (torch.mm, 2048^3,
 measured in the same run). The FLOPs counted are those the chunk form
 performs (GEMMs and triangular solves as executed), per token and head at
-chunk C, key size K, value size V: forward 6 K V + 4 C K + 3 C V, backward
-(which recomputes the chunks' forward products) 16 K V + 12 C K + 8 C V."""
+chunk C = 64, key size K, value size V. Its products with a triangle of
+zeros (csrc/delta.c, triangle_product) run 5/8 of their full size there:
+forward 6 K V + 5/8 (4 C K + 2 C V) + C V, backward (which recomputes the
+chunks' forward products) 16 K V + 5/8 (12 C K + 6 C V) + 2 C V."""
 import argparse
 import os
 import sys
@@ -82,8 +84,9 @@ def main():
         rate = flops / seconds
         of_peak = f"{fma.flops_fraction(rate):.0%} of the FMA peak, " if fma else ""
         return f"{rate / 1e9:5.1f} GFLOP/s ({of_peak}{rate / peak:.0%} of the GEMM's)"
-    per_token_fwd = 6 * d * d + 4 * C * d + 3 * C * d
-    per_token_bwd = 16 * d * d + 12 * C * d + 8 * C * d
+    triangle = 5 / 8  # the share of the full products at C = 64
+    per_token_fwd = 6 * d * d + triangle * (4 * C * d + 2 * C * d) + C * d
+    per_token_bwd = 16 * d * d + triangle * (12 * C * d + 6 * C * d) + 2 * C * d
     for n in args.lengths:
         q, k, v = (torch.from_numpy(rng.standard_normal((1, n, H, d)).astype(np.float32))
                    for _ in range(3))

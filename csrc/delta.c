@@ -913,8 +913,9 @@ static ATTNX_HOT void SFX(chunk_bwd)(WS *w, ptrdiff_t h, ptrdiff_t t0, ptrdiff_t
         for (ptrdiff_t s = t; s < L; s++) dA_t[s] = 0;
         REAL *dv_t = dv + t * V, *dVn_t = w->Vn + t * V;  /* dVn = beta dR, in the Vn scratch */
 #pragma omp simd reduction(+ : db)
+        for (ptrdiff_t j = 0; j < V; j++) db += dR_t[j] * Vn_t[j];
+#pragma omp simd
         for (ptrdiff_t j = 0; j < V; j++) {
-            db += dR_t[j] * Vn_t[j];
             dv_t[j] = b * dR_t[j];
             dVn_t[j] = b * dR_t[j];
         }
