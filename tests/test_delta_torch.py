@@ -45,6 +45,38 @@ def test_gated_delta_rule_matches_transformers_with_gradients(ours, theirs):
         assert rel(a, t.grad) < 1e-4
 
 
+@pytest.mark.parametrize("gate", ["scalar", "channel", None])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_gradients_one_key_head_per_value_head(gate, with_state):
+    """Without grouped heads, every gate kind, with and without an initial
+    state: transformers' reference autograd (float32) gives the same
+    gradients, in the inputs' shapes; no gate is a gate of zeros there."""
+    q, k, v, g, beta, S0 = make(G=1, channel=gate == "channel", dtype=torch.float32, n=70)
+    state = S0 if with_state else None
+    ours = at.chunk_kda if gate == "channel" else at.chunk_gated_delta_rule
+    out, S = ours(q, k, v, None if gate is None else g, beta, initial_state=state,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ((out * out).sum() + (S * S).sum()).backward()
+    mine = [t.grad for t in (q, k, v, g, beta, S0)]
+    for t in (q, k, v, g, beta, S0):
+        t.grad = None
+    if gate == "channel":
+        kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+        theirs = kimi.chunk_kimi_delta_attention
+    else:
+        theirs = qwen3_next.torch_chunk_gated_delta_rule
+    ref, ref_S = theirs(q, k, v, g * 0 if gate is None else g, beta, initial_state=state,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ((ref * ref).sum() + (ref_S * ref_S).sum()).backward()
+    assert rel(out, ref) < 1e-5 and rel(S, ref_S) < 1e-5
+    for name, a, t in zip("q k v g beta S0".split(), mine, (q, k, v, g, beta, S0)):
+        if (name == "g" and gate is None) or (name == "S0" and not with_state):
+            assert a is None
+            continue
+        assert a.shape == t.shape, name
+        assert rel(a, t.grad) < 1e-4, name
+
+
 def test_kda_matches_transformers():
     kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     inputs = make(G=1, channel=True, dtype=torch.float32)
