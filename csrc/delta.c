@@ -76,7 +76,6 @@ enum { TRI_RESULT, TRI_LEFT, TRI_LEFT_T };
 /* as linear.c: below this much work per call, one thread */
 #define MIN_PARALLEL_FLOPS 1e6
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
-#define CACHE_LINE 64
 #define L2NORM_EPS 1e-6
 /* columns per block of a decoding step (token_step) and of a block's rows
  * in the triangular solve (solve_columns), 256 bytes: a step's two sums
@@ -420,6 +419,33 @@ static inline const REAL *SFX(G_row)(const WS *w, ptrdiff_t t)
     return w->G + (w->channel ? t * w->K : t);
 }
 
+/* Ask the memory for the q, k and v rows (and dout's, in the backward) of
+ * head h's chunk at t0, if there is one, while the chunk before it
+ * computes. Inputs in [B, n, H, d] (transformers' layout) have each
+ * head's rows a page or more apart, and the processor's own prefetcher
+ * does not cross pages: each row would wait for the memory. */
+static inline __attribute__((always_inline)) void SFX(prefetch_chunk)(const WS *w, ptrdiff_t h,
+                                                                      ptrdiff_t t0)
+{
+    const attnx_delta_args *a = w->a;
+    if (t0 < 0 || t0 >= a->n) return;
+    ptrdiff_t rows = ATTNX_MIN(w->C, a->n - t0);
+    const REAL *q = (const REAL *)SFX(head)(a, a->q, h, ATTNX_DR_Q);
+    const REAL *k = (const REAL *)SFX(head)(a, a->k, h, ATTNX_DR_K);
+    const REAL *v = (const REAL *)SFX(head)(a, a->v, h, ATTNX_DR_V);
+    SFX(prefetch_rows)(q + t0 * a->q_row, a->q_row, rows, w->K);
+    SFX(prefetch_rows)(k + t0 * a->k_row, a->k_row, rows, w->K);
+    SFX(prefetch_rows)(v + t0 * a->v_row, a->v_row, rows, w->V);
+    if (a->dout) {
+        const REAL *dout = (const REAL *)SFX(head)(a, a->dout, h, ATTNX_DR_DOUT);
+        SFX(prefetch_rows)(dout + t0 * a->dout_row, a->dout_row, rows, w->V);
+    }
+    if (a->out) {
+        const REAL *out = (const REAL *)SFX(head)(a, a->out, h, ATTNX_DR_OUT);
+        SFX(prefetch_rows)(out + t0 * a->out_row, a->out_row, rows, w->V);
+    }
+}
+
 /* E_ts = e^{G_t - G_s} for s <= t (scalar gate), 0 above */
 static ATTNX_HOT void SFX(scalar_decays)(WS *w, ptrdiff_t L)
 {
@@ -693,9 +719,9 @@ static int SFX(recurrent_fwd)(const attnx_delta_args *a)
     /* per thread: the token's vectors, the state when the caller keeps
      * none; whole cache lines, so threads never share one */
     size_t per_thread = (size_t)(TOKEN_SCRATCH(K) + (a->S1 ? 0 : K * V));
-    per_thread = (per_thread + CACHE_LINE / sizeof(REAL) - 1) / (CACHE_LINE / sizeof(REAL)) *
-                 (CACHE_LINE / sizeof(REAL));
-    REAL *scratch = attnx_aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    per_thread = (per_thread + ATTNX_CACHE_LINE / sizeof(REAL) - 1) / (ATTNX_CACHE_LINE / sizeof(REAL)) *
+                 (ATTNX_CACHE_LINE / sizeof(REAL));
+    REAL *scratch = attnx_aligned_alloc(ATTNX_CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     SFX(recurrent_task) task = {a, scratch, per_thread};
     /* a decoding step splits over attnx's own team (team.c), which starts
@@ -743,6 +769,7 @@ int TYPED(attnx_delta_fwd_f32, attnx_delta_fwd_f64)(const attnx_delta_args *a)
             for (ptrdiff_t t0 = 0; t0 < a->n; t0 += C) {
                 ptrdiff_t L = ATTNX_MIN(C, a->n - t0);
                 SFX(load_rows)(&w, h, t0, L);
+                SFX(prefetch_chunk)(&w, h, t0 + C);
                 SFX(chunk_fwd)(&w, L, S, v + t0 * a->v_row, a->v_row, out + t0 * a->out_row,
                                a->out_row, NULL);
             }
@@ -1022,6 +1049,7 @@ int TYPED(attnx_delta_bwd_f32, attnx_delta_bwd_f64)(const attnx_delta_args *a)
             for (ptrdiff_t t0 = 0, i = 0; t0 < a->n; t0 += C, i++) {
                 ptrdiff_t L = ATTNX_MIN(C, a->n - t0);
                 SFX(load_rows)(&w, h, t0, L);
+                SFX(prefetch_chunk)(&w, h, t0 + C);
                 SFX(chunk_fwd)(&w, L, S, v + t0 * a->v_row, a->v_row, NULL, 0, w.keep + i * keep_size);
             }
             /* pass 2: the chunks in reverse, dS carried */
@@ -1036,6 +1064,7 @@ int TYPED(attnx_delta_bwd_f32, attnx_delta_bwd_f64)(const attnx_delta_args *a)
             for (ptrdiff_t i = chunks - 1; i >= 0; i--) {
                 ptrdiff_t t0 = i * C, L = ATTNX_MIN(C, a->n - t0);
                 SFX(load_rows)(&w, h, t0, L);
+                SFX(prefetch_chunk)(&w, h, t0 - C);
                 SFX(chunk_bwd)(&w, h, t0, L, w.keep + i * keep_size);
             }
             REAL *dS0 = (REAL *)SFX(head)(a, a->dS0, h, ATTNX_DR_DS0);

@@ -59,7 +59,6 @@
  * (a third faster on two threads; docs/performance.md, the C code's choices). */
 #define MIN_PARALLEL_FLOPS 1e6
 #define MIN_PARALLEL_STATE_BYTES (256 * 1024)
-#define CACHE_LINE 64
 /* Scratch up to this many numbers (all threads) lives on the caller's stack. */
 #define SMALL_SCRATCH 2048
 
@@ -331,7 +330,7 @@ static size_t SFX(scratch_size)(const linear_plan *p)
                            2 * p->C + a->d +
                            ATTNX_MAX(p->r, a->e) + SFX(running_state_size)(p));
     if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)p->state_size;
-    size_t line = CACHE_LINE / sizeof(REAL);
+    size_t line = ATTNX_CACHE_LINE / sizeof(REAL);
     return (size + line - 1) / line * line;
 }
 
@@ -575,21 +574,6 @@ static ATTNX_HOT void SFX(add_held)(ptrdiff_t r, ptrdiff_t e, REAL *S, const REA
         for (ptrdiff_t t = 0; c0 < e && t < rows; t++)
             SFX(axpy)(S_f + c0, keys[t * r + f], values + t * e + c0, e - c0);
     }
-}
-
-/* Ask the memory for `rows` rows of `count` elements (row stride x_row).
- * Always inlined: gcc deletes calls to a function that only prefetches, as
- * it has no effect it can see. */
-static inline __attribute__((always_inline)) void SFX(prefetch_rows)(const REAL *x,
-                                                                     ptrdiff_t x_row,
-                                                                     ptrdiff_t rows,
-                                                                     ptrdiff_t count)
-{
-    for (ptrdiff_t t = 0; t < rows; t++)
-        for (ptrdiff_t c = 0; c < count; c += CACHE_LINE / (ptrdiff_t)sizeof(REAL))
-            __builtin_prefetch(x + t * x_row + c);
-    if (count > 0)
-        for (ptrdiff_t t = 0; t < rows; t++) __builtin_prefetch(x + t * x_row + count - 1);
 }
 
 /* ---------------------------------------------------------------- query rows */
@@ -1128,7 +1112,7 @@ static void SFX(scan_share)(const linear_plan *p, SFX(rows_fn) rows_fn, REAL *st
     ptrdiff_t end = items * (range + 1) / ranges;
     const char *table = (const char *)(a->offsets + first / p->segs * ATTNX_LIN_NOPS);
     size_t bytes = (size_t)((end - first) / p->segs + 1) * ATTNX_LIN_NOPS * sizeof(ptrdiff_t);
-    for (size_t b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch(table + b);
+    for (size_t b = 0; b < bytes; b += ATTNX_CACHE_LINE) __builtin_prefetch(table + b);
     SFX(scratch) w = SFX(scratch_at)(p, scratch + per_thread * me);
     /* decoding steps take their heads forwards and backwards in turn: the
      * states read last are still in L1 when the next step starts */
@@ -1333,9 +1317,9 @@ int TYPED(attnx_linear_fwd_f32, attnx_linear_fwd_f64)(const attnx_linear_args *a
     size_t per_thread = SFX(scratch_size)(&p), total = per_thread * (size_t)p.threads;
     /* a decoding step's scratch (a few rows per thread) lives on the stack:
      * from the heap it cost a tenth of a one-head step in malloc_consolidate */
-    _Alignas(CACHE_LINE) REAL small_scratch[SMALL_SCRATCH];
+    _Alignas(ATTNX_CACHE_LINE) REAL small_scratch[SMALL_SCRATCH];
     REAL *scratch = total <= SMALL_SCRATCH ? small_scratch
-                                           : attnx_aligned_alloc(CACHE_LINE, total * sizeof(REAL));
+                                           : attnx_aligned_alloc(ATTNX_CACHE_LINE, total * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     int status = a->method == ATTNX_METHOD_QUADRATIC ? SFX(run_quadratic)(&p, scratch, per_thread)
                                                      : SFX(run_scan)(&p, scratch, per_thread);
@@ -1440,7 +1424,7 @@ static size_t SFX(bwd_scratch_size)(const bwd_plan *p)
     if (a->dW) size += (size_t)(r * a->d);
     if (a->method == ATTNX_METHOD_CUMSUM) size += (size_t)(a->m + 1) * (size_t)(r * e + r);
     size += SFX(bwd_lanes_size)(p);
-    size_t line = CACHE_LINE / sizeof(REAL);
+    size_t line = ATTNX_CACHE_LINE / sizeof(REAL);
     return (size + line - 1) / line * line;
 }
 
@@ -2143,7 +2127,7 @@ int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_arg
     }
     p.threads = (int)threads;
     size_t per_thread = SFX(bwd_scratch_size)(&p);
-    REAL *scratch = attnx_aligned_alloc(CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    REAL *scratch = attnx_aligned_alloc(ATTNX_CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     for (ptrdiff_t t = 0; t < threads && a->dW; t++) {
         SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);

@@ -13,6 +13,7 @@
 #define ATTNX_HOT ATTNX_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 #define ATTNX_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define ATTNX_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define ATTNX_CACHE_LINE 64
 #endif
 
 #if REAL_IS_DOUBLE
@@ -20,6 +21,21 @@
 #else
 #define GEMM_BLAS ATTNX_CBLAS(cblas_sgemm)
 #endif
+
+/* Ask the memory for `rows` rows of `count` elements (row stride x_row).
+ * Always inlined: gcc deletes calls to a function that only prefetches, as
+ * it has no effect it can see. */
+static inline __attribute__((always_inline)) void SFX(prefetch_rows)(const REAL *x,
+                                                                     ptrdiff_t x_row,
+                                                                     ptrdiff_t rows,
+                                                                     ptrdiff_t count)
+{
+    for (ptrdiff_t t = 0; t < rows; t++)
+        for (ptrdiff_t c = 0; c < count; c += ATTNX_CACHE_LINE / (ptrdiff_t)sizeof(REAL))
+            __builtin_prefetch(x + t * x_row + c);
+    if (count > 0)
+        for (ptrdiff_t t = 0; t < rows; t++) __builtin_prefetch(x + t * x_row + count - 1);
+}
 
 /* C (M x N) = alpha op(A) op(B) + beta C, row-major; trans_a/trans_b say
  * whether A is stored (K x M) and B (N x K). Sizes are checked to fit the
