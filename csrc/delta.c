@@ -419,9 +419,9 @@ static inline const REAL *SFX(G_row)(const WS *w, ptrdiff_t t)
     return w->G + (w->channel ? t * w->K : t);
 }
 
-/* Ask the memory for the q, k and v rows (and dout's, in the backward) of
- * head h's chunk at t0, if there is one, while the chunk before it
- * computes. Inputs in [B, n, H, d] (transformers' layout) have each
+/* Ask the memory for the rows of head h's chunk at t0, if there is one,
+ * while the chunk before it computes: q, k, v, and out (forward) or dout
+ * (backward). Inputs in [B, n, H, d] (transformers' layout) have each
  * head's rows a page or more apart, and the processor's own prefetcher
  * does not cross pages: each row would wait for the memory. */
 static inline __attribute__((always_inline)) void SFX(prefetch_chunk)(const WS *w, ptrdiff_t h,
@@ -718,10 +718,11 @@ static int SFX(recurrent_fwd)(const attnx_delta_args *a)
     const int threads = SFX(plan_threads)(a);
     /* per thread: the token's vectors, the state when the caller keeps
      * none; whole cache lines, so threads never share one */
+    const size_t line = ATTNX_CACHE_LINE / sizeof(REAL);
     size_t per_thread = (size_t)(TOKEN_SCRATCH(K) + (a->S1 ? 0 : K * V));
-    per_thread = (per_thread + ATTNX_CACHE_LINE / sizeof(REAL) - 1) / (ATTNX_CACHE_LINE / sizeof(REAL)) *
-                 (ATTNX_CACHE_LINE / sizeof(REAL));
-    REAL *scratch = attnx_aligned_alloc(ATTNX_CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    per_thread = (per_thread + line - 1) / line * line;
+    REAL *scratch =
+        attnx_aligned_alloc(ATTNX_CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     SFX(recurrent_task) task = {a, scratch, per_thread};
     /* a decoding step splits over attnx's own team (team.c), which starts

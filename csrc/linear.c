@@ -1318,8 +1318,9 @@ int TYPED(attnx_linear_fwd_f32, attnx_linear_fwd_f64)(const attnx_linear_args *a
     /* a decoding step's scratch (a few rows per thread) lives on the stack:
      * from the heap it cost a tenth of a one-head step in malloc_consolidate */
     _Alignas(ATTNX_CACHE_LINE) REAL small_scratch[SMALL_SCRATCH];
-    REAL *scratch = total <= SMALL_SCRATCH ? small_scratch
-                                           : attnx_aligned_alloc(ATTNX_CACHE_LINE, total * sizeof(REAL));
+    REAL *scratch = total <= SMALL_SCRATCH
+                        ? small_scratch
+                        : attnx_aligned_alloc(ATTNX_CACHE_LINE, total * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     int status = a->method == ATTNX_METHOD_QUADRATIC ? SFX(run_quadratic)(&p, scratch, per_thread)
                                                      : SFX(run_scan)(&p, scratch, per_thread);
@@ -2127,7 +2128,8 @@ int TYPED(attnx_linear_bwd_f32, attnx_linear_bwd_f64)(const attnx_linear_bwd_arg
     }
     p.threads = (int)threads;
     size_t per_thread = SFX(bwd_scratch_size)(&p);
-    REAL *scratch = attnx_aligned_alloc(ATTNX_CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
+    REAL *scratch =
+        attnx_aligned_alloc(ATTNX_CACHE_LINE, per_thread * (size_t)threads * sizeof(REAL));
     if (!scratch) return ATTNX_ENOMEM;
     for (ptrdiff_t t = 0; t < threads && a->dW; t++) {
         SFX(bscratch) w = SFX(bscratch_at)(&p, scratch + per_thread * (size_t)t);
