@@ -174,6 +174,25 @@ def test_conv1d_update_equals_transformers(dtype, with_bias, activation):
     assert qwen3_next.causal_conv1d_update is original
 
 
+def test_calls_without_graph_decline_what_numpy_cannot_view():
+    """The shorter path takes tensors through numpy(): a tensor that
+    requires grad (under no_grad), one with its negative bit set, and a
+    second dtype go the general way, with the same results or its error."""
+    q, k, v, g, beta, S0 = (t.detach().float() for t in make(n=5, G=1))
+    options = dict(initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_S = at.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **options)
+    negated = torch._neg_view(-v)
+    assert negated.is_neg()
+    for inputs in ((q.clone().requires_grad_(), k, v, g, beta),
+                   (q, k, negated, g, beta)):
+        with torch.no_grad():
+            out, S = at.fused_recurrent_gated_delta_rule(*inputs, **options)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(S, want_S, rtol=0, atol=0)
+    with torch.no_grad(), pytest.raises(TypeError, match="dtype"):
+        at.fused_recurrent_gated_delta_rule(q, k.double(), v, g, beta, **options)
+
+
 @pytest.mark.parametrize("op,channel", [(at.chunk_gated_delta_rule, False),
                                         (at.fused_recurrent_gated_delta_rule, False),
                                         (at.chunk_kda, True), (at.fused_recurrent_kda, True)])

@@ -147,14 +147,25 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
     return _in_dtype(out, dtype), (final if output_final_state else None)
 
 
+_PLAIN_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+
 def _plain_view(t, dtype, rank, heads_first=False):
-    """The numpy view of tensor `t` when it is a plain CPU tensor of `dtype`
-    and rank `rank` with nothing to differentiate, else None: [B, n, H, ...]
-    as the kernels take it, (B, H, n, ...) (heads_first: as it is)."""
-    if type(t) is not Tensor or t.dtype != dtype or t.dim() != rank or t.requires_grad \
-            or not t.is_cpu or t.is_neg():
+    """The numpy view of tensor `t` when it is a plain CPU tensor of numpy
+    dtype `dtype` and rank `rank` with nothing to differentiate, else None:
+    [B, n, H, ...] as the kernels take it, (B, H, n, ...) (heads_first: as
+    it is). ``numpy()`` itself refuses a tensor that requires grad, lives
+    off the CPU or has its negative bit set; asking the tensor each of
+    these first cost a decoding step some 5 us."""
+    if type(t) is not Tensor:
         return None
-    return t.numpy() if heads_first else t.numpy().swapaxes(1, 2)
+    try:
+        array = t.numpy()
+    except (RuntimeError, TypeError):
+        return None
+    if array.dtype != dtype or array.ndim != rank:
+        return None
+    return array if heads_first else array.swapaxes(1, 2)
 
 
 def _run_plain(query, key, value, g, beta, scale, initial_state, output_final_state,
@@ -166,18 +177,19 @@ def _run_plain(query, key, value, g, beta, scale, initial_state, output_final_st
     conversions and checks cost some 20 us of it; this one asks only what
     it relies on, and every other call (errors included) takes the general
     path."""
-    if any(name not in ("scale", "cu_seqlens") for name in kwargs) \
-            or kwargs.get("cu_seqlens") is not None or torch.compiler.is_compiling() \
+    if (kwargs and (any(name not in ("scale", "cu_seqlens") for name in kwargs)
+                    or kwargs.get("cu_seqlens") is not None)) \
+            or torch.compiler.is_compiling() \
             or (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                 for t in (query, key, value, g, beta,
                                                           initial_state))):
         return None
-    dtype = query.dtype if type(query) is Tensor else None
-    if dtype not in (torch.float32, torch.float64) or type(chunk_size) is not int \
+    dtype = _PLAIN_DTYPES.get(query.dtype) if type(query) is Tensor else None
+    if dtype is None or type(chunk_size) is not int \
             or not (scale is None or type(scale) in (float, int)):
         return None
-    q, k, v, b = (_plain_view(t, dtype, rank)
-                  for t, rank in ((query, 4), (key, 4), (value, 4), (beta, 3)))
+    q, k, v = _plain_view(query, dtype, 4), _plain_view(key, dtype, 4), _plain_view(value, dtype, 4)
+    b = _plain_view(beta, dtype, 3)
     channel = g is not None and type(g) is Tensor and g.dim() == 4
     gate = None if g is None else _plain_view(g, dtype, 4 if channel else 3)
     state = None if initial_state is None else _plain_view(initial_state, dtype, 4, True)
