@@ -57,8 +57,13 @@ CHILD = textwrap.dedent("""
         run()
 
     def name(tid):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
+        # the joined Python thread may still be listed and then vanish: its
+        # OS thread ends a moment after join() returns
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
 
     helpers = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")
                if name(tid) == "attnx-team"]
