@@ -579,6 +579,25 @@ static PyArrayObject *cast_broadcast_once(PyArrayObject *array, int typenum, int
 static int convert_input(attnx_operand *op, int typenum, int flags)
 {
     if (flags & ATTNX_BOOL) return 0;
+    if (flags & ATTNX_BF16_BITS) {
+        PyArrayObject *array = op->array;
+        if (PyArray_TYPE(array) != NPY_INT16 && PyArray_TYPE(array) != NPY_UINT16) {
+            PyErr_Format(PyExc_TypeError, "%s must hold bfloat16 bits (int16 or uint16), got "
+                         "dtype %R", op->name, (PyObject *)PyArray_DESCR(array));
+            return -1;
+        }
+        if (!PyArray_ISALIGNED(array) || !PyArray_ISNOTSWAPPED(array)) {
+            PyErr_Format(PyExc_ValueError, "%s: bfloat16 bits must be aligned and in native "
+                         "byte order", op->name);
+            return -1;
+        }
+        if (!layout_ok(array, op->core_ndim, flags & ATTNX_BROADCAST_ROWS)) {
+            PyArrayObject *copy = (PyArrayObject *)PyArray_NewCopy(array, NPY_CORDER);
+            if (!copy) return -1;
+            Py_SETREF(op->array, copy);
+        }
+        return 0;
+    }
     int elementwise = flags & ATTNX_ELEMENTWISE;
     PyArrayObject *array = op->array;
     if (PyArray_TYPE(array) != typenum || !PyArray_ISALIGNED(array) || !PyArray_ISNOTSWAPPED(array)) {

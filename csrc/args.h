@@ -91,6 +91,10 @@ enum {
                                     (which takes a row stride of 0): a broadcast row axis
                                     (stride 0, np.broadcast_to one row) is read as one row,
                                     never copied */
+    ATTNX_BF16_BITS = 1 << 11,   /* bfloat16 numbers as their bits (int16 or uint16; else a
+                                    TypeError), aligned and in native order: no part in the
+                                    compute dtype, never cast, copied once where its kernel
+                                    could not read its layout */
     /* outputs (objs[i] NULL: not wanted, None: allocated, an array: out=) */
     ATTNX_OUTPUT = 1 << 3,
     ATTNX_RESULT_DTYPE = 1 << 4, /* the caller's dtype (float16 in, float16 out, computed
@@ -255,5 +259,12 @@ attnx_interrupt attnx_interrupt_for_call(void);
 /* A kernel's status as a Python exception (MemoryError for ATTNX_ENOMEM,
  * the signal handler's exception for ATTNX_EINTR); 0 for ATTNX_OK, else -1. */
 int attnx_check_status(int status);
+
+/* job = src converted into dst between bfloat16 bits (int16 or uint16) and
+ * float32 (convert.h), after checking both (module.c); -1 with an exception
+ * whose message starts with `name` */
+struct attnx_conversion;
+int attnx_prepare_bf16_conversion(PyArrayObject *src, PyArrayObject *dst,
+                                  struct attnx_conversion *job, const char *name);
 
 #endif

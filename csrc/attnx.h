@@ -102,6 +102,11 @@ typedef struct {
      * the forward the AVX-512 micro-kernels, softmax_mk.c, not AMX's);
      * 0: float32 accuracy */
     int bf16_products;
+    /* k and v hold bfloat16 bits (uint16_t, with k_row, v_row and their
+     * offsets counting those), widened a block of keys at a time where the
+     * decoding path reads them: float32 calls that it takes only
+     * (softmax_decode_applies); others return ATTNX_EINVAL */
+    int kv_bf16;
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);

@@ -33,8 +33,6 @@
  * with other work waits for its slowest thread to be scheduled, which
  * costs far more (docs/performance.md, the C code's choices) */
 #define PER_THREAD ((ptrdiff_t)1 << 22)
-/* numpy's limit on dimensions */
-#define CONVERT_MAX_DIMS 64
 
 /* ---------------------------------------------------------- one element */
 
@@ -128,11 +126,7 @@ __attribute__((target("avx512f,avx512bf16"))) static void narrow_row_avx512(
 
 /* the source layout with size-1 axes dropped and axes that step through
  * memory as one (stride[a] == stride[a+1] * shape[a+1]) merged */
-typedef struct {
-    int ndim;
-    ptrdiff_t shape[CONVERT_MAX_DIMS];
-    ptrdiff_t strides[CONVERT_MAX_DIMS];
-} layout;
+typedef attnx_conversion_layout layout;
 
 static ptrdiff_t collapse(layout *out, int ndim, const ptrdiff_t *shape, const ptrdiff_t *strides)
 {
@@ -170,7 +164,7 @@ static void convert_span(widen_fn widen, narrow_fn narrow, void *dst, const void
 {
     const int lead = from->ndim - 1;
     const ptrdiff_t cols = from->shape[lead], col_stride = from->strides[lead];
-    ptrdiff_t index[CONVERT_MAX_DIMS];
+    ptrdiff_t index[ATTNX_CONVERT_MAX_DIMS];
     ptrdiff_t row = first / cols, col = first % cols, offset = 0;
     for (int a = lead - 1; a >= 0; a--) {
         index[a] = row % from->shape[a];
@@ -195,49 +189,85 @@ static void convert_span(widen_fn widen, narrow_fn narrow, void *dst, const void
     }
 }
 
-static int convert(widen_fn widen, narrow_fn narrow, void *dst, const void *src, int ndim,
-                   const ptrdiff_t *shape, const ptrdiff_t *src_strides)
+static widen_fn chosen_widen(void)
 {
-    if (ndim < 1 || ndim > CONVERT_MAX_DIMS) return -1;
-    layout from;
-    ptrdiff_t total = collapse(&from, ndim, shape, src_strides);
-    if (total == 0) return 0;
-    ptrdiff_t pieces = (total + PIECE - 1) / PIECE;
-    int threads = attnx_get_num_threads();
-    if (total / PER_THREAD < threads) threads = total / PER_THREAD > 1 ? (int)(total / PER_THREAD) : 1;
-    #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
-    for (ptrdiff_t piece = 0; piece < pieces; piece++) {
-        ptrdiff_t first = piece * PIECE;
-        ptrdiff_t last = first + PIECE < total ? first + PIECE : total;
-        convert_span(widen, narrow, dst, src, &from, first, last);
-    }
+#if defined(ATTNX_X86_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) return widen_row_avx2;
+#elif defined(ATTNX_NEON_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) return widen_row_neon;
+#endif
+    return widen_row;
+}
+
+static narrow_fn chosen_narrow(void)
+{
+#ifdef ATTNX_CONVERT_X86
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX512_BF16) return narrow_row_avx512;
+#endif
+#if defined(ATTNX_X86_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) return narrow_row_avx2;
+#elif defined(ATTNX_NEON_KERNELS)
+    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) return narrow_row_neon;
+#endif
+    return narrow_row_portable;
+}
+
+void attnx_widen_rows(float *dst, ptrdiff_t dst_row, const uint16_t *src, ptrdiff_t src_row,
+                      ptrdiff_t rows, ptrdiff_t count)
+{
+    widen_fn widen = chosen_widen();
+    for (ptrdiff_t r = 0; r < rows; r++) widen(dst + r * dst_row, src + r * src_row, 1, count);
+}
+
+int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, int widen,
+                             int ndim, const ptrdiff_t *shape, const ptrdiff_t *src_strides)
+{
+    if (ndim < 1 || ndim > ATTNX_CONVERT_MAX_DIMS) return -1;
+    job->dst = dst;
+    job->src = src;
+    job->widen = widen;
+    job->total = collapse(&job->from, ndim, shape, src_strides);
     return 0;
+}
+
+static ptrdiff_t job_pieces(const attnx_conversion *job)
+{
+    return (job->total + PIECE - 1) / PIECE;
+}
+
+/* piece `piece` of `job` */
+static void convert_piece(const attnx_conversion *job, ptrdiff_t piece)
+{
+    ptrdiff_t first = piece * PIECE;
+    ptrdiff_t last = first + PIECE < job->total ? first + PIECE : job->total;
+    convert_span(job->widen ? chosen_widen() : NULL, job->widen ? NULL : chosen_narrow(),
+                 job->dst, job->src, &job->from, first, last);
+}
+
+void attnx_conversion_run(const attnx_conversion *job)
+{
+    ptrdiff_t pieces = job_pieces(job);
+    int threads = attnx_get_num_threads();
+    if (job->total / PER_THREAD < threads)
+        threads = job->total / PER_THREAD > 1 ? (int)(job->total / PER_THREAD) : 1;
+    #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
+    for (ptrdiff_t piece = 0; piece < pieces; piece++) convert_piece(job, piece);
 }
 
 int attnx_bf16_to_float(float *dst, const uint16_t *src, int ndim, const ptrdiff_t *shape,
                         const ptrdiff_t *src_strides)
 {
-    widen_fn widen = widen_row;
-#if defined(ATTNX_X86_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) widen = widen_row_avx2;
-#elif defined(ATTNX_NEON_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) widen = widen_row_neon;
-#endif
-    return convert(widen, NULL, dst, src, ndim, shape, src_strides);
+    attnx_conversion job;
+    if (attnx_conversion_prepare(&job, dst, src, 1, ndim, shape, src_strides) < 0) return -1;
+    attnx_conversion_run(&job);
+    return 0;
 }
 
 int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff_t *shape,
                         const ptrdiff_t *src_strides)
 {
-    narrow_fn narrow = narrow_row_portable;
-#ifdef ATTNX_CONVERT_X86
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX512_BF16)
-        narrow = narrow_row_avx512;
-#endif
-#if defined(ATTNX_X86_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) narrow = narrow_row_avx2;
-#elif defined(ATTNX_NEON_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) narrow = narrow_row_neon;
-#endif
-    return convert(NULL, narrow, dst, src, ndim, shape, src_strides);
+    attnx_conversion job;
+    if (attnx_conversion_prepare(&job, dst, src, 0, ndim, shape, src_strides) < 0) return -1;
+    attnx_conversion_run(&job);
+    return 0;
 }

@@ -17,6 +17,37 @@
 #define ATTNX_CONVERT_X86 1
 #endif
 
+/* numpy's limit on dimensions */
+#define ATTNX_CONVERT_MAX_DIMS 64
+
+typedef struct {
+    int ndim;
+    ptrdiff_t shape[ATTNX_CONVERT_MAX_DIMS];
+    ptrdiff_t strides[ATTNX_CONVERT_MAX_DIMS];
+} attnx_conversion_layout;
+
+/* One conversion, dst (C order) = src widened (widen: bfloat16 bits to
+ * float32) or narrowed, prepared by attnx_conversion_prepare (shape and
+ * strides as for attnx_bf16_to_float below; -1 for ndim out of range). */
+typedef struct attnx_conversion {
+    void *dst;
+    const void *src;
+    int widen;
+    ptrdiff_t total;                  /* elements */
+    attnx_conversion_layout from;     /* src's layout, axes merged */
+} attnx_conversion;
+
+int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, int widen,
+                             int ndim, const ptrdiff_t *shape, const ptrdiff_t *src_strides);
+
+/* job, on attnx's threads when it has enough work */
+void attnx_conversion_run(const attnx_conversion *job);
+
+/* rows x count bfloat16 numbers widened, rows src_row and dst_row
+ * elements apart, each row contiguous; on the calling thread */
+void attnx_widen_rows(float *dst, ptrdiff_t dst_row, const uint16_t *src, ptrdiff_t src_row,
+                      ptrdiff_t rows, ptrdiff_t count);
+
 /* dst (C order, the shape of src) = src widened or narrowed.
  * src: `ndim` axes of sizes shape[0..ndim), strides src_strides in
  * elements (any sign, 0 for a broadcast axis). ndim >= 1. Runs on

@@ -176,22 +176,21 @@ static int is_bf16_bits(PyArrayObject *array)
     return PyArray_TYPE(array) == NPY_INT16 || PyArray_TYPE(array) == NPY_UINT16;
 }
 
-/* _convert_bf16(src, dst): dst = src widened (src bfloat16 bits as int16
- * or uint16, dst float32) or narrowed (src float32, dst int16 or uint16)
- * to nearest, ties to even. src: any strides; dst: C-contiguous, writable,
- * the shape of src, not overlapping it. Returns dst. */
-static PyObject *convert_bf16(PyObject *self, PyObject *args)
+/* job = the conversion of src into dst: src bfloat16 bits (int16 or
+ * uint16) widened into float32 dst, or float32 src narrowed into bits, to
+ * nearest, ties to even. src: any strides; dst: C-contiguous, writable,
+ * the shape of src, not overlapping it. `name` starts the messages of the
+ * exceptions raised for anything else (returning -1). */
+int attnx_prepare_bf16_conversion(PyArrayObject *src, PyArrayObject *dst, attnx_conversion *job,
+                                  const char *name)
 {
-    PyArrayObject *src, *dst;
-    if (!PyArg_ParseTuple(args, "O!O!:_convert_bf16", &PyArray_Type, &src, &PyArray_Type, &dst))
-        return NULL;
     int widen = is_bf16_bits(src) && PyArray_TYPE(dst) == NPY_FLOAT32;
     int narrow = PyArray_TYPE(src) == NPY_FLOAT32 && is_bf16_bits(dst);
     if (!widen && !narrow) {
-        PyErr_Format(PyExc_TypeError, "_convert_bf16 takes bfloat16 bits (int16 or uint16) and "
-                     "float32, one each; got src %S and dst %S", PyArray_DESCR(src),
+        PyErr_Format(PyExc_TypeError, "%s takes bfloat16 bits (int16 or uint16) and "
+                     "float32, one each; got src %S and dst %S", name, PyArray_DESCR(src),
                      PyArray_DESCR(dst));
-        return NULL;
+        return -1;
     }
     int ndim = PyArray_NDIM(src);
     if (PyArray_NDIM(dst) != ndim ||
@@ -199,27 +198,28 @@ static PyObject *convert_bf16(PyObject *self, PyObject *args)
         PyObject *src_shape = PyArray_IntTupleFromIntp(ndim, PyArray_DIMS(src));
         PyObject *dst_shape = PyArray_IntTupleFromIntp(PyArray_NDIM(dst), PyArray_DIMS(dst));
         if (src_shape && dst_shape)
-            PyErr_Format(PyExc_ValueError, "dst must have the shape of src %S, got %S", src_shape,
-                         dst_shape);
+            PyErr_Format(PyExc_ValueError, "%s: dst must have the shape of src %S, got %S", name,
+                         src_shape, dst_shape);
         Py_XDECREF(src_shape);
         Py_XDECREF(dst_shape);
-        return NULL;
+        return -1;
     }
     if (!PyArray_IS_C_CONTIGUOUS(dst) || !PyArray_ISWRITEABLE(dst) || !PyArray_ISBEHAVED(dst)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "dst must be a C-contiguous, writable, aligned array in native byte order");
-        return NULL;
+        PyErr_Format(PyExc_ValueError,
+                     "%s: dst must be a C-contiguous, writable, aligned array in native byte order",
+                     name);
+        return -1;
     }
     if (!PyArray_ISALIGNED(src) || !PyArray_ISNOTSWAPPED(src)) {
-        PyErr_SetString(PyExc_ValueError, "src must be aligned and in native byte order");
-        return NULL;
+        PyErr_Format(PyExc_ValueError, "%s: src must be aligned and in native byte order", name);
+        return -1;
     }
     char *src_low, *src_high, *dst_low, *dst_high;
     byte_extent(src, &src_low, &src_high);
     byte_extent(dst, &dst_low, &dst_high);
     if (src_low < dst_high && dst_low < src_high) {
-        PyErr_SetString(PyExc_ValueError, "dst must not overlap src");
-        return NULL;
+        PyErr_Format(PyExc_ValueError, "%s: dst must not overlap src", name);
+        return -1;
     }
     ptrdiff_t shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
     for (int a = 0; a < ndim; a++) {
@@ -232,19 +232,26 @@ static PyObject *convert_bf16(PyObject *self, PyObject *args)
         strides[0] = 0;
         ndim = 1;
     }
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    if (widen)
-        status = attnx_bf16_to_float((float *)PyArray_DATA(dst), (const uint16_t *)PyArray_DATA(src),
-                                     ndim, shape, strides);
-    else
-        status = attnx_float_to_bf16((uint16_t *)PyArray_DATA(dst), (const float *)PyArray_DATA(src),
-                                     ndim, shape, strides);
-    Py_END_ALLOW_THREADS
-    if (status != 0) {
-        PyErr_Format(PyExc_ValueError, "_convert_bf16 takes at most 64 dimensions, got %d", ndim);
-        return NULL;
+    if (attnx_conversion_prepare(job, PyArray_DATA(dst), PyArray_DATA(src), widen, ndim, shape,
+                                 strides) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s takes at most 64 dimensions, got %d", name, ndim);
+        return -1;
     }
+    return 0;
+}
+
+/* _convert_bf16(src, dst): dst = src converted (attnx_prepare_bf16_conversion).
+ * Returns dst. */
+static PyObject *convert_bf16(PyObject *self, PyObject *args)
+{
+    PyArrayObject *src, *dst;
+    if (!PyArg_ParseTuple(args, "O!O!:_convert_bf16", &PyArray_Type, &src, &PyArray_Type, &dst))
+        return NULL;
+    attnx_conversion job;
+    if (attnx_prepare_bf16_conversion(src, dst, &job, "_convert_bf16") < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    attnx_conversion_run(&job);
+    Py_END_ALLOW_THREADS
     Py_INCREF(dst);
     return (PyObject *)dst;
 }

@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include "bindings.h"
+#include "convert.h"
 
 typedef int (*softmax_kernel)(const attnx_softmax_args *);
 static const softmax_kernel softmax_kernels[2] = {attnx_softmax_fwd_f32, attnx_softmax_fwd_f64};
@@ -19,17 +20,46 @@ static const attnx_param softmax_params[NPARAMS] = {
     [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
     [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
 };
+/* the same with k and v as bfloat16 bits (kv_bf16) */
+static const attnx_param softmax_params_bf16_kv[NPARAMS] = {
+    [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
+    [K] = {"k", "m d", ATTNX_BF16_BITS | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
+    [V] = {"v", "m e", ATTNX_BF16_BITS | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
+    [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
+    [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
+    [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
+    [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
+};
+
+/* A new float32 array of bfloat16 bits `bits` widened, or NULL with an
+ * exception */
+static PyObject *widened_bits(PyArrayObject *bits, const char *name)
+{
+    PyArrayObject *wide = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(bits),
+                                                             PyArray_DIMS(bits), NPY_FLOAT32);
+    attnx_conversion job;
+    if (!wide || attnx_prepare_bf16_conversion(bits, wide, &job, name) < 0) {
+        Py_XDECREF(wide);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    attnx_conversion_run(&job);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)wide;
+}
 
 /* Shared by both front ends. scale_obj NULL means gaussian attention with
  * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)).
- * Their keyword _bf16_products, left out of their documented signatures
- * (attnx.torch passes it for bfloat16 tensors only), is the
- * bf16_products of attnx_softmax_args (attnx.h). */
+ * Their keywords left out of their documented signatures, which
+ * attnx.torch passes for bfloat16 tensors only: _bf16_products, the
+ * bf16_products of attnx_softmax_args (attnx.h); _bf16_kv, k and v given
+ * as bfloat16 bits, which the decoding path reads as they are (kv_bf16)
+ * and any other widens first; q float32. */
 static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_obj,
                                 PyObject *scale_obj, double sigma, PyObject *causal_obj,
                                 PyObject *mask_obj, PyObject *bias_obj, PyObject *window_obj,
                                 PyObject *dropout_obj, PyObject *seed_obj, PyObject *out_obj,
-                                int return_lse, int bf16_products)
+                                int return_lse, int bf16_products, int bf16_kv)
 {
     int causal, has_left, has_right;
     npy_intp left, right;
@@ -43,10 +73,16 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     if (scale_obj && scale_obj != Py_None && attnx_parse_positive(scale_obj, "scale", &scale) < 0)
         return NULL;
 
+    if (bf16_kv && !(PyArray_Check(q_obj) && PyArray_TYPE((PyArrayObject *)q_obj) == NPY_FLOAT)) {
+        PyErr_SetString(PyExc_TypeError, "_bf16_kv takes float32 queries (a numpy array)");
+        return NULL;
+    }
     attnx_call call;
     attnx_interrupt interrupt = attnx_interrupt_for_call();
-    PyObject *ret = NULL;
-    attnx_call_init(&call, softmax_params, NPARAMS, ATTNX_SM_NOPS, "dem");
+    PyObject *ret = NULL, *k_wide = NULL, *v_wide = NULL;
+    const attnx_param *params = bf16_kv ? softmax_params_bf16_kv : softmax_params;
+bind:
+    attnx_call_init(&call, params, NPARAMS, ATTNX_SM_NOPS, "dem");
     PyObject *const objs[NPARAMS] = {
         [Q] = q_obj, [K] = k_obj, [V] = v_obj, [BIAS] = bias_obj, [MASK] = mask_obj,
         [OUT] = out_obj, [LSE] = return_lse ? Py_None : NULL,
@@ -77,11 +113,24 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
         .seed = seed,
         .interrupt = &interrupt,
         .bf16_products = bf16_products,
+        .kv_bf16 = params == softmax_params_bf16_kv,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = softmax_kernels[call.dtypes.compute == NPY_DOUBLE](&args);
     Py_END_ALLOW_THREADS
+    if (status == ATTNX_EINVAL && args.kv_bf16) {
+        /* not a call the decoding path takes (its only refusal, before any
+         * work): k and v widened, then as any call */
+        if (!(k_wide = widened_bits(call.ops[K].array, "k")) ||
+            !(v_wide = widened_bits(call.ops[V].array, "v")))
+            goto done;
+        attnx_call_release(&call);
+        k_obj = k_wide;
+        v_obj = v_wide;
+        params = softmax_params;
+        goto bind;
+    }
     if (attnx_check_status(status) < 0 || attnx_finish(&call) < 0) goto done;
     if (return_lse)
         ret = PyTuple_Pack(2, (PyObject *)call.results[OUT], (PyObject *)call.results[LSE]);
@@ -91,22 +140,25 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     }
 done:
     attnx_call_release(&call);
+    Py_XDECREF(k_wide);
+    Py_XDECREF(v_wide);
     return ret;
 }
 
 PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"q", "k", "v", "scale", "causal", "mask", "bias", "window",
-                             "dropout_p", "seed", "out", "return_lse", "_bf16_products", NULL};
+                             "dropout_p", "seed", "out", "return_lse", "_bf16_products",
+                             "_bf16_kv", NULL};
     PyObject *q, *k, *v, *scale = Py_None, *causal = Py_False, *mask = Py_None, *bias = Py_None,
              *window = Py_None, *dropout = Py_None, *seed = Py_None, *out = Py_None;
-    int return_lse = 0, bf16_products = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOOOpp:softmax_attention", kwlist,
+    int return_lse = 0, bf16_products = 0, bf16_kv = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOOOppp:softmax_attention", kwlist,
                                      &q, &k, &v, &scale, &causal, &mask, &bias, &window, &dropout,
-                                     &seed, &out, &return_lse, &bf16_products))
+                                     &seed, &out, &return_lse, &bf16_products, &bf16_kv))
         return NULL;
     return softmax_common(q, k, v, scale, 0, causal, mask, bias, window, dropout, seed, out,
-                          return_lse, bf16_products);
+                          return_lse, bf16_products, bf16_kv);
 }
 
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -130,7 +182,7 @@ PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *
         return NULL;
     }
     return softmax_common(q, k, v, NULL, sigma, causal, mask, bias, window, dropout, seed, out,
-                          return_lse, bf16_products);
+                          return_lse, bf16_products, 0);
 }
 
 const char attnx_softmax_attention_doc[] = (

@@ -19,6 +19,12 @@
  * query rows in all: its rows are scored against each key while the key is
  * in L1, so the cache is read once per kv head, not once per query head.
  *
+ * Keys and values held as bfloat16 (kv_bf16: attnx.torch's bfloat16
+ * tensors, a KV cache of a model run in bfloat16) are read as they are, a
+ * block at a time widened into the thread's scratch while it is in L1:
+ * half the bytes of float32 to read, and none of the whole cache widened
+ * first, which cost more than the step itself.
+ *
  * The band (causal, window), the mask and the bias are applied per row;
  * lse as softmax.c writes it. Dropout and gaussian attention's key term
  * take softmax.c's query tiles (softmax_decode_applies). The vector
@@ -41,6 +47,7 @@
 
 #include "attnx.h"
 #include "blas.h" /* vec_real.h declares the BLAS calls */
+#include "convert.h"
 #include "softmax_internal.h"
 
 /* keys per work item: fixed, so that the partial sums (and so the
@@ -144,9 +151,30 @@ static ATTNX_HOT REAL SFX(decode_weights)(REAL *s, ptrdiff_t count, REAL shift)
     return sum;
 }
 
+/* Keys [b0, b0 + keys) of K or V (row x_row, width numbers a row): in
+ * place, or with bfloat16 bits (kv_bf16) widened into `widened` (rows
+ * `width` apart); *row: the block's row stride. */
+static const REAL *SFX(decode_block)(const attnx_softmax_args *a, const void *x, ptrdiff_t x_row,
+                                     ptrdiff_t b0, ptrdiff_t keys, ptrdiff_t width,
+                                     REAL *widened, ptrdiff_t *row)
+{
+#if !REAL_IS_DOUBLE
+    if (a->kv_bf16) {
+        attnx_widen_rows(widened, width, (const uint16_t *)x + b0 * x_row, x_row, keys, width);
+        *row = width;
+        return widened;
+    }
+#endif
+    (void)a, (void)keys, (void)widened;
+    *row = x_row;
+    return (const REAL *)x + b0 * x_row;
+}
+
 /* Work item `item`: chunk item % chunks of group item / chunks, into its
- * rows' partials; s is the thread's scores. */
-static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL *s)
+ * rows' partials; s is the thread's scores, widened its room for a block
+ * of keys and one of values (kv_bf16). */
+static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL *s,
+                             REAL *widened)
 {
     const attnx_softmax_args *a = call->a;
     const ptrdiff_t n = a->n, e = a->e, chunks = call->chunks, group = item / chunks;
@@ -154,8 +182,8 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
     const ptrdiff_t rows = (call->group_first[group + 1] - head0) * n;
     const ptrdiff_t c0 = chunk * DECODE_CHUNK, c1 = ATTNX_MIN(a->m, c0 + DECODE_CHUNK);
     const ptrdiff_t *off0 = a->offsets + head0 * ATTNX_SM_NOPS;
-    const REAL *k = (const REAL *)((const char *)a->k + off0[ATTNX_SM_K]);
-    const REAL *v = (const REAL *)((const char *)a->v + off0[ATTNX_SM_V]);
+    const void *k = (const char *)a->k + off0[ATTNX_SM_K];
+    const void *v = (const char *)a->v + off0[ATTNX_SM_V];
     const REAL scale2 = (REAL)(a->scale * 1.44269504088896340736), neg_inf = -(REAL)INFINITY;
     const REAL *q[DECODE_MAX_ROWS];
     ptrdiff_t first[DECODE_MAX_ROWS], end[DECODE_MAX_ROWS];
@@ -175,11 +203,12 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
 
     /* scores: K block by block, each block read by every row */
     for (ptrdiff_t b0 = lo; b0 < hi; b0 += DECODE_BLOCK) {
-        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0);
+        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0), k_row;
+        const REAL *k_block = SFX(decode_block)(a, k, a->k_row, b0, keys, a->d, widened, &k_row);
         for (ptrdiff_t r0 = 0; r0 < rows; r0 += MK_DECODE_ROWS)
             call->kernels->scores(s + r0 * DECODE_CHUNK + (b0 - lo), DECODE_CHUNK, q + r0,
-                                  ATTNX_MIN(MK_DECODE_ROWS, rows - r0), k + b0 * a->k_row,
-                                  a->k_row, keys, a->d, scale2);
+                                  ATTNX_MIN(MK_DECODE_ROWS, rows - r0), k_block, k_row, keys,
+                                  a->d, scale2);
     }
 
     /* per row: hide what it does not see, add its bias, its weights */
@@ -211,11 +240,12 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
 
     /* out += P V: V block by block, each block read by every row */
     for (ptrdiff_t b0 = lo; b0 < hi; b0 += DECODE_BLOCK) {
-        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0);
+        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0), v_row;
+        const REAL *v_block = SFX(decode_block)(a, v, a->v_row, b0, keys, e, widened, &v_row);
         for (ptrdiff_t r = 0; r < rows; r++)
             call->kernels->add_pv(
                 call->partials + ((head0 * n + r) * chunks + chunk) * (e + 2) + 2,
-                s + r * DECODE_CHUNK + (b0 - lo), v + b0 * a->v_row, a->v_row, keys, e);
+                s + r * DECODE_CHUNK + (b0 - lo), v_block, v_row, keys, e);
     }
 }
 
@@ -257,6 +287,7 @@ static void SFX(decode_merge)(const SFX(decode_call) *call, ptrdiff_t row)
 int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
 {
     const ptrdiff_t n = a->n, chunks = (a->m + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    if (REAL_IS_DOUBLE && a->kv_bf16) return ATTNX_EINVAL;
     if (a->heads == 0 || n == 0) return ATTNX_OK;
     int status = ATTNX_ENOMEM;
     ptrdiff_t *group_first = malloc((size_t)(a->heads + 1) * sizeof *group_first);
@@ -280,7 +311,10 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
     int threads = a->num_threads < work ? a->num_threads : (int)work;
     /* waking a second thread costs more than ~a million flops take */
     if ((double)a->heads * n * a->m * (a->d + a->e) < 1e6 || threads < 1) threads = 1;
-    const ptrdiff_t per_thread = softmax_lines(DECODE_MAX_ROWS * DECODE_CHUNK, sizeof(REAL));
+    /* the scores; a block of widened keys, then of values (kv_bf16) */
+    const ptrdiff_t score_room = softmax_lines(DECODE_MAX_ROWS * DECODE_CHUNK, sizeof(REAL));
+    const ptrdiff_t per_thread =
+        score_room + (a->kv_bf16 ? DECODE_BLOCK * ATTNX_MAX(a->d, a->e) : 0);
     shares = malloc((size_t)threads * sizeof *shares);
     scores = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(REAL));
     if (!shares || !scores) goto done;
@@ -289,7 +323,7 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
     if (threads == 1) {
         for (ptrdiff_t item = 0; item < work; item++) {
             if (attnx_interrupted(a->interrupt, 1)) break;
-            SFX(decode_item)(&call, item, scores);
+            SFX(decode_item)(&call, item, scores, scores + score_room);
         }
         if (!(a->interrupt && a->interrupt->stopped))
             for (ptrdiff_t row = 0; row < a->heads * n; row++) SFX(decode_merge)(&call, row);
@@ -301,7 +335,8 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
             int self = omp_get_thread_num(), team = omp_get_num_threads();
             for (ptrdiff_t item; !attnx_interrupted(a->interrupt, self == 0) &&
                                  (item = softmax_claim_item(shares, threads, self)) >= 0;)
-                SFX(decode_item)(&call, item, scores + per_thread * self);
+                SFX(decode_item)(&call, item, scores + per_thread * self,
+                                 scores + per_thread * self + score_room);
 #pragma omp barrier
             if (!(a->interrupt && a->interrupt->stopped))
                 for (ptrdiff_t row = self; row < a->heads * n; row += team)

@@ -301,6 +301,103 @@ def test_inputs_are_not_modified():
     np.testing.assert_array_equal(bits, bits_before)
 
 
+# ------------------------------------------- keys and values as bfloat16
+
+def _kv_case(seed, n, m, layout):
+    """q (float32) and k, v as bfloat16 bits for a call of n queries
+    against m keys; `layout` "contiguous", "strided" (k, v permuted views of
+    one (B, m, 2, H, d) array, as a [B, m, H, d] cache is held), or
+    "grouped" (k, v of one head broadcast over four, stride 0)"""
+    rng = np.random.default_rng(seed)
+    B, H, d = 2, 4, 32
+    q = rng.standard_normal((B, H, n, d), dtype=np.float32)
+    if layout == "strided":
+        kv = narrow(rng.standard_normal((B, m, 2, H, d), dtype=np.float32))
+        k, v = kv.transpose(2, 0, 3, 1, 4)
+    elif layout == "grouped":
+        k, v = (np.broadcast_to(narrow(rng.standard_normal((B, 1, m, d), dtype=np.float32)),
+                                (B, H, m, d)) for _ in range(2))
+    else:
+        k, v = (narrow(rng.standard_normal((B, H, m, d), dtype=np.float32)) for _ in range(2))
+    return q, k, v
+
+
+SOFTMAX_SETS = kernels_here("softmax_forward")
+
+
+@pytest.mark.parametrize("held", SOFTMAX_SETS)
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "grouped"])
+@pytest.mark.parametrize("n, m", [(1, 700), (5, 128), (8, 1500), (9, 300), (3, 100)])
+def test_bf16_keys_and_values_give_the_widened_calls_bits(held, layout, n, m):
+    """softmax_attention's private _bf16_kv (attnx.torch's bfloat16 keys and
+    values, a bfloat16 KV cache): the same out and lse, bit for bit, as the
+    call on the widened arrays, whether the decoding path reads the bits
+    (at most 8 queries, at least 128 keys) or another widens them first
+    (9 queries; 100 keys); with a causal band, a window, a key-padding mask
+    and a bias; the bits left as they were"""
+    q, k, v = _kv_case(n * m, n, m, layout)
+    before = k.copy(), v.copy()
+    mask = np.ones((2, 1, 1, m), bool)
+    mask[1, ..., m // 3:] = False
+    bias = np.linspace(-1, 1, m, dtype=np.float32)
+    options = [dict(causal=True), dict(window=(40, 3), mask=mask), dict(bias=bias)]
+    with dispatched(softmax_forward=held):
+        for option in options:
+            want = attnx.softmax_attention(q, widen(k), widen(v), return_lse=True, **option)
+            got = attnx.softmax_attention(q, k, v, return_lse=True, _bf16_kv=True, **option)
+            for a, b in zip(want, got):
+                np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(k, before[0])
+    np.testing.assert_array_equal(v, before[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_keys_and_values_split_over_threads_as_on_one(threads):
+    q, k, v = _kv_case(11, 2, 5000, "contiguous")
+    saved = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(threads)
+        got = attnx.softmax_attention(q, k.view(np.int16), v, _bf16_kv=True)
+    finally:
+        attnx.set_num_threads(saved)
+    np.testing.assert_array_equal(got, attnx.softmax_attention(q, widen(k), widen(v)))
+
+
+def test_bf16_keys_and_values_are_read_in_place_when_decoding():
+    """A decoding call allocates no widened copy of the keys and values
+    (numpy's allocations, traced); a call of more queries does"""
+    import tracemalloc
+    rng = np.random.default_rng(14)
+    k, v = (narrow(rng.standard_normal((1, 4, 16384, 32), dtype=np.float32)) for _ in range(2))
+    wide_bytes = k.size * 4
+    peaks = {}
+    for n in (1, 64):
+        q = rng.standard_normal((1, 4, n, 32), dtype=np.float32)
+        tracemalloc.start()
+        attnx.softmax_attention(q, k, v, _bf16_kv=True)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[1] < wide_bytes / 4, peaks
+    assert peaks[64] >= 2 * wide_bytes, peaks
+
+
+def test_bf16_keys_and_values_refuse_other_arrays():
+    q, k, v = _kv_case(13, 1, 300, "contiguous")
+    for queries in (q.astype(np.float64), q.astype(np.float16), q.tolist()):
+        with pytest.raises(TypeError, match="_bf16_kv takes float32 queries"):
+            attnx.softmax_attention(queries, k, v, _bf16_kv=True)
+    with pytest.raises(TypeError, match="k must hold bfloat16 bits"):
+        attnx.softmax_attention(q, widen(k), v, _bf16_kv=True)
+    with pytest.raises(TypeError, match="v must hold bfloat16 bits"):
+        attnx.softmax_attention(q, k, v.astype(np.int32), _bf16_kv=True)
+    with pytest.raises(ValueError, match="native byte order"):
+        attnx.softmax_attention(q, k.astype(">u2"), v, _bf16_kv=True)
+    with pytest.raises(ValueError, match=r"k has shape \(2, 4, 300, 31\)"):
+        attnx.softmax_attention(q, k[..., :31], v, _bf16_kv=True)
+    with pytest.raises(TypeError, match="k must be an array, got None"):
+        attnx.softmax_attention(q, None, v, _bf16_kv=True)
+
+
 # --------------------------------------------------- attnx.torch on bfloat16
 
 @pytest.fixture
@@ -346,6 +443,41 @@ def test_sdpa_bf16_is_the_float32_computation_rounded_once(torch, path, held):
     softmax_attention (torch's SDPA refuses attn_mask with is_causal)."""
     with dispatched(softmax_forward=held, softmax_backward=held, convert=path):
         _check_rounded_once(torch)
+        _check_decoding_rounded_once(torch)
+
+
+def _check_decoding_rounded_once(torch):
+    """A decoding step's shapes: two query heads per key head (enable_gqa),
+    the cache in a [B, m, H, d] layout read through a permuted view, a
+    key-padding mask; forward under no_grad (the keys and values read as
+    bfloat16 in place) and with gradients"""
+    import attnx.torch as at
+
+    B, m, d = 2, 300, 16
+    q = _bf16(torch, B, 4, 1, d, seed=4).requires_grad_()
+    cache = _bf16(torch, B, m, 2, 2, d, seed=5).requires_grad_()
+    k, v = cache.permute(2, 0, 3, 1, 4)
+    pad = torch.ones(B, 1, 1, m, dtype=torch.bool)
+    pad[0, ..., 250:] = False
+    wide_q = q.detach().float().requires_grad_()
+    wide_cache = cache.detach().float().requires_grad_()
+    wide_k, wide_v = wide_cache.permute(2, 0, 3, 1, 4)
+    with torch.no_grad():
+        out = at.scaled_dot_product_attention(q, k, v, attn_mask=pad, enable_gqa=True)
+        out32 = at.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=pad,
+                                                enable_gqa=True)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, out32.to(torch.bfloat16))
+    out = at.scaled_dot_product_attention(q, k, v, attn_mask=pad, enable_gqa=True)
+    out32 = at.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=pad,
+                                            enable_gqa=True)
+    dout = _bf16(torch, B, 4, 1, d, seed=6)
+    grads = torch.autograd.grad(out, (q, cache), dout)
+    grads32 = torch.autograd.grad(out32, (wide_q, wide_cache), dout.float())
+    assert torch.equal(out, out32.to(torch.bfloat16))
+    for ours, single in zip(grads, grads32):
+        assert ours.dtype == torch.bfloat16
+        assert torch.equal(ours, single.to(torch.bfloat16))
 
 
 def _check_rounded_once(torch):

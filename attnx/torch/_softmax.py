@@ -17,6 +17,7 @@ from ._common import (
     _NATIVE,
     Tensor,
     _batch_shape,
+    _bf16_bits,
     _check_broadcast,
     _check_inputs,
     _check_tensor,
@@ -68,7 +69,14 @@ def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropou
         lse = torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
     else:
         options = _softmax_options(variant, param, causal, window, dropout_p, seed)
-        args = (_wide_np(q), _wide_np(k), _wide_np(v))
+        if variant == "softmax" and k.dtype == torch.bfloat16:
+            # keys and values as their bits: the decoding path reads them
+            # in place, a block at a time (a bfloat16 KV cache is not
+            # widened whole at every step); another path widens them in C
+            args = (_wide_np(q), _bf16_bits(k), _bf16_bits(v))
+            options["_bf16_kv"] = True
+        else:
+            args = (_wide_np(q), _wide_np(k), _wide_np(v))
         if variant == "gaussian":
             args += (param,)
         _, lse = forward(*args, mask=_np(mask), bias=_wide_np(bias), out=wide.numpy(),
