@@ -522,6 +522,24 @@ def test_linear_bf16_is_the_float32_computation_rounded_once(torch, path):
         assert torch.equal(ours, single.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("n, m", [(1, 300), (3, 200), (50, 64)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_bf16_sdpa_without_graph_is_the_operators_result(torch, n, m, is_causal):
+    """A bfloat16 call that builds no graph (the short path: its keys and
+    values as bits) gives the bits of the same call through the operator
+    (inputs that require grad), grouped heads included"""
+    import attnx.torch as at
+
+    q = _bf16(torch, 2, 4, n, 32, seed=n)
+    k, v = (_bf16(torch, 2, 2, m, 32, seed=m + s) for s in (1, 2))
+    with torch.no_grad():
+        plain = at.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    graphed = at.scaled_dot_product_attention(*leaves, is_causal=is_causal, enable_gqa=True)
+    assert plain.dtype == torch.bfloat16 and graphed.grad_fn is not None
+    assert torch.equal(plain, graphed.detach())
+
+
 def test_bf16_sdpa_compiles_without_graph_breaks(torch):
     import attnx.torch as at
 

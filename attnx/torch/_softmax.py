@@ -517,12 +517,15 @@ def _sdpa_scale(scale, query):
 
 def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The result of the commonest call, or None when the call is not it:
-    no mask, no dropout, a positive scale, float32 or float64 CPU tensors,
-    nothing to differentiate and nothing traced. A decoding step is such a
-    call, and the general path's checks and conversions cost some 25 us of
-    its time; this one asks only what it relies on and leaves the shapes to
-    the kernel's own checks: a call they refuse (or any other call) takes
-    the general path, which says what is wrong in torch's terms."""
+    no mask, no dropout, a positive scale, float32, float64 or bfloat16 CPU
+    tensors, nothing to differentiate and nothing traced. A decoding step
+    is such a call, and the general path's checks and conversions cost some
+    25 us of its time; this one asks only what it relies on and leaves the
+    shapes to the kernel's own checks: a call they refuse (or any other
+    call) takes the general path, which says what is wrong in torch's
+    terms. bfloat16: as the general path computes it (_bf16_products), q
+    widened, k and v passed as their bits (_bf16_kv), the result rounded
+    once."""
     if attn_mask is not None or dropout_p != 0 or torch.compiler.is_compiling():
         return None
     if scale is not None and not (type(scale) in (float, int) and 0 < scale < math.inf):
@@ -530,14 +533,19 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
         return None
     dtype = query.dtype
-    if dtype not in _NATIVE or key.dtype != dtype or value.dtype != dtype \
-            or not (query.is_cpu and key.is_cpu and value.is_cpu) \
+    if (dtype not in _NATIVE and dtype != torch.bfloat16) or key.dtype != dtype \
+            or value.dtype != dtype or not (query.is_cpu and key.is_cpu and value.is_cpu) \
             or query.is_neg() or key.is_neg() or value.is_neg():
         return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                     or value.requires_grad):
         return None
-    q, k, v = query.detach().numpy(), key.detach().numpy(), value.detach().numpy()
+    options = {"scale": scale, "causal": "upper_left" if is_causal else False}
+    if dtype == torch.bfloat16:
+        q, k, v = _wide_np(query), _bf16_bits(key), _bf16_bits(value)
+        options.update(_bf16_kv=True, _bf16_products=True)
+    else:
+        q, k, v = query.detach().numpy(), key.detach().numpy(), value.detach().numpy()
     heads = groups = 1
     if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         heads, kv_heads = q.shape[-3], k.shape[-3]
@@ -547,13 +555,12 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         q = q.reshape(q.shape[:-3] + (kv_heads, groups) + q.shape[-2:])
         k, v = k[..., None, :, :], v[..., None, :, :]
     try:
-        out = attnx.softmax_attention(q, k, v, scale=scale,
-                                      causal="upper_left" if is_causal else False)
+        out = attnx.softmax_attention(q, k, v, **options)
     except (ValueError, TypeError):
         return None
     if groups > 1:
         out = out.reshape(out.shape[:-4] + (heads,) + out.shape[-2:])
-    return torch.from_numpy(out)
+    return _narrowed(out, dtype) if dtype == torch.bfloat16 else torch.from_numpy(out)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
