@@ -215,6 +215,49 @@ def test_decoder_in_bfloat16_trains(kernel_calls):
                                    atol=0.05 * scale.item(), msg=name)
 
 
+def test_decoder_in_bfloat16_decodes_against_its_cache_in_place(monkeypatch):
+    """A bfloat16 model's decoding step against its bfloat16 KV cache (200
+    keys, past the decoding path's 128): attnx is handed the keys and
+    values as their bfloat16 bits (read in place, no widened copy), and the
+    step's logits are those of "sdpa" within bfloat16 rounding."""
+    def config():
+        config = llama_config()
+        config.max_position_embeddings = 256
+        return config
+
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM._from_config(config(), attn_implementation="sdpa")
+    reference = reference.to(torch.bfloat16)
+    ours = transformers.LlamaForCausalLM._from_config(config(), attn_implementation="attnx")
+    ours = ours.to(torch.bfloat16)
+    ours.load_state_dict(reference.state_dict())
+    ids = torch.randint(1, 97, (1, 201), generator=torch.Generator().manual_seed(2))
+    steps = {}
+    for name, model in (("attnx", ours), ("sdpa", reference)):
+        with torch.no_grad():
+            cache = model(ids[:, :200], use_cache=True).past_key_values
+            calls = []
+            real = attnx.softmax_attention
+
+            def spy(q, k, v, **kwargs):
+                calls.append((q.shape[-2], k.dtype, kwargs.get("_bf16_kv")))
+                return real(q, k, v, **kwargs)
+
+            monkeypatch.setattr(attnx, "softmax_attention", spy)
+            steps[name] = model(ids[:, 200:], past_key_values=cache).logits
+            monkeypatch.setattr(attnx, "softmax_attention", real)
+        if name == "attnx":
+            assert calls and all(call[0] == 1 and call[1].itemsize == 2 and call[2]
+                                 for call in calls), calls
+        else:
+            assert not calls
+    assert steps["attnx"].dtype == torch.bfloat16
+    # logits of this tiny model are below 0.4 in size; the two differ by
+    # about 1e-3 (bfloat16's rounding of the attention outputs)
+    torch.testing.assert_close(steps["attnx"].float(), steps["sdpa"].float(), rtol=0.02,
+                               atol=0.01)
+
+
 def test_encoder_compiles_without_graph_breaks(kernel_calls):
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(bert_config(), attn_implementation="attnx").eval()
