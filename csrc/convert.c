@@ -212,13 +212,6 @@ static narrow_fn chosen_narrow(void)
     return narrow_row_portable;
 }
 
-void attnx_widen_rows(float *dst, ptrdiff_t dst_row, const uint16_t *src, ptrdiff_t src_row,
-                      ptrdiff_t rows, ptrdiff_t count)
-{
-    widen_fn widen = chosen_widen();
-    for (ptrdiff_t r = 0; r < rows; r++) widen(dst + r * dst_row, src + r * src_row, 1, count);
-}
-
 int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, int widen,
                              int ndim, const ptrdiff_t *shape, const ptrdiff_t *src_strides)
 {

@@ -43,11 +43,6 @@ int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, 
 /* job, on attnx's threads when it has enough work */
 void attnx_conversion_run(const attnx_conversion *job);
 
-/* rows x count bfloat16 numbers widened, rows src_row and dst_row
- * elements apart, each row contiguous; on the calling thread */
-void attnx_widen_rows(float *dst, ptrdiff_t dst_row, const uint16_t *src, ptrdiff_t src_row,
-                      ptrdiff_t rows, ptrdiff_t count);
-
 /* dst (C order, the shape of src) = src widened or narrowed.
  * src: `ndim` axes of sizes shape[0..ndim), strides src_strides in
  * elements (any sign, 0 for a broadcast axis). ndim >= 1. Runs on

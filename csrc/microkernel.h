@@ -946,34 +946,86 @@ static inline void mk_add_pv_pairs_w16(const mk_tile *t, MK_REAL *ot, ptrdiff_t 
  * reading the keys and values once is the cost, not the arithmetic. The
  * rows are not packed: each key is loaded once per block of up to
  * MK_DECODE_ROWS rows and multiplied along d, its dot products summed
- * across the lanes at the end. */
+ * across the lanes at the end. Keys and values are MK_REAL numbers, or in
+ * the float32 bodies bfloat16 bits (kv_bf16, a constant where inlined:
+ * attnx_softmax_args), widened as they are loaded: half the bytes read. */
+
+#ifdef MK_F32
+typedef uint16_t MK_NAME(mk_bf16_bits) __attribute__((vector_size(MK_W * 2), aligned(2),
+                                                       may_alias));
+typedef uint32_t MK_NAME(mk_f32_bits) __attribute__((vector_size(MK_W * 4)));
+#endif
+
+/* the vector of x's numbers from index `at` (of MK_REAL, or of bfloat16
+ * bits widened: exact) */
+static inline __attribute__((always_inline)) MK_VEC MK_NAME(mk_kv_vec)(const void *x, ptrdiff_t at,
+                                                                         const int kv_bf16)
+{
+#ifdef MK_F32
+    if (kv_bf16)
+        return (MK_VEC)(__builtin_convertvector(*(const MK_NAME(mk_bf16_bits) *)((const uint16_t *)x + at),
+                                                MK_NAME(mk_f32_bits)) << 16);
+#endif
+    (void)kv_bf16;
+    return *(const MK_VEC *)((const MK_REAL *)x + at);
+}
+
+/* the same for one number */
+static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_kv_one)(const void *x, ptrdiff_t at,
+                                                                          const int kv_bf16)
+{
+#ifdef MK_F32
+    if (kv_bf16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
+        float widened;
+        memcpy(&widened, &bits, sizeof widened);
+        return widened;
+    }
+#endif
+    (void)kv_bf16;
+    return ((const MK_REAL *)x)[at];
+}
+
+/* a b + c rounded once, in the scalar columns past the vectors: spelled
+ * out, since whether the compiler fuses a multiply and an add there
+ * depends on how the number was loaded (the bits of a bfloat16 widened or
+ * a float read), and the two must give the same result */
+static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_fma_one)(MK_REAL a, MK_REAL b,
+                                                                           MK_REAL c)
+{
+    return sizeof(MK_REAL) == sizeof(float) ? (MK_REAL)__builtin_fmaf((float)a, (float)b, (float)c)
+                                            : (MK_REAL)__builtin_fma((double)a, (double)b, (double)c);
+}
 
 /* s[r s_ld + j] = scale q_r . k_j for the `rows` rows q[r] (a constant
  * where this is inlined) and the keys j < keys, rows k_row apart. Two
  * accumulators per row, the even and the odd vectors of d, halve the chain
  * of dependent multiply-adds of each key. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)(
-    MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, const MK_REAL *k, ptrdiff_t k_row,
-    ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, const int rows)
+    MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, const void *k, ptrdiff_t k_row,
+    ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, const int rows, const int kv_bf16)
 {
     const ptrdiff_t pairs = d / (2 * MK_W) * (2 * MK_W), whole = d / MK_W * MK_W;
     for (ptrdiff_t j = 0; j < keys; j++) {
-        const MK_REAL *k_j = k + j * k_row;
+        const ptrdiff_t k_j = j * k_row;
         MK_VEC even[MK_DECODE_ROWS], odd[MK_DECODE_ROWS];
         for (int r = 0; r < rows; r++) even[r] = odd[r] = (MK_VEC){0};
         for (ptrdiff_t c = 0; c < pairs; c += 2 * MK_W) {
-            MK_VEC k_even = *(const MK_VEC *)(k_j + c), k_odd = *(const MK_VEC *)(k_j + c + MK_W);
+            MK_VEC k_even = MK_NAME(mk_kv_vec)(k, k_j + c, kv_bf16);
+            MK_VEC k_odd = MK_NAME(mk_kv_vec)(k, k_j + c + MK_W, kv_bf16);
             for (int r = 0; r < rows; r++) {
                 even[r] += *(const MK_VEC *)(q[r] + c) * k_even;
                 odd[r] += *(const MK_VEC *)(q[r] + c + MK_W) * k_odd;
             }
         }
-        if (whole > pairs)
-            for (int r = 0; r < rows; r++)
-                even[r] += *(const MK_VEC *)(q[r] + pairs) * *(const MK_VEC *)(k_j + pairs);
+        if (whole > pairs) {
+            MK_VEC k_last = MK_NAME(mk_kv_vec)(k, k_j + pairs, kv_bf16);
+            for (int r = 0; r < rows; r++) even[r] += *(const MK_VEC *)(q[r] + pairs) * k_last;
+        }
         for (int r = 0; r < rows; r++) {
             MK_REAL dot = MK_HSUM(even[r] + odd[r]);
-            for (ptrdiff_t c = whole; c < d; c++) dot += q[r][c] * k_j[c];
+            for (ptrdiff_t c = whole; c < d; c++)
+                dot = MK_NAME(mk_fma_one)(q[r][c], MK_NAME(mk_kv_one)(k, k_j + c, kv_bf16), dot);
             s[r * s_ld + j] = dot * scale;
         }
     }
@@ -982,16 +1034,27 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)
 /* mk_decode_scores_rows for 1 to MK_DECODE_ROWS rows */
 static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode_scores_w8,
                             mk_decode_scores_d4, mk_decode_scores_n4, mk_decode_scores_nd2)(
-    MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, ptrdiff_t rows, const MK_REAL *k,
-    ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, MK_REAL scale)
+    MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, ptrdiff_t rows, const void *k,
+    ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, int kv_bf16)
 {
-#define MK_ROWS(count) MK_NAME(mk_decode_scores_rows)(s, s_ld, q, k, k_row, keys, d, scale, count)
-    switch (rows) {
-    case 1: MK_ROWS(1); break;
-    case 2: MK_ROWS(2); break;
-    case 3: MK_ROWS(3); break;
-    default: MK_ROWS(MK_DECODE_ROWS); break;
+#define MK_ROWS(count, bf16) \
+    MK_NAME(mk_decode_scores_rows)(s, s_ld, q, k, k_row, keys, d, scale, count, bf16)
+#define MK_ROWS_OF(bf16)                   \
+    switch (rows) {                        \
+    case 1: MK_ROWS(1, bf16); break;       \
+    case 2: MK_ROWS(2, bf16); break;       \
+    case 3: MK_ROWS(3, bf16); break;       \
+    default: MK_ROWS(MK_DECODE_ROWS, bf16); break; \
     }
+#ifdef MK_F32
+    if (kv_bf16) {
+        MK_ROWS_OF(1)
+        return;
+    }
+#endif
+    (void)kv_bf16;
+    MK_ROWS_OF(0)
+#undef MK_ROWS_OF
 #undef MK_ROWS
 }
 
@@ -1001,8 +1064,8 @@ static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode
  * independent chains of multiply-adds hide their latency whatever the
  * width of the group. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
-    MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
-    const int vectors)
+    MK_REAL *acc, const MK_REAL *p, const void *v, ptrdiff_t v_col, ptrdiff_t v_row,
+    ptrdiff_t keys, const int vectors, const int kv_bf16)
 {
     const int sets = 8 / vectors;
     MK_VEC sum[8];
@@ -1012,16 +1075,44 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
         for (int set = 0; set < sets; set++) {
             MK_REAL p_j = p[j + set];
             if (p_j == 0) continue;
-            const MK_REAL *v_j = v + (j + set) * v_row;
+            const ptrdiff_t v_j = (j + set) * v_row + v_col;
             for (int g = 0; g < vectors; g++)
-                sum[set * vectors + g] += p_j * *(const MK_VEC *)(v_j + g * MK_W);
+                sum[set * vectors + g] += p_j * MK_NAME(mk_kv_vec)(v, v_j + g * MK_W, kv_bf16);
         }
     for (; j < keys; j++)
         if (p[j] != 0)
-            for (int g = 0; g < vectors; g++) sum[g] += p[j] * *(const MK_VEC *)(v + j * v_row + g * MK_W);
+            for (int g = 0; g < vectors; g++)
+                sum[g] += p[j] * MK_NAME(mk_kv_vec)(v, j * v_row + v_col + g * MK_W, kv_bf16);
     for (int set = 1; set < sets; set++)
         for (int g = 0; g < vectors; g++) sum[g] += sum[set * vectors + g];
     for (int g = 0; g < vectors; g++) *(MK_VEC *)(acc + g * MK_W) = sum[g];
+}
+
+/* the columns of mk_decode_pv below */
+static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_columns)(
+    MK_REAL *acc, const MK_REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e,
+    const int kv_bf16)
+{
+    ptrdiff_t c0 = 0;
+    for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W)
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 8, kv_bf16);
+    if (c0 + 4 * MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 4, kv_bf16);
+        c0 += 4 * MK_W;
+    }
+    if (c0 + 2 * MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 2, kv_bf16);
+        c0 += 2 * MK_W;
+    }
+    if (c0 + MK_W <= e) {
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 1, kv_bf16);
+        c0 += MK_W;
+    }
+    for (; c0 < e; c0++)
+        for (ptrdiff_t j = 0; j < keys; j++)
+            if (p[j] != 0)
+                acc[c0] = MK_NAME(mk_fma_one)(p[j], MK_NAME(mk_kv_one)(v, j * v_row + c0, kv_bf16),
+                                              acc[c0]);
 }
 
 /* acc (e) += sum_j p[j] v_j over the keys j < keys with p[j] != 0, rows of
@@ -1030,27 +1121,17 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
  * held in registers, then of 4, 2, 1, then one by one. */
 static inline void MK_TYPED(mk_decode_pv_w16, mk_decode_pv_d8, mk_decode_pv_w8, mk_decode_pv_d4,
                             mk_decode_pv_n4, mk_decode_pv_nd2)(
-    MK_REAL *acc, const MK_REAL *p, const MK_REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
-    ptrdiff_t e)
+    MK_REAL *acc, const MK_REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys,
+    ptrdiff_t e, int kv_bf16)
 {
-    ptrdiff_t c0 = 0;
-    for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W)
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 8);
-    if (c0 + 4 * MK_W <= e) {
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 4);
-        c0 += 4 * MK_W;
+#ifdef MK_F32
+    if (kv_bf16) {
+        MK_NAME(mk_decode_pv_columns)(acc, p, v, v_row, keys, e, 1);
+        return;
     }
-    if (c0 + 2 * MK_W <= e) {
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 2);
-        c0 += 2 * MK_W;
-    }
-    if (c0 + MK_W <= e) {
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v + c0, v_row, keys, 1);
-        c0 += MK_W;
-    }
-    for (; c0 < e; c0++)
-        for (ptrdiff_t j = 0; j < keys; j++)
-            if (p[j] != 0) acc[c0] += p[j] * v[j * v_row + c0];
+#endif
+    (void)kv_bf16;
+    MK_NAME(mk_decode_pv_columns)(acc, p, v, v_row, keys, e, 0);
 }
 
 #if MK_W == 16

@@ -20,10 +20,10 @@
  * in L1, so the cache is read once per kv head, not once per query head.
  *
  * Keys and values held as bfloat16 (kv_bf16: attnx.torch's bfloat16
- * tensors, a KV cache of a model run in bfloat16) are read as they are, a
- * block at a time widened into the thread's scratch while it is in L1:
- * half the bytes of float32 to read, and none of the whole cache widened
- * first, which cost more than the step itself.
+ * tensors, a KV cache of a model run in bfloat16) are read as they are,
+ * each number widened as it is loaded: half the bytes of float32 to read,
+ * and none of the whole cache widened first, which cost more than the step
+ * itself.
  *
  * The band (causal, window), the mask and the bias are applied per row;
  * lse as softmax.c writes it. Dropout and gaussian attention's key term
@@ -47,7 +47,6 @@
 
 #include "attnx.h"
 #include "blas.h" /* vec_real.h declares the BLAS calls */
-#include "convert.h"
 #include "softmax_internal.h"
 
 /* keys per work item: fixed, so that the partial sums (and so the
@@ -75,33 +74,51 @@ int TYPED(softmax_decode_applies_f32, softmax_decode_applies_f64)(const attnx_so
  * (microkernel.h's mk_decode_scores), and acc += P V for one row
  * (mk_decode_pv). */
 typedef struct {
-    void (*scores)(REAL *s, ptrdiff_t s_ld, const REAL *const *q, ptrdiff_t rows, const REAL *k,
-                   ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, REAL scale);
-    void (*add_pv)(REAL *acc, const REAL *p, const REAL *v, ptrdiff_t v_row, ptrdiff_t keys,
-                   ptrdiff_t e);
+    void (*scores)(REAL *s, ptrdiff_t s_ld, const REAL *const *q, ptrdiff_t rows, const void *k,
+                   ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, REAL scale, int kv_bf16);
+    void (*add_pv)(REAL *acc, const REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys,
+                   ptrdiff_t e, int kv_bf16);
 } SFX(decode_kernels);
+
+/* x's number at index `at`: a REAL, or bfloat16 bits widened (kv_bf16,
+ * float32 only) */
+static inline REAL SFX(kv_at)(const void *x, ptrdiff_t at, int kv_bf16)
+{
+#if !REAL_IS_DOUBLE
+    if (kv_bf16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
+        float widened;
+        memcpy(&widened, &bits, sizeof widened);
+        return widened;
+    }
+#endif
+    (void)kv_bf16;
+    return ((const REAL *)x)[at];
+}
 
 /* the plain set's: the same loops in C (vectorised where the compiler can) */
 static ATTNX_HOT void SFX(decode_scores_plain)(REAL *s, ptrdiff_t s_ld, const REAL *const *q,
-                                               ptrdiff_t rows, const REAL *k, ptrdiff_t k_row,
-                                               ptrdiff_t keys, ptrdiff_t d, REAL scale)
+                                               ptrdiff_t rows, const void *k, ptrdiff_t k_row,
+                                               ptrdiff_t keys, ptrdiff_t d, REAL scale,
+                                               int kv_bf16)
 {
     for (ptrdiff_t j = 0; j < keys; j++)
         for (ptrdiff_t r = 0; r < rows; r++) {
             REAL dot = 0;
 #pragma omp simd reduction(+ : dot)
-            for (ptrdiff_t c = 0; c < d; c++) dot += q[r][c] * k[j * k_row + c];
+            for (ptrdiff_t c = 0; c < d; c++) dot += q[r][c] * SFX(kv_at)(k, j * k_row + c, kv_bf16);
             s[r * s_ld + j] = dot * scale;
         }
 }
 
-static ATTNX_HOT void SFX(decode_pv_plain)(REAL *acc, const REAL *p, const REAL *v,
-                                           ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e)
+static ATTNX_HOT void SFX(decode_pv_plain)(REAL *acc, const REAL *p, const void *v,
+                                           ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e,
+                                           int kv_bf16)
 {
     for (ptrdiff_t j = 0; j < keys; j++)
         if (p[j] != 0)
 #pragma omp simd
-            for (ptrdiff_t c = 0; c < e; c++) acc[c] += p[j] * v[j * v_row + c];
+            for (ptrdiff_t c = 0; c < e; c++) acc[c] += p[j] * SFX(kv_at)(v, j * v_row + c, kv_bf16);
 }
 
 static const SFX(decode_kernels) SFX(decode_plain) = {SFX(decode_scores_plain),
@@ -151,30 +168,18 @@ static ATTNX_HOT REAL SFX(decode_weights)(REAL *s, ptrdiff_t count, REAL shift)
     return sum;
 }
 
-/* Keys [b0, b0 + keys) of K or V (row x_row, width numbers a row): in
- * place, or with bfloat16 bits (kv_bf16) widened into `widened` (rows
- * `width` apart); *row: the block's row stride. */
-static const REAL *SFX(decode_block)(const attnx_softmax_args *a, const void *x, ptrdiff_t x_row,
-                                     ptrdiff_t b0, ptrdiff_t keys, ptrdiff_t width,
-                                     REAL *widened, ptrdiff_t *row)
+/* the numbers of key or value row `row` of x (row stride x_row): REAL or
+ * bfloat16 bits (kv_bf16) */
+static const void *SFX(decode_rows)(const attnx_softmax_args *a, const void *x, ptrdiff_t row,
+                                    ptrdiff_t x_row)
 {
-#if !REAL_IS_DOUBLE
-    if (a->kv_bf16) {
-        attnx_widen_rows(widened, width, (const uint16_t *)x + b0 * x_row, x_row, keys, width);
-        *row = width;
-        return widened;
-    }
-#endif
-    (void)a, (void)keys, (void)widened;
-    *row = x_row;
-    return (const REAL *)x + b0 * x_row;
+    return a->kv_bf16 ? (const void *)((const uint16_t *)x + row * x_row)
+                      : (const void *)((const REAL *)x + row * x_row);
 }
 
 /* Work item `item`: chunk item % chunks of group item / chunks, into its
- * rows' partials; s is the thread's scores, widened its room for a block
- * of keys and one of values (kv_bf16). */
-static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL *s,
-                             REAL *widened)
+ * rows' partials; s is the thread's scores. */
+static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL *s)
 {
     const attnx_softmax_args *a = call->a;
     const ptrdiff_t n = a->n, e = a->e, chunks = call->chunks, group = item / chunks;
@@ -203,12 +208,12 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
 
     /* scores: K block by block, each block read by every row */
     for (ptrdiff_t b0 = lo; b0 < hi; b0 += DECODE_BLOCK) {
-        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0), k_row;
-        const REAL *k_block = SFX(decode_block)(a, k, a->k_row, b0, keys, a->d, widened, &k_row);
+        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0);
         for (ptrdiff_t r0 = 0; r0 < rows; r0 += MK_DECODE_ROWS)
             call->kernels->scores(s + r0 * DECODE_CHUNK + (b0 - lo), DECODE_CHUNK, q + r0,
-                                  ATTNX_MIN(MK_DECODE_ROWS, rows - r0), k_block, k_row, keys,
-                                  a->d, scale2);
+                                  ATTNX_MIN(MK_DECODE_ROWS, rows - r0),
+                                  SFX(decode_rows)(a, k, b0, a->k_row), a->k_row, keys, a->d,
+                                  scale2, a->kv_bf16);
     }
 
     /* per row: hide what it does not see, add its bias, its weights */
@@ -240,12 +245,12 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
 
     /* out += P V: V block by block, each block read by every row */
     for (ptrdiff_t b0 = lo; b0 < hi; b0 += DECODE_BLOCK) {
-        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0), v_row;
-        const REAL *v_block = SFX(decode_block)(a, v, a->v_row, b0, keys, e, widened, &v_row);
+        ptrdiff_t keys = ATTNX_MIN(DECODE_BLOCK, hi - b0);
         for (ptrdiff_t r = 0; r < rows; r++)
             call->kernels->add_pv(
                 call->partials + ((head0 * n + r) * chunks + chunk) * (e + 2) + 2,
-                s + r * DECODE_CHUNK + (b0 - lo), v_block, v_row, keys, e);
+                s + r * DECODE_CHUNK + (b0 - lo), SFX(decode_rows)(a, v, b0, a->v_row),
+                a->v_row, keys, e, a->kv_bf16);
     }
 }
 
@@ -311,10 +316,7 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
     int threads = a->num_threads < work ? a->num_threads : (int)work;
     /* waking a second thread costs more than ~a million flops take */
     if ((double)a->heads * n * a->m * (a->d + a->e) < 1e6 || threads < 1) threads = 1;
-    /* the scores; a block of widened keys, then of values (kv_bf16) */
-    const ptrdiff_t score_room = softmax_lines(DECODE_MAX_ROWS * DECODE_CHUNK, sizeof(REAL));
-    const ptrdiff_t per_thread =
-        score_room + (a->kv_bf16 ? DECODE_BLOCK * ATTNX_MAX(a->d, a->e) : 0);
+    const ptrdiff_t per_thread = softmax_lines(DECODE_MAX_ROWS * DECODE_CHUNK, sizeof(REAL));
     shares = malloc((size_t)threads * sizeof *shares);
     scores = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(REAL));
     if (!shares || !scores) goto done;
@@ -323,7 +325,7 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
     if (threads == 1) {
         for (ptrdiff_t item = 0; item < work; item++) {
             if (attnx_interrupted(a->interrupt, 1)) break;
-            SFX(decode_item)(&call, item, scores, scores + score_room);
+            SFX(decode_item)(&call, item, scores);
         }
         if (!(a->interrupt && a->interrupt->stopped))
             for (ptrdiff_t row = 0; row < a->heads * n; row++) SFX(decode_merge)(&call, row);
@@ -335,8 +337,7 @@ int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
             int self = omp_get_thread_num(), team = omp_get_num_threads();
             for (ptrdiff_t item; !attnx_interrupted(a->interrupt, self == 0) &&
                                  (item = softmax_claim_item(shares, threads, self)) >= 0;)
-                SFX(decode_item)(&call, item, scores + per_thread * self,
-                                 scores + per_thread * self + score_room);
+                SFX(decode_item)(&call, item, scores + per_thread * self);
 #pragma omp barrier
             if (!(a->interrupt && a->interrupt->stopped))
                 for (ptrdiff_t row = self; row < a->heads * n; row += team)

@@ -303,13 +303,13 @@ def test_inputs_are_not_modified():
 
 # ------------------------------------------- keys and values as bfloat16
 
-def _kv_case(seed, n, m, layout):
+def _kv_case(seed, n, m, layout, d=32):
     """q (float32) and k, v as bfloat16 bits for a call of n queries
-    against m keys; `layout` "contiguous", "strided" (k, v permuted views of
-    one (B, m, 2, H, d) array, as a [B, m, H, d] cache is held), or
-    "grouped" (k, v of one head broadcast over four, stride 0)"""
+    against m keys of d features; `layout` "contiguous", "strided" (k, v
+    permuted views of one (B, m, 2, H, d) array, as a [B, m, H, d] cache is
+    held), or "grouped" (k, v of one head broadcast over four, stride 0)"""
     rng = np.random.default_rng(seed)
-    B, H, d = 2, 4, 32
+    B, H = 2, 4
     q = rng.standard_normal((B, H, n, d), dtype=np.float32)
     if layout == "strided":
         kv = narrow(rng.standard_normal((B, m, 2, H, d), dtype=np.float32))
@@ -327,15 +327,16 @@ SOFTMAX_SETS = kernels_here("softmax_forward")
 
 @pytest.mark.parametrize("held", SOFTMAX_SETS)
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "grouped"])
-@pytest.mark.parametrize("n, m", [(1, 700), (5, 128), (8, 1500), (9, 300), (3, 100)])
-def test_bf16_keys_and_values_give_the_widened_calls_bits(held, layout, n, m):
+@pytest.mark.parametrize("n, m, d", [(1, 700, 32), (5, 128, 48), (8, 1500, 40), (2, 200, 20),
+                                     (9, 300, 32), (3, 100, 32)])
+def test_bf16_keys_and_values_give_the_widened_calls_bits(held, layout, n, m, d):
     """softmax_attention's private _bf16_kv (attnx.torch's bfloat16 keys and
     values, a bfloat16 KV cache): the same out and lse, bit for bit, as the
     call on the widened arrays, whether the decoding path reads the bits
-    (at most 8 queries, at least 128 keys) or another widens them first
-    (9 queries; 100 keys); with a causal band, a window, a key-padding mask
-    and a bias; the bits left as they were"""
-    q, k, v = _kv_case(n * m, n, m, layout)
+    (at most 8 queries, at least 128 keys; d and e whole vectors or not) or
+    another widens them first (9 queries; 100 keys); with a causal band, a
+    window, a key-padding mask and a bias; the bits left as they were"""
+    q, k, v = _kv_case(n * m, n, m, layout, d)
     before = k.copy(), v.copy()
     mask = np.ones((2, 1, 1, m), bool)
     mask[1, ..., m // 3:] = False
