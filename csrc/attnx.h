@@ -103,8 +103,8 @@ typedef struct {
      * 0: float32 accuracy */
     int bf16_products;
     /* k and v hold bfloat16 bits (uint16_t, with k_row, v_row and their
-     * offsets counting those), widened a block of keys at a time where the
-     * decoding path reads them: float32 calls that it takes only
+     * offsets counting those), widened as the decoding kernels load them:
+     * float32 calls that the decoding path takes only
      * (softmax_decode_applies); others return ATTNX_EINVAL */
     int kv_bf16;
 } attnx_softmax_args;

@@ -36,14 +36,6 @@
 
 /* ---------------------------------------------------------- one element */
 
-static inline float widen_one(uint16_t half)
-{
-    uint32_t bits = (uint32_t)half << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
 /* round to nearest, ties to even: add just under half a bfloat16 unit,
  * plus one when the kept part is odd, then drop the low 16 bits (a carry
  * into the exponent is the correct rounding up, up to infinity). NaN is
@@ -63,9 +55,9 @@ static CONVERT_HOT void widen_row(float *dst, const uint16_t *src, ptrdiff_t str
                                   ptrdiff_t count)
 {
     if (stride == 1) {
-        for (ptrdiff_t i = 0; i < count; i++) dst[i] = widen_one(src[i]);
+        for (ptrdiff_t i = 0; i < count; i++) dst[i] = attnx_bf16_widened(src[i]);
     } else {
-        for (ptrdiff_t i = 0; i < count; i++) dst[i] = widen_one(src[i * stride]);
+        for (ptrdiff_t i = 0; i < count; i++) dst[i] = attnx_bf16_widened(src[i * stride]);
     }
 }
 

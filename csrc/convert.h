@@ -9,6 +9,16 @@
 #define ATTNX_CONVERT_H
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+/* one bfloat16 number (its bits) as a float32: exact */
+static inline float attnx_bf16_widened(uint16_t bits)
+{
+    uint32_t wide = (uint32_t)bits << 16;
+    float x;
+    memcpy(&x, &wide, sizeof x);
+    return x;
+}
 
 /* this build has VCVTNEPS2BF16 narrowing (avx512_bf16), which the
  * conversions' table (dispatch.c) offers where the CPU has it; it gives

@@ -3,8 +3,8 @@
  * names' suffix, CV_TARGET and CV_TARGET_POP around the bodies): AVX2 and
  * NEON from one source, in GNU vector extensions.
  *
- * The same integer arithmetic as widen_one and narrow_one, lane by lane, so
- * the bits are theirs: widening moves each bfloat16 into the upper half of
+ * The same integer arithmetic as attnx_bf16_widened (convert.h) and
+ * narrow_one, lane by lane, so the bits are theirs: widening moves each bfloat16 into the upper half of
  * a 32-bit lane; narrowing adds 0x7fff plus the kept part's lowest bit,
  * shifts right by 16 and keeps NaN quiet (| 0x40) where the input is one.
  * A strided source, and the tail of a row, go one element at a time. */
@@ -30,7 +30,7 @@ static void CV_NAME(widen_row)(float *dst, const uint16_t *src, ptrdiff_t stride
     if (stride == 1)
         for (; i + CV_LANES <= count; i += CV_LANES)
             *(CV_U32 *)(dst + i) = __builtin_convertvector(*(const CV_U16 *)(src + i), CV_U32) << 16;
-    for (; i < count; i++) dst[i] = widen_one(src[i * stride]);
+    for (; i < count; i++) dst[i] = attnx_bf16_widened(src[i * stride]);
 }
 
 static void CV_NAME(narrow_row)(uint16_t *dst, const float *src, ptrdiff_t stride, ptrdiff_t count)

@@ -50,6 +50,7 @@
 #include <string.h>
 
 #include "attnx.h"
+#include "convert.h"
 #include "portable.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -958,29 +959,27 @@ typedef uint32_t MK_NAME(mk_f32_bits) __attribute__((vector_size(MK_W * 4)));
 
 /* the vector of x's numbers from index `at` (of MK_REAL, or of bfloat16
  * bits widened: exact) */
-static inline __attribute__((always_inline)) MK_VEC MK_NAME(mk_kv_vec)(const void *x, ptrdiff_t at,
+static inline __attribute__((always_inline)) MK_VEC MK_NAME(mk_kv_vec)(const void *x,
+                                                                         ptrdiff_t at,
                                                                          const int kv_bf16)
 {
 #ifdef MK_F32
-    if (kv_bf16)
-        return (MK_VEC)(__builtin_convertvector(*(const MK_NAME(mk_bf16_bits) *)((const uint16_t *)x + at),
-                                                MK_NAME(mk_f32_bits)) << 16);
+    if (kv_bf16) {
+        MK_NAME(mk_bf16_bits) bits = *(const MK_NAME(mk_bf16_bits) *)((const uint16_t *)x + at);
+        return (MK_VEC)(__builtin_convertvector(bits, MK_NAME(mk_f32_bits)) << 16);
+    }
 #endif
     (void)kv_bf16;
     return *(const MK_VEC *)((const MK_REAL *)x + at);
 }
 
 /* the same for one number */
-static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_kv_one)(const void *x, ptrdiff_t at,
+static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_kv_one)(const void *x,
+                                                                          ptrdiff_t at,
                                                                           const int kv_bf16)
 {
 #ifdef MK_F32
-    if (kv_bf16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
-        float widened;
-        memcpy(&widened, &bits, sizeof widened);
-        return widened;
-    }
+    if (kv_bf16) return attnx_bf16_widened(((const uint16_t *)x)[at]);
 #endif
     (void)kv_bf16;
     return ((const MK_REAL *)x)[at];
@@ -993,8 +992,9 @@ static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_kv_one)(const vo
 static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_fma_one)(MK_REAL a, MK_REAL b,
                                                                            MK_REAL c)
 {
-    return sizeof(MK_REAL) == sizeof(float) ? (MK_REAL)__builtin_fmaf((float)a, (float)b, (float)c)
-                                            : (MK_REAL)__builtin_fma((double)a, (double)b, (double)c);
+    if (sizeof(MK_REAL) == sizeof(float))
+        return (MK_REAL)__builtin_fmaf((float)a, (float)b, (float)c);
+    return (MK_REAL)__builtin_fma((double)a, (double)b, (double)c);
 }
 
 /* s[r s_ld + j] = scale q_r . k_j for the `rows` rows q[r] (a constant

@@ -47,6 +47,7 @@
 
 #include "attnx.h"
 #include "blas.h" /* vec_real.h declares the BLAS calls */
+#include "convert.h"
 #include "softmax_internal.h"
 
 /* keys per work item: fixed, so that the partial sums (and so the
@@ -85,12 +86,7 @@ typedef struct {
 static inline REAL SFX(kv_at)(const void *x, ptrdiff_t at, int kv_bf16)
 {
 #if !REAL_IS_DOUBLE
-    if (kv_bf16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
-        float widened;
-        memcpy(&widened, &bits, sizeof widened);
-        return widened;
-    }
+    if (kv_bf16) return attnx_bf16_widened(((const uint16_t *)x)[at]);
 #endif
     (void)kv_bf16;
     return ((const REAL *)x)[at];
