@@ -70,9 +70,9 @@ def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropou
     else:
         options = _softmax_options(variant, param, causal, window, dropout_p, seed)
         if variant == "softmax" and k.dtype == torch.bfloat16:
-            # keys and values as their bits: the decoding path reads them
-            # in place, a block at a time (a bfloat16 KV cache is not
-            # widened whole at every step); another path widens them in C
+            # keys and values as their bits: the decoding kernels widen
+            # them as they load them (a bfloat16 KV cache is not widened
+            # whole at every step); another path widens them in C first
             args = (_wide_np(q), _bf16_bits(k), _bf16_bits(v))
             options["_bf16_kv"] = True
         else:
