@@ -50,10 +50,24 @@ def pair(model_class, config, tmp_path):
     return ours, reference
 
 
-def llama_config():
+def llama_config(positions=64):
     return transformers.LlamaConfig(
         vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=positions)
+
+
+def bfloat16_llamas(positions=64):
+    """The same random bfloat16 Llama under "attnx" and under "sdpa" (each
+    its own config: the implementation is the config's)."""
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM._from_config(llama_config(positions),
+                                                           attn_implementation="sdpa")
+    reference = reference.to(torch.bfloat16)
+    ours = transformers.LlamaForCausalLM._from_config(llama_config(positions),
+                                                      attn_implementation="attnx")
+    ours = ours.to(torch.bfloat16)
+    ours.load_state_dict(reference.state_dict())
+    return ours, reference
 
 
 def bert_config():
@@ -194,12 +208,7 @@ def test_decoder_in_bfloat16_trains(kernel_calls):
     bfloat16 rounding of the same model run through torch's SDPA."""
     ids, mask = left_padded_batch()
     labels = ids.masked_fill(mask == 0, -100)
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM._from_config(llama_config(), attn_implementation="sdpa")
-    reference = reference.to(torch.bfloat16)
-    ours = transformers.LlamaForCausalLM._from_config(llama_config(), attn_implementation="attnx")
-    ours = ours.to(torch.bfloat16)
-    ours.load_state_dict(reference.state_dict())
+    ours, reference = bfloat16_llamas()
     out = ours(ids, attention_mask=mask, labels=labels)
     assert out.logits.dtype == torch.bfloat16
     grads = parameter_grads(ours, out.loss)
@@ -220,17 +229,7 @@ def test_decoder_in_bfloat16_decodes_against_its_cache_in_place(monkeypatch):
     keys, past the decoding path's 128): attnx is handed the keys and
     values as their bfloat16 bits (read in place, no widened copy), and the
     step's logits are those of "sdpa" within bfloat16 rounding."""
-    def config():
-        config = llama_config()
-        config.max_position_embeddings = 256
-        return config
-
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM._from_config(config(), attn_implementation="sdpa")
-    reference = reference.to(torch.bfloat16)
-    ours = transformers.LlamaForCausalLM._from_config(config(), attn_implementation="attnx")
-    ours = ours.to(torch.bfloat16)
-    ours.load_state_dict(reference.state_dict())
+    ours, reference = bfloat16_llamas(positions=256)
     ids = torch.randint(1, 97, (1, 201), generator=torch.Generator().manual_seed(2))
     steps = {}
     for name, model in (("attnx", ours), ("sdpa", reference)):

@@ -55,6 +55,15 @@ def _softmax_kernels(variant):
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def _bf16_kv_args(q, k, v, options):
+    """softmax_attention's q, k, v for bfloat16 tensors, its options told so:
+    q widened, the keys and values as their bits, which the decoding
+    kernels widen as they load them (a bfloat16 KV cache is not widened
+    whole at every step; another path widens them in C first)"""
+    options["_bf16_kv"] = True
+    return _wide_np(q), _bf16_bits(k), _bf16_bits(v)
+
+
 def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     """The operator's computation (_softmax_op), which calls that build no
     graph run directly (_softmax_apply)"""
@@ -70,11 +79,7 @@ def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropou
     else:
         options = _softmax_options(variant, param, causal, window, dropout_p, seed)
         if variant == "softmax" and k.dtype == torch.bfloat16:
-            # keys and values as their bits: the decoding kernels widen
-            # them as they load them (a bfloat16 KV cache is not widened
-            # whole at every step); another path widens them in C first
-            args = (_wide_np(q), _bf16_bits(k), _bf16_bits(v))
-            options["_bf16_kv"] = True
+            args = _bf16_kv_args(q, k, v, options)
         else:
             args = (_wide_np(q), _wide_np(k), _wide_np(v))
         if variant == "gaussian":
@@ -542,8 +547,8 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         return None
     options = {"scale": scale, "causal": "upper_left" if is_causal else False}
     if dtype == torch.bfloat16:
-        q, k, v = _wide_np(query), _bf16_bits(key), _bf16_bits(value)
-        options.update(_bf16_kv=True, _bf16_products=True)
+        options["_bf16_products"] = True
+        q, k, v = _bf16_kv_args(query, key, value, options)
     else:
         q, k, v = query.detach().numpy(), key.detach().numpy(), value.detach().numpy()
     heads = groups = 1
