@@ -56,17 +56,20 @@ CHILD = textwrap.dedent("""
     else:
         run()
 
-    def name(tid):
-        # the joined Python thread may still be listed and then vanish: its
-        # OS thread ends a moment after join() returns
+    def helper_mask(tid):
+        # the joined Python thread may still be listed and then vanish (its
+        # OS thread ends a moment after join() returns), between the listing
+        # and either read: it is not a helper, whose threads live on
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                return f.read().strip()
-        except FileNotFoundError:
+                if f.read().strip() != "attnx-team":
+                    return None
+            return sorted(os.sched_getaffinity(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):
             return None
 
-    helpers = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")
-               if name(tid) == "attnx-team"]
+    masks = [helper_mask(tid) for tid in os.listdir("/proc/self/task")]
+    helpers = [mask for mask in masks if mask is not None]
     print(json.dumps({"main": caller, "helpers": helpers,
                       "equal": all(np.array_equal(a, b) for a, b in zip(alone, split))}))
 """)
