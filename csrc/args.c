@@ -579,16 +579,16 @@ static PyArrayObject *cast_broadcast_once(PyArrayObject *array, int typenum, int
 static int convert_input(attnx_operand *op, int typenum, int flags)
 {
     if (flags & ATTNX_BOOL) return 0;
-    if (flags & ATTNX_BF16_BITS) {
+    if (flags & ATTNX_HALF) {
         PyArrayObject *array = op->array;
-        if (PyArray_TYPE(array) != NPY_INT16 && PyArray_TYPE(array) != NPY_UINT16) {
-            PyErr_Format(PyExc_TypeError, "%s must hold bfloat16 bits (int16 or uint16), got "
-                         "dtype %R", op->name, (PyObject *)PyArray_DESCR(array));
+        if (!attnx_half_format_of(array)) {
+            PyErr_Format(PyExc_TypeError, "%s must be float16 or hold bfloat16 bits (int16 or "
+                         "uint16), got dtype %R", op->name, (PyObject *)PyArray_DESCR(array));
             return -1;
         }
         if (!PyArray_ISALIGNED(array) || !PyArray_ISNOTSWAPPED(array)) {
-            PyErr_Format(PyExc_ValueError, "%s: bfloat16 bits must be aligned and in native "
-                         "byte order", op->name);
+            PyErr_Format(PyExc_ValueError, "%s: half-precision numbers must be aligned and in "
+                         "native byte order", op->name);
             return -1;
         }
         if (!layout_ok(array, op->core_ndim, flags & ATTNX_BROADCAST_ROWS)) {

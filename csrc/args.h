@@ -91,7 +91,8 @@ enum {
                                     (which takes a row stride of 0): a broadcast row axis
                                     (stride 0, np.broadcast_to one row) is read as one row,
                                     never copied */
-    ATTNX_BF16_BITS = 1 << 11,   /* bfloat16 numbers as their bits (int16 or uint16; else a
+    ATTNX_HALF = 1 << 11,        /* half-precision numbers read as they are: float16, or
+                                    bfloat16 as its bits (int16 or uint16; else a
                                     TypeError), aligned and in native order: no part in the
                                     compute dtype, never cast, copied once where its kernel
                                     could not read its layout */
@@ -260,11 +261,15 @@ attnx_interrupt attnx_interrupt_for_call(void);
  * the signal handler's exception for ATTNX_EINTR); 0 for ATTNX_OK, else -1. */
 int attnx_check_status(int status);
 
-/* job = src converted into dst between bfloat16 bits (int16 or uint16) and
- * float32 (convert.h), after checking both (module.c); -1 with an exception
- * whose message starts with `name` */
+/* job = src converted into dst between a half-precision format (float16,
+ * or bfloat16 bits as int16 or uint16) and float32 (convert.h), after
+ * checking both (module.c); -1 with an exception whose message starts with
+ * `name` */
 struct attnx_conversion;
-int attnx_prepare_bf16_conversion(PyArrayObject *src, PyArrayObject *dst,
+int attnx_prepare_half_conversion(PyArrayObject *src, PyArrayObject *dst,
                                   struct attnx_conversion *job, const char *name);
+/* an array's half-precision format (convert.h's attnx_half_format: NPY_HALF
+ * is float16, int16 and uint16 hold bfloat16 bits); 0 for other dtypes */
+int attnx_half_format_of(PyArrayObject *array);
 
 #endif

@@ -102,11 +102,13 @@ typedef struct {
      * the forward the AVX-512 micro-kernels, softmax_mk.c, not AMX's);
      * 0: float32 accuracy */
     int bf16_products;
-    /* k and v hold bfloat16 bits (uint16_t, with k_row, v_row and their
-     * offsets counting those), widened as the decoding kernels load them:
-     * float32 calls that the decoding path takes only
-     * (softmax_decode_applies); others return ATTNX_EINVAL */
-    int kv_bf16;
+    /* 0: k and v hold numbers of the call's type; ATTNX_BF16 or ATTNX_F16
+     * (convert.h's attnx_half_format): they hold half-precision bits
+     * (uint16_t, with k_row, v_row and their offsets counting those),
+     * widened as the decoding kernels load them: float32 calls that the
+     * decoding path takes only (softmax_decode_applies); others return
+     * ATTNX_EINVAL */
+    int kv_half;
 } attnx_softmax_args;
 
 int attnx_softmax_fwd_f32(const attnx_softmax_args *args);

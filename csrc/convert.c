@@ -1,6 +1,7 @@
-/* convert.c - bfloat16 <-> float32 over strided arrays (convert.h).
+/* convert.c - bfloat16 and float16 <-> float32 over strided arrays
+ * (convert.h).
  *
- * attnx.torch computes bfloat16 tensors in float32: every input is widened
+ * attnx.torch computes bfloat16 and float16 tensors in float32: every input is widened
  * once on the way in and every result and gradient narrowed once on the way
  * out. Done here rather than by torch's .to() so that it runs on attnx's
  * own threads, reads strided tensors (a transposed head layout, a
@@ -19,8 +20,10 @@
 #include "portable.h"
 #include "dispatch.h"
 
-#ifdef ATTNX_CONVERT_X86
+#if defined(ATTNX_CONVERT_X86) || defined(ATTNX_X86_KERNELS)
 #include <immintrin.h>
+#elif defined(ATTNX_NEON_KERNELS)
+#include <arm_neon.h>
 #endif
 
 #define CONVERT_HOT ATTNX_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
@@ -49,6 +52,33 @@ static inline uint16_t narrow_one(float x)
                                               : (uint16_t)rounded;
 }
 
+/* to nearest, ties to even, as VCVTPS2PH (F16C) and NEON's FCVTN do:
+ * overflow to infinity, float16 subnormals below 2^-14, NaN made quiet
+ * with the upper bits of its payload */
+static inline uint16_t f16_narrow_one(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu);
+    /* 65520, half way from the largest float16 (65504) to 2^16, and up */
+    if (magnitude >= 0x477ff000u) return sign | 0x7c00u;
+    if (magnitude >= 0x38800000u) {
+        /* a normal float16: the exponent rebiased, 13 mantissa bits
+         * rounded off (a carry into the exponent is the right result) */
+        uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+        return sign | (uint16_t)((rounded - ((127u - 15u) << 23)) >> 13);
+    }
+    /* a subnormal: units of 2^-24; at most 2^-25 (a tie with zero) is 0 */
+    uint32_t exponent = magnitude >> 23;
+    if (exponent < 102) return sign;
+    uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u, shift = 126 - exponent;
+    uint32_t kept = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
+    kept += rest > half || (rest == half && (kept & 1u));
+    return sign | (uint16_t)kept;
+}
+
 /* ---------------------------------------------------------- one row */
 
 static CONVERT_HOT void widen_row(float *dst, const uint16_t *src, ptrdiff_t stride,
@@ -69,6 +99,18 @@ static CONVERT_HOT void narrow_row_portable(uint16_t *dst, const float *src, ptr
     } else {
         for (ptrdiff_t i = 0; i < count; i++) dst[i] = narrow_one(src[i * stride]);
     }
+}
+
+static CONVERT_HOT void f16_widen_row(float *dst, const uint16_t *src, ptrdiff_t stride,
+                                     ptrdiff_t count)
+{
+    for (ptrdiff_t i = 0; i < count; i++) dst[i] = attnx_f16_widened(src[i * stride]);
+}
+
+static CONVERT_HOT void f16_narrow_row(uint16_t *dst, const float *src, ptrdiff_t stride,
+                                       ptrdiff_t count)
+{
+    for (ptrdiff_t i = 0; i < count; i++) dst[i] = f16_narrow_one(src[i * stride]);
 }
 
 #ifdef ATTNX_CONVERT_X86
@@ -112,6 +154,48 @@ __attribute__((target("avx512f,avx512bf16"))) static void narrow_row_avx512(
 #define CV_TARGET
 #define CV_TARGET_POP
 #include "convert_vec.h"
+#endif
+
+/* float16 rows by the instructions: F16C (every CPU with AVX2), NEON */
+#if defined(ATTNX_X86_KERNELS)
+ATTNX_TARGET_PUSH("avx2,f16c")
+static void f16_widen_row_avx2(float *dst, const uint16_t *src, ptrdiff_t stride, ptrdiff_t count)
+{
+    ptrdiff_t i = 0;
+    if (stride == 1)
+        for (; i + 8 <= count; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < count; i++) dst[i] = attnx_f16_widened(src[i * stride]);
+}
+
+static void f16_narrow_row_avx2(uint16_t *dst, const float *src, ptrdiff_t stride, ptrdiff_t count)
+{
+    ptrdiff_t i = 0;
+    if (stride == 1)
+        for (; i + 8 <= count; i += 8)
+            _mm_storeu_si128((__m128i *)(dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < count; i++) dst[i] = f16_narrow_one(src[i * stride]);
+}
+ATTNX_TARGET_POP
+#elif defined(ATTNX_NEON_KERNELS)
+static void f16_widen_row_neon(float *dst, const uint16_t *src, ptrdiff_t stride, ptrdiff_t count)
+{
+    ptrdiff_t i = 0;
+    if (stride == 1)
+        for (; i + 4 <= count; i += 4)
+            vst1q_f32(dst + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(src + i))));
+    for (; i < count; i++) dst[i] = attnx_f16_widened(src[i * stride]);
+}
+
+static void f16_narrow_row_neon(uint16_t *dst, const float *src, ptrdiff_t stride, ptrdiff_t count)
+{
+    ptrdiff_t i = 0;
+    if (stride == 1)
+        for (; i + 4 <= count; i += 4)
+            vst1_u16(dst + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + i))));
+    for (; i < count; i++) dst[i] = f16_narrow_one(src[i * stride]);
+}
 #endif
 
 /* ---------------------------------------------------------- the walk */
@@ -181,36 +265,46 @@ static void convert_span(widen_fn widen, narrow_fn narrow, void *dst, const void
     }
 }
 
-static widen_fn chosen_widen(void)
+/* the rows of the conversions' kernel set (dispatch.h); the AVX-512 set
+ * narrows bfloat16 by VCVTNEPS2BF16 and does the rest as the AVX2 set */
+static widen_fn chosen_widen(attnx_half_format format)
 {
+    int set = attnx_kernels(ATTNX_FAMILY_CONVERT);
+    (void)set;
 #if defined(ATTNX_X86_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) return widen_row_avx2;
+    if (set == ATTNX_KERNELS_AVX2 || set == ATTNX_KERNELS_AVX512_BF16)
+        return format == ATTNX_F16 ? f16_widen_row_avx2 : widen_row_avx2;
 #elif defined(ATTNX_NEON_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) return widen_row_neon;
+    if (set == ATTNX_KERNELS_NEON) return format == ATTNX_F16 ? f16_widen_row_neon : widen_row_neon;
 #endif
-    return widen_row;
+    return format == ATTNX_F16 ? f16_widen_row : widen_row;
 }
 
-static narrow_fn chosen_narrow(void)
+static narrow_fn chosen_narrow(attnx_half_format format)
 {
+    int set = attnx_kernels(ATTNX_FAMILY_CONVERT);
+    (void)set;
 #ifdef ATTNX_CONVERT_X86
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX512_BF16) return narrow_row_avx512;
+    if (set == ATTNX_KERNELS_AVX512_BF16 && format == ATTNX_BF16) return narrow_row_avx512;
 #endif
 #if defined(ATTNX_X86_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_AVX2) return narrow_row_avx2;
+    if (set == ATTNX_KERNELS_AVX2 || set == ATTNX_KERNELS_AVX512_BF16)
+        return format == ATTNX_F16 ? f16_narrow_row_avx2 : narrow_row_avx2;
 #elif defined(ATTNX_NEON_KERNELS)
-    if (attnx_kernels(ATTNX_FAMILY_CONVERT) == ATTNX_KERNELS_NEON) return narrow_row_neon;
+    if (set == ATTNX_KERNELS_NEON) return format == ATTNX_F16 ? f16_narrow_row_neon : narrow_row_neon;
 #endif
-    return narrow_row_portable;
+    return format == ATTNX_F16 ? f16_narrow_row : narrow_row_portable;
 }
 
 int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, int widen,
-                             int ndim, const ptrdiff_t *shape, const ptrdiff_t *src_strides)
+                             attnx_half_format format, int ndim, const ptrdiff_t *shape,
+                             const ptrdiff_t *src_strides)
 {
     if (ndim < 1 || ndim > ATTNX_CONVERT_MAX_DIMS) return -1;
     job->dst = dst;
     job->src = src;
     job->widen = widen;
+    job->format = format;
     job->total = collapse(&job->from, ndim, shape, src_strides);
     return 0;
 }
@@ -225,7 +319,8 @@ static void convert_piece(const attnx_conversion *job, ptrdiff_t piece)
 {
     ptrdiff_t first = piece * PIECE;
     ptrdiff_t last = first + PIECE < job->total ? first + PIECE : job->total;
-    convert_span(job->widen ? chosen_widen() : NULL, job->widen ? NULL : chosen_narrow(),
+    convert_span(job->widen ? chosen_widen(job->format) : NULL,
+                 job->widen ? NULL : chosen_narrow(job->format),
                  job->dst, job->src, &job->from, first, last);
 }
 
@@ -237,22 +332,4 @@ void attnx_conversion_run(const attnx_conversion *job)
         threads = job->total / PER_THREAD > 1 ? (int)(job->total / PER_THREAD) : 1;
     #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
     for (ptrdiff_t piece = 0; piece < pieces; piece++) convert_piece(job, piece);
-}
-
-int attnx_bf16_to_float(float *dst, const uint16_t *src, int ndim, const ptrdiff_t *shape,
-                        const ptrdiff_t *src_strides)
-{
-    attnx_conversion job;
-    if (attnx_conversion_prepare(&job, dst, src, 1, ndim, shape, src_strides) < 0) return -1;
-    attnx_conversion_run(&job);
-    return 0;
-}
-
-int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff_t *shape,
-                        const ptrdiff_t *src_strides)
-{
-    attnx_conversion job;
-    if (attnx_conversion_prepare(&job, dst, src, 0, ndim, shape, src_strides) < 0) return -1;
-    attnx_conversion_run(&job);
-    return 0;
 }

@@ -1,15 +1,19 @@
-/* convert.h - bfloat16 <-> float32 conversion (convert.c), for the
+/* convert.h - half precision <-> float32 conversion (convert.c), for the
  * half-precision tensors attnx.torch computes in float32.
  *
- * bfloat16 is the upper half of a float32: 1 sign, 8 exponent and 7
- * mantissa bits, held here as uint16_t bit patterns. Widening is exact;
- * narrowing rounds to nearest, ties to even (denormals kept, infinities
- * kept, NaN stays NaN with its sign). */
+ * Two formats, held here as uint16_t bit patterns (attnx_half_format):
+ * bfloat16, the upper half of a float32 (1 sign, 8 exponent and 7 mantissa
+ * bits), and IEEE float16 (1, 5 and 10). Widening is exact; narrowing
+ * rounds to nearest, ties to even (denormals kept, overflow to infinity,
+ * NaN stays NaN with its sign, made quiet). Every path, scalar or vector,
+ * gives the same bits. */
 #ifndef ATTNX_CONVERT_H
 #define ATTNX_CONVERT_H
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+typedef enum { ATTNX_BF16 = 1, ATTNX_F16 = 2 } attnx_half_format;
 
 /* one bfloat16 number (its bits) as a float32: exact */
 static inline float attnx_bf16_widened(uint16_t bits)
@@ -18,6 +22,22 @@ static inline float attnx_bf16_widened(uint16_t bits)
     float x;
     memcpy(&x, &wide, sizeof x);
     return x;
+}
+
+/* one float16 number (its bits) as a float32: exact. A signalling NaN
+ * comes out quiet, as from F16C's VCVTPH2PS and NEON's FCVTL. Selects
+ * rather than branches, so that the plain loops that call it vectorise. */
+static inline float attnx_f16_widened(uint16_t bits)
+{
+    uint32_t exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+    /* normal numbers, infinities and NaN: the fields moved, rebiased */
+    uint32_t fields = (exponent == 0x1f ? 0x7f800000u | (mantissa ? 0x00400000u : 0)
+                                        : (exponent + 127 - 15) << 23) | mantissa << 13;
+    float magnitude;
+    memcpy(&magnitude, &fields, sizeof magnitude);
+    /* zero and the subnormals: mantissa units of 2^-24, exact in a float */
+    magnitude = exponent == 0 ? (float)mantissa * 0x1p-24f : magnitude;
+    return bits & 0x8000u ? -magnitude : magnitude;
 }
 
 /* this build has VCVTNEPS2BF16 narrowing (avx512_bf16), which the
@@ -36,30 +56,25 @@ typedef struct {
     ptrdiff_t strides[ATTNX_CONVERT_MAX_DIMS];
 } attnx_conversion_layout;
 
-/* One conversion, dst (C order) = src widened (widen: bfloat16 bits to
- * float32) or narrowed, prepared by attnx_conversion_prepare (shape and
- * strides as for attnx_bf16_to_float below; -1 for ndim out of range). */
+/* One conversion, dst (C order) = src widened (widen: half-precision bits
+ * of `format` to float32) or float32 narrowed to them, prepared by
+ * attnx_conversion_prepare. src: `ndim` axes of sizes shape[0..ndim),
+ * strides src_strides in elements (any sign, 0 for a broadcast axis);
+ * 1 <= ndim <= ATTNX_CONVERT_MAX_DIMS, else -1. */
 typedef struct attnx_conversion {
     void *dst;
     const void *src;
     int widen;
+    attnx_half_format format;
     ptrdiff_t total;                  /* elements */
     attnx_conversion_layout from;     /* src's layout, axes merged */
 } attnx_conversion;
 
 int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, int widen,
-                             int ndim, const ptrdiff_t *shape, const ptrdiff_t *src_strides);
+                             attnx_half_format format, int ndim, const ptrdiff_t *shape,
+                             const ptrdiff_t *src_strides);
 
 /* job, on attnx's threads when it has enough work */
 void attnx_conversion_run(const attnx_conversion *job);
-
-/* dst (C order, the shape of src) = src widened or narrowed.
- * src: `ndim` axes of sizes shape[0..ndim), strides src_strides in
- * elements (any sign, 0 for a broadcast axis). ndim >= 1. Runs on
- * attnx's threads when there is enough work. Returns 0. */
-int attnx_bf16_to_float(float *dst, const uint16_t *src, int ndim, const ptrdiff_t *shape,
-                        const ptrdiff_t *src_strides);
-int attnx_float_to_bf16(uint16_t *dst, const float *src, int ndim, const ptrdiff_t *shape,
-                        const ptrdiff_t *src_strides);
 
 #endif

@@ -42,6 +42,7 @@ static uint64_t xgetbv0(void)
 
 static const char *const feature_names[ATTNX_CPU_FEATURES] = {
     [ATTNX_CPU_AVX2] = "AVX2",           [ATTNX_CPU_FMA3] = "FMA3",
+    [ATTNX_CPU_F16C] = "F16C",
     [ATTNX_CPU_AVX512F] = "AVX512F",     [ATTNX_CPU_AVX512DQ] = "AVX512DQ",
     [ATTNX_CPU_AVX512BW] = "AVX512BW",   [ATTNX_CPU_AVX512VL] = "AVX512VL",
     [ATTNX_CPU_AVX512_BF16] = "AVX512_BF16",
@@ -60,6 +61,7 @@ static attnx_cpu_set detect_x86(void)
     unsigned max_leaf = r[0];
     cpuid(1, 0, r);
     int osxsave = (r[2] >> 27) & 1, avx = (r[2] >> 28) & 1, fma = (r[2] >> 12) & 1;
+    int f16c = (r[2] >> 29) & 1;
     if (!osxsave || !avx) return 0;
     /* the registers the operating system saves: ymm (bits 1, 2), zmm and
      * the mask registers (5, 6, 7), the tile configuration and data (17, 18) */
@@ -72,6 +74,7 @@ static attnx_cpu_set detect_x86(void)
     }
     if (ymm && (leaf7[1] >> 5) & 1) set |= ATTNX_CPU_BIT(ATTNX_CPU_AVX2);
     if (ymm && fma) set |= ATTNX_CPU_BIT(ATTNX_CPU_FMA3);
+    if (ymm && f16c) set |= ATTNX_CPU_BIT(ATTNX_CPU_F16C);
     if (zmm && (leaf7[1] >> 16) & 1) {
         set |= ATTNX_CPU_BIT(ATTNX_CPU_AVX512F);
         if ((leaf7[1] >> 17) & 1) set |= ATTNX_CPU_BIT(ATTNX_CPU_AVX512DQ);

@@ -12,6 +12,7 @@
 enum {
     ATTNX_CPU_AVX2,
     ATTNX_CPU_FMA3,
+    ATTNX_CPU_F16C,   /* float16 <-> float32 conversions (VCVTPH2PS, VCVTPS2PH) */
     ATTNX_CPU_AVX512F,
     ATTNX_CPU_AVX512DQ,
     ATTNX_CPU_AVX512BW,

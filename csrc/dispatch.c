@@ -34,7 +34,9 @@
 #endif
 
 #define BIT ATTNX_CPU_BIT
-#define NEEDS_AVX2 (BIT(ATTNX_CPU_AVX2) | BIT(ATTNX_CPU_FMA3))
+/* F16C for the float16 keys and values the decoding kernels and the conversions
+ * read; every CPU with AVX2 has it */
+#define NEEDS_AVX2 (BIT(ATTNX_CPU_AVX2) | BIT(ATTNX_CPU_FMA3) | BIT(ATTNX_CPU_F16C))
 /* gcc may use AVX2 and FMA in code compiled for AVX-512 (its target implies them) */
 #define NEEDS_AVX512 (NEEDS_AVX2 | BIT(ATTNX_CPU_AVX512F) | BIT(ATTNX_CPU_AVX512DQ))
 #define NEEDS_AVX512_BF16 (NEEDS_AVX512 | BIT(ATTNX_CPU_AVX512_BF16))

@@ -428,6 +428,7 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #define MK_VMAX(a, b) ((MK_VEC)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define MK_TARGET ATTNX_TARGET_PUSH("avx512f,avx512dq")
 #define MK_TARGET_POP ATTNX_TARGET_POP
+#define MK_F16_VEC(bits) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bits)))
 #define MK_PAIRS 1 /* with the bfloat16 dot products */
 #include "microkernel.h"
 
@@ -451,7 +452,8 @@ __attribute__((target("avx2"))) static inline double mk_hsum_d4(__m256d x)
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) w8
 #define MK_KB_W 4
 #define MK_VMAX(a, b) ((MK_VEC)_mm256_max_ps((__m256)(a), (__m256)(b)))
-#define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma")
+#define MK_F16_VEC(bits) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bits)))
+#define MK_TARGET ATTNX_TARGET_PUSH("avx2,fma,f16c")
 #define MK_TARGET_POP ATTNX_TARGET_POP
 #include "microkernel.h"
 
@@ -497,6 +499,7 @@ static inline void mk_transpose4(float *dst, ptrdiff_t dst_row, const float *src
 #define MK_F32 1
 #define MK_HSUM(x) vaddvq_f32((float32x4_t)(x))
 #define MK_TYPED(w16, d8, w8, d4, n4, nd2) n4
+#define MK_F16_VEC(bits) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(bits)))
 #define MK_KB_W 4
 #define MK_VMAX(a, b) \
     ((MK_VEC)vbslq_f32(vcgtq_f32((float32x4_t)(a), (float32x4_t)(b)), (float32x4_t)(a), \
@@ -948,8 +951,10 @@ static inline void mk_add_pv_pairs_w16(const mk_tile *t, MK_REAL *ot, ptrdiff_t 
  * rows are not packed: each key is loaded once per block of up to
  * MK_DECODE_ROWS rows and multiplied along d, its dot products summed
  * across the lanes at the end. Keys and values are MK_REAL numbers, or in
- * the float32 bodies bfloat16 bits (kv_bf16, a constant where inlined:
- * attnx_softmax_args), widened as they are loaded: half the bytes read. */
+ * the float32 bodies half-precision bits (kv_half, ATTNX_BF16 or ATTNX_F16,
+ * a constant where inlined: attnx_softmax_args), widened as they are
+ * loaded (MK_F16_VEC: each width's float16 conversion): half the bytes
+ * read. */
 
 #ifdef MK_F32
 typedef uint16_t MK_NAME(mk_bf16_bits) __attribute__((vector_size(MK_W * 2), aligned(2),
@@ -957,31 +962,33 @@ typedef uint16_t MK_NAME(mk_bf16_bits) __attribute__((vector_size(MK_W * 2), ali
 typedef uint32_t MK_NAME(mk_f32_bits) __attribute__((vector_size(MK_W * 4)));
 #endif
 
-/* the vector of x's numbers from index `at` (of MK_REAL, or of bfloat16
- * bits widened: exact) */
+/* the vector of x's numbers from index `at` (of MK_REAL, or of
+ * half-precision bits widened: exact) */
 static inline __attribute__((always_inline)) MK_VEC MK_NAME(mk_kv_vec)(const void *x,
                                                                          ptrdiff_t at,
-                                                                         const int kv_bf16)
+                                                                         const int kv_half)
 {
 #ifdef MK_F32
-    if (kv_bf16) {
+    if (kv_half == ATTNX_BF16) {
         MK_NAME(mk_bf16_bits) bits = *(const MK_NAME(mk_bf16_bits) *)((const uint16_t *)x + at);
         return (MK_VEC)(__builtin_convertvector(bits, MK_NAME(mk_f32_bits)) << 16);
     }
+    if (kv_half == ATTNX_F16) return (MK_VEC)MK_F16_VEC((const uint16_t *)x + at);
 #endif
-    (void)kv_bf16;
+    (void)kv_half;
     return *(const MK_VEC *)((const MK_REAL *)x + at);
 }
 
 /* the same for one number */
 static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_kv_one)(const void *x,
                                                                           ptrdiff_t at,
-                                                                          const int kv_bf16)
+                                                                          const int kv_half)
 {
 #ifdef MK_F32
-    if (kv_bf16) return attnx_bf16_widened(((const uint16_t *)x)[at]);
+    if (kv_half == ATTNX_BF16) return attnx_bf16_widened(((const uint16_t *)x)[at]);
+    if (kv_half == ATTNX_F16) return attnx_f16_widened(((const uint16_t *)x)[at]);
 #endif
-    (void)kv_bf16;
+    (void)kv_half;
     return ((const MK_REAL *)x)[at];
 }
 
@@ -1003,7 +1010,7 @@ static inline __attribute__((always_inline)) MK_REAL MK_NAME(mk_fma_one)(MK_REAL
  * of dependent multiply-adds of each key. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)(
     MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, const void *k, ptrdiff_t k_row,
-    ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, const int rows, const int kv_bf16)
+    ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, const int rows, const int kv_half)
 {
     const ptrdiff_t pairs = d / (2 * MK_W) * (2 * MK_W), whole = d / MK_W * MK_W;
     for (ptrdiff_t j = 0; j < keys; j++) {
@@ -1011,21 +1018,21 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)
         MK_VEC even[MK_DECODE_ROWS], odd[MK_DECODE_ROWS];
         for (int r = 0; r < rows; r++) even[r] = odd[r] = (MK_VEC){0};
         for (ptrdiff_t c = 0; c < pairs; c += 2 * MK_W) {
-            MK_VEC k_even = MK_NAME(mk_kv_vec)(k, k_j + c, kv_bf16);
-            MK_VEC k_odd = MK_NAME(mk_kv_vec)(k, k_j + c + MK_W, kv_bf16);
+            MK_VEC k_even = MK_NAME(mk_kv_vec)(k, k_j + c, kv_half);
+            MK_VEC k_odd = MK_NAME(mk_kv_vec)(k, k_j + c + MK_W, kv_half);
             for (int r = 0; r < rows; r++) {
                 even[r] += *(const MK_VEC *)(q[r] + c) * k_even;
                 odd[r] += *(const MK_VEC *)(q[r] + c + MK_W) * k_odd;
             }
         }
         if (whole > pairs) {
-            MK_VEC k_last = MK_NAME(mk_kv_vec)(k, k_j + pairs, kv_bf16);
+            MK_VEC k_last = MK_NAME(mk_kv_vec)(k, k_j + pairs, kv_half);
             for (int r = 0; r < rows; r++) even[r] += *(const MK_VEC *)(q[r] + pairs) * k_last;
         }
         for (int r = 0; r < rows; r++) {
             MK_REAL dot = MK_HSUM(even[r] + odd[r]);
             for (ptrdiff_t c = whole; c < d; c++)
-                dot = MK_NAME(mk_fma_one)(q[r][c], MK_NAME(mk_kv_one)(k, k_j + c, kv_bf16), dot);
+                dot = MK_NAME(mk_fma_one)(q[r][c], MK_NAME(mk_kv_one)(k, k_j + c, kv_half), dot);
             s[r * s_ld + j] = dot * scale;
         }
     }
@@ -1035,24 +1042,28 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_scores_rows)
 static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode_scores_w8,
                             mk_decode_scores_d4, mk_decode_scores_n4, mk_decode_scores_nd2)(
     MK_REAL *s, ptrdiff_t s_ld, const MK_REAL *const *q, ptrdiff_t rows, const void *k,
-    ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, int kv_bf16)
+    ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, MK_REAL scale, int kv_half)
 {
-#define MK_ROWS(count, bf16) \
-    MK_NAME(mk_decode_scores_rows)(s, s_ld, q, k, k_row, keys, d, scale, count, bf16)
-#define MK_ROWS_OF(bf16)                   \
+#define MK_ROWS(count, half) \
+    MK_NAME(mk_decode_scores_rows)(s, s_ld, q, k, k_row, keys, d, scale, count, half)
+#define MK_ROWS_OF(half)                   \
     switch (rows) {                        \
-    case 1: MK_ROWS(1, bf16); break;       \
-    case 2: MK_ROWS(2, bf16); break;       \
-    case 3: MK_ROWS(3, bf16); break;       \
-    default: MK_ROWS(MK_DECODE_ROWS, bf16); break; \
+    case 1: MK_ROWS(1, half); break;       \
+    case 2: MK_ROWS(2, half); break;       \
+    case 3: MK_ROWS(3, half); break;       \
+    default: MK_ROWS(MK_DECODE_ROWS, half); break; \
     }
 #ifdef MK_F32
-    if (kv_bf16) {
-        MK_ROWS_OF(1)
+    if (kv_half == ATTNX_BF16) {
+        MK_ROWS_OF(ATTNX_BF16)
+        return;
+    }
+    if (kv_half == ATTNX_F16) {
+        MK_ROWS_OF(ATTNX_F16)
         return;
     }
 #endif
-    (void)kv_bf16;
+    (void)kv_half;
     MK_ROWS_OF(0)
 #undef MK_ROWS_OF
 #undef MK_ROWS
@@ -1065,7 +1076,7 @@ static inline void MK_TYPED(mk_decode_scores_w16, mk_decode_scores_d8, mk_decode
  * width of the group. */
 static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
     MK_REAL *acc, const MK_REAL *p, const void *v, ptrdiff_t v_col, ptrdiff_t v_row,
-    ptrdiff_t keys, const int vectors, const int kv_bf16)
+    ptrdiff_t keys, const int vectors, const int kv_half)
 {
     const int sets = 8 / vectors;
     MK_VEC sum[8];
@@ -1077,12 +1088,12 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
             if (p_j == 0) continue;
             const ptrdiff_t v_j = (j + set) * v_row + v_col;
             for (int g = 0; g < vectors; g++)
-                sum[set * vectors + g] += p_j * MK_NAME(mk_kv_vec)(v, v_j + g * MK_W, kv_bf16);
+                sum[set * vectors + g] += p_j * MK_NAME(mk_kv_vec)(v, v_j + g * MK_W, kv_half);
         }
     for (; j < keys; j++)
         if (p[j] != 0)
             for (int g = 0; g < vectors; g++)
-                sum[g] += p[j] * MK_NAME(mk_kv_vec)(v, j * v_row + v_col + g * MK_W, kv_bf16);
+                sum[g] += p[j] * MK_NAME(mk_kv_vec)(v, j * v_row + v_col + g * MK_W, kv_half);
     for (int set = 1; set < sets; set++)
         for (int g = 0; g < vectors; g++) sum[g] += sum[set * vectors + g];
     for (int g = 0; g < vectors; g++) *(MK_VEC *)(acc + g * MK_W) = sum[g];
@@ -1091,27 +1102,27 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_group)(
 /* the columns of mk_decode_pv below */
 static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_columns)(
     MK_REAL *acc, const MK_REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e,
-    const int kv_bf16)
+    const int kv_half)
 {
     ptrdiff_t c0 = 0;
     for (; c0 + 8 * MK_W <= e; c0 += 8 * MK_W)
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 8, kv_bf16);
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 8, kv_half);
     if (c0 + 4 * MK_W <= e) {
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 4, kv_bf16);
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 4, kv_half);
         c0 += 4 * MK_W;
     }
     if (c0 + 2 * MK_W <= e) {
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 2, kv_bf16);
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 2, kv_half);
         c0 += 2 * MK_W;
     }
     if (c0 + MK_W <= e) {
-        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 1, kv_bf16);
+        MK_NAME(mk_decode_pv_group)(acc + c0, p, v, c0, v_row, keys, 1, kv_half);
         c0 += MK_W;
     }
     for (; c0 < e; c0++)
         for (ptrdiff_t j = 0; j < keys; j++)
             if (p[j] != 0)
-                acc[c0] = MK_NAME(mk_fma_one)(p[j], MK_NAME(mk_kv_one)(v, j * v_row + c0, kv_bf16),
+                acc[c0] = MK_NAME(mk_fma_one)(p[j], MK_NAME(mk_kv_one)(v, j * v_row + c0, kv_half),
                                               acc[c0]);
 }
 
@@ -1122,15 +1133,19 @@ static inline __attribute__((always_inline)) void MK_NAME(mk_decode_pv_columns)(
 static inline void MK_TYPED(mk_decode_pv_w16, mk_decode_pv_d8, mk_decode_pv_w8, mk_decode_pv_d4,
                             mk_decode_pv_n4, mk_decode_pv_nd2)(
     MK_REAL *acc, const MK_REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys,
-    ptrdiff_t e, int kv_bf16)
+    ptrdiff_t e, int kv_half)
 {
 #ifdef MK_F32
-    if (kv_bf16) {
-        MK_NAME(mk_decode_pv_columns)(acc, p, v, v_row, keys, e, 1);
+    if (kv_half == ATTNX_BF16) {
+        MK_NAME(mk_decode_pv_columns)(acc, p, v, v_row, keys, e, ATTNX_BF16);
+        return;
+    }
+    if (kv_half == ATTNX_F16) {
+        MK_NAME(mk_decode_pv_columns)(acc, p, v, v_row, keys, e, ATTNX_F16);
         return;
     }
 #endif
-    (void)kv_bf16;
+    (void)kv_half;
     MK_NAME(mk_decode_pv_columns)(acc, p, v, v_row, keys, e, 0);
 }
 
@@ -1352,5 +1367,6 @@ MK_TARGET_POP
 #undef MK_TARGET_POP
 #undef MK_PAIRS
 #undef MK_F32
+#undef MK_F16_VEC
 
 #endif /* MK_W */

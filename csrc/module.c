@@ -171,27 +171,36 @@ static void byte_extent(PyArrayObject *array, char **low, char **high)
     *high = end + PyArray_ITEMSIZE(array);
 }
 
-static int is_bf16_bits(PyArrayObject *array)
+/* the half-precision format of an array's elements: float16, or bfloat16
+ * as its bits (int16 or uint16); 0 for any other dtype */
+int attnx_half_format_of(PyArrayObject *array)
 {
-    return PyArray_TYPE(array) == NPY_INT16 || PyArray_TYPE(array) == NPY_UINT16;
+    switch (PyArray_TYPE(array)) {
+    case NPY_HALF: return ATTNX_F16;
+    case NPY_INT16:
+    case NPY_UINT16: return ATTNX_BF16;
+    default: return 0;
+    }
 }
 
-/* job = the conversion of src into dst: src bfloat16 bits (int16 or
- * uint16) widened into float32 dst, or float32 src narrowed into bits, to
- * nearest, ties to even. src: any strides; dst: C-contiguous, writable,
- * the shape of src, not overlapping it. `name` starts the messages of the
- * exceptions raised for anything else (returning -1). */
-int attnx_prepare_bf16_conversion(PyArrayObject *src, PyArrayObject *dst, attnx_conversion *job,
+/* job = the conversion of src into dst: half-precision src (float16, or
+ * bfloat16 bits as int16 or uint16) widened into float32 dst, or float32
+ * src narrowed into half-precision dst, to nearest, ties to even. src: any
+ * strides; dst: C-contiguous, writable, the shape of src, not overlapping
+ * it. `name` starts the messages of the exceptions raised for anything
+ * else (returning -1). */
+int attnx_prepare_half_conversion(PyArrayObject *src, PyArrayObject *dst, attnx_conversion *job,
                                   const char *name)
 {
-    int widen = is_bf16_bits(src) && PyArray_TYPE(dst) == NPY_FLOAT32;
-    int narrow = PyArray_TYPE(src) == NPY_FLOAT32 && is_bf16_bits(dst);
+    int widen = attnx_half_format_of(src) && PyArray_TYPE(dst) == NPY_FLOAT32;
+    int narrow = PyArray_TYPE(src) == NPY_FLOAT32 && attnx_half_format_of(dst);
     if (!widen && !narrow) {
-        PyErr_Format(PyExc_TypeError, "%s takes bfloat16 bits (int16 or uint16) and "
-                     "float32, one each; got src %S and dst %S", name, PyArray_DESCR(src),
-                     PyArray_DESCR(dst));
+        PyErr_Format(PyExc_TypeError, "%s takes float32 and a half-precision array (float16, "
+                     "or bfloat16 bits as int16 or uint16), one each; got src %S and dst %S",
+                     name, PyArray_DESCR(src), PyArray_DESCR(dst));
         return -1;
     }
+    attnx_half_format format = attnx_half_format_of(widen ? src : dst);
     int ndim = PyArray_NDIM(src);
     if (PyArray_NDIM(dst) != ndim ||
         !PyArray_CompareLists(PyArray_DIMS(src), PyArray_DIMS(dst), ndim)) {
@@ -232,23 +241,23 @@ int attnx_prepare_bf16_conversion(PyArrayObject *src, PyArrayObject *dst, attnx_
         strides[0] = 0;
         ndim = 1;
     }
-    if (attnx_conversion_prepare(job, PyArray_DATA(dst), PyArray_DATA(src), widen, ndim, shape,
-                                 strides) < 0) {
+    if (attnx_conversion_prepare(job, PyArray_DATA(dst), PyArray_DATA(src), widen, format, ndim,
+                                 shape, strides) < 0) {
         PyErr_Format(PyExc_ValueError, "%s takes at most 64 dimensions, got %d", name, ndim);
         return -1;
     }
     return 0;
 }
 
-/* _convert_bf16(src, dst): dst = src converted (attnx_prepare_bf16_conversion).
+/* _convert_half(src, dst): dst = src converted (attnx_prepare_half_conversion).
  * Returns dst. */
-static PyObject *convert_bf16(PyObject *self, PyObject *args)
+static PyObject *convert_half(PyObject *self, PyObject *args)
 {
     PyArrayObject *src, *dst;
-    if (!PyArg_ParseTuple(args, "O!O!:_convert_bf16", &PyArray_Type, &src, &PyArray_Type, &dst))
+    if (!PyArg_ParseTuple(args, "O!O!:_convert_half", &PyArray_Type, &src, &PyArray_Type, &dst))
         return NULL;
     attnx_conversion job;
-    if (attnx_prepare_bf16_conversion(src, dst, &job, "_convert_bf16") < 0) return NULL;
+    if (attnx_prepare_half_conversion(src, dst, &job, "_convert_half") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     attnx_conversion_run(&job);
     Py_END_ALLOW_THREADS
@@ -426,9 +435,9 @@ static PyMethodDef methods[] = {
      "_set_dispatch(disabled, limits=None): every family's kernels chosen again as at import "
      "with ATTNX_DISABLE_CPU_FEATURES=disabled, families in limits ({family: kernel set}) held "
      "to that set or a lesser one (for tests); returns (disabled, limits) before."},
-    {"_convert_bf16", convert_bf16, METH_VARARGS,
-     "_convert_bf16(src, dst): bfloat16 bits (int16/uint16) <-> float32, rounding to nearest even; "
-     "returns dst."},
+    {"_convert_half", convert_half, METH_VARARGS,
+     "_convert_half(src, dst): float16 or bfloat16 bits (int16/uint16) <-> float32, rounding to "
+     "nearest even; returns dst."},
     {"build_info", build_info, METH_NOARGS,
      "BLAS, its core (the kernels it chose for this CPU), SIMD level of the compiler's clones, "
      "AMX in use, each family's kernel set "

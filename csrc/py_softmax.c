@@ -20,25 +20,25 @@ static const attnx_param softmax_params[NPARAMS] = {
     [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
     [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
 };
-/* the same with k and v as bfloat16 bits (kv_bf16) */
-static const attnx_param softmax_params_bf16_kv[NPARAMS] = {
+/* the same with k and v in half precision, read as they are (kv_half) */
+static const attnx_param softmax_params_half_kv[NPARAMS] = {
     [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
-    [K] = {"k", "m d", ATTNX_BF16_BITS | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
-    [V] = {"v", "m e", ATTNX_BF16_BITS | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
+    [K] = {"k", "m d", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
+    [V] = {"v", "m e", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
     [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
     [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
     [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
     [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
 };
 
-/* A new float32 array of bfloat16 bits `bits` widened, or NULL with an
+/* A new float32 array of half-precision `half` widened, or NULL with an
  * exception */
-static PyObject *widened_bits(PyArrayObject *bits, const char *name)
+static PyObject *widened(PyArrayObject *half, const char *name)
 {
-    PyArrayObject *wide = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(bits),
-                                                             PyArray_DIMS(bits), NPY_FLOAT32);
+    PyArrayObject *wide = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(half),
+                                                             PyArray_DIMS(half), NPY_FLOAT32);
     attnx_conversion job;
-    if (!wide || attnx_prepare_bf16_conversion(bits, wide, &job, name) < 0) {
+    if (!wide || attnx_prepare_half_conversion(half, wide, &job, name) < 0) {
         Py_XDECREF(wide);
         return NULL;
     }
@@ -51,15 +51,17 @@ static PyObject *widened_bits(PyArrayObject *bits, const char *name)
 /* Shared by both front ends. scale_obj NULL means gaussian attention with
  * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)).
  * Their keywords left out of their documented signatures, which
- * attnx.torch passes for bfloat16 tensors only: _bf16_products, the
- * bf16_products of attnx_softmax_args (attnx.h); _bf16_kv, k and v given
- * as bfloat16 bits, which the decoding path reads as they are (kv_bf16)
- * and any other widens first; q float32. */
+ * attnx.torch passes for half-precision tensors only: _bf16_products
+ * (bfloat16), the bf16_products of attnx_softmax_args (attnx.h); _half_kv
+ * (bfloat16 and float16), k and v given
+ * in half precision (both float16, or both bfloat16 as bits), which the
+ * decoding path reads as they are (kv_half) and any other widens first;
+ * q float32. */
 static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_obj,
                                 PyObject *scale_obj, double sigma, PyObject *causal_obj,
                                 PyObject *mask_obj, PyObject *bias_obj, PyObject *window_obj,
                                 PyObject *dropout_obj, PyObject *seed_obj, PyObject *out_obj,
-                                int return_lse, int bf16_products, int bf16_kv)
+                                int return_lse, int bf16_products, int half_kv)
 {
     int causal, has_left, has_right;
     npy_intp left, right;
@@ -73,14 +75,14 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     if (scale_obj && scale_obj != Py_None && attnx_parse_positive(scale_obj, "scale", &scale) < 0)
         return NULL;
 
-    if (bf16_kv && !(PyArray_Check(q_obj) && PyArray_TYPE((PyArrayObject *)q_obj) == NPY_FLOAT)) {
-        PyErr_SetString(PyExc_TypeError, "_bf16_kv takes float32 queries (a numpy array)");
+    if (half_kv && !(PyArray_Check(q_obj) && PyArray_TYPE((PyArrayObject *)q_obj) == NPY_FLOAT)) {
+        PyErr_SetString(PyExc_TypeError, "_half_kv takes float32 queries (a numpy array)");
         return NULL;
     }
     attnx_call call;
     attnx_interrupt interrupt = attnx_interrupt_for_call();
     PyObject *ret = NULL, *k_wide = NULL, *v_wide = NULL;
-    const attnx_param *params = bf16_kv ? softmax_params_bf16_kv : softmax_params;
+    const attnx_param *params = half_kv ? softmax_params_half_kv : softmax_params;
 bind:
     attnx_call_init(&call, params, NPARAMS, ATTNX_SM_NOPS, "dem");
     PyObject *const objs[NPARAMS] = {
@@ -88,6 +90,17 @@ bind:
         [OUT] = out_obj, [LSE] = return_lse ? Py_None : NULL,
     };
     if (attnx_bind(&call, objs) < 0) goto done;
+    int kv_half = 0;
+    if (params == softmax_params_half_kv) {
+        kv_half = attnx_half_format_of(call.ops[K].array);
+        if (attnx_half_format_of(call.ops[V].array) != kv_half) {
+            PyErr_Format(PyExc_TypeError, "_half_kv takes k and v of one format (both float16, "
+                         "or both bfloat16 bits), got %R and %R",
+                         (PyObject *)PyArray_DESCR(call.ops[K].array),
+                         (PyObject *)PyArray_DESCR(call.ops[V].array));
+            goto done;
+        }
+    }
 
     npy_intp n = attnx_size(&call, 'n'), m = attnx_size(&call, 'm'), d = attnx_size(&call, 'd');
     if (!scale_obj) scale = 1 / (sigma * sigma);
@@ -113,17 +126,17 @@ bind:
         .seed = seed,
         .interrupt = &interrupt,
         .bf16_products = bf16_products,
-        .kv_bf16 = params == softmax_params_bf16_kv,
+        .kv_half = kv_half,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = softmax_kernels[call.dtypes.compute == NPY_DOUBLE](&args);
     Py_END_ALLOW_THREADS
-    if (status == ATTNX_EINVAL && args.kv_bf16) {
+    if (status == ATTNX_EINVAL && args.kv_half) {
         /* not a call the decoding path takes (its only refusal, before any
          * work): k and v widened, then as any call */
-        if (!(k_wide = widened_bits(call.ops[K].array, "k")) ||
-            !(v_wide = widened_bits(call.ops[V].array, "v")))
+        if (!(k_wide = widened(call.ops[K].array, "k")) ||
+            !(v_wide = widened(call.ops[V].array, "v")))
             goto done;
         attnx_call_release(&call);
         k_obj = k_wide;
@@ -149,16 +162,16 @@ PyObject *attnx_py_softmax_attention(PyObject *self, PyObject *args, PyObject *k
 {
     static char *kwlist[] = {"q", "k", "v", "scale", "causal", "mask", "bias", "window",
                              "dropout_p", "seed", "out", "return_lse", "_bf16_products",
-                             "_bf16_kv", NULL};
+                             "_half_kv", NULL};
     PyObject *q, *k, *v, *scale = Py_None, *causal = Py_False, *mask = Py_None, *bias = Py_None,
              *window = Py_None, *dropout = Py_None, *seed = Py_None, *out = Py_None;
-    int return_lse = 0, bf16_products = 0, bf16_kv = 0;
+    int return_lse = 0, bf16_products = 0, half_kv = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OOOOOOOOppp:softmax_attention", kwlist,
                                      &q, &k, &v, &scale, &causal, &mask, &bias, &window, &dropout,
-                                     &seed, &out, &return_lse, &bf16_products, &bf16_kv))
+                                     &seed, &out, &return_lse, &bf16_products, &half_kv))
         return NULL;
     return softmax_common(q, k, v, scale, 0, causal, mask, bias, window, dropout, seed, out,
-                          return_lse, bf16_products, bf16_kv);
+                          return_lse, bf16_products, half_kv);
 }
 
 PyObject *attnx_py_gaussian_attention(PyObject *self, PyObject *args, PyObject *kwargs)

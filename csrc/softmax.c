@@ -442,7 +442,7 @@ int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args
 {
     /* a few queries against many keys: the keys split across threads */
     if (SFX(softmax_decode_applies)(a)) return SFX(softmax_decode)(a);
-    if (a->kv_bf16) return ATTNX_EINVAL;
+    if (a->kv_half) return ATTNX_EINVAL;
     const SFX(softmax_backend) *be = SFX(softmax_choose_backend)(a);
     softmax_plan plan = {.q_tile = be->q_tile};
     plan.q_tiles = (a->n + plan.q_tile - 1) / plan.q_tile;

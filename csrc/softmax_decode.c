@@ -19,8 +19,9 @@
  * query rows in all: its rows are scored against each key while the key is
  * in L1, so the cache is read once per kv head, not once per query head.
  *
- * Keys and values held as bfloat16 (kv_bf16: attnx.torch's bfloat16
- * tensors, a KV cache of a model run in bfloat16) are read as they are,
+ * Keys and values held in half precision (kv_half: attnx.torch's bfloat16
+ * and float16 tensors, a KV cache of a model run in either) are read as
+ * they are,
  * each number widened as it is loaded: half the bytes of float32 to read,
  * and none of the whole cache widened first, which cost more than the step
  * itself.
@@ -76,45 +77,72 @@ int TYPED(softmax_decode_applies_f32, softmax_decode_applies_f64)(const attnx_so
  * (mk_decode_pv). */
 typedef struct {
     void (*scores)(REAL *s, ptrdiff_t s_ld, const REAL *const *q, ptrdiff_t rows, const void *k,
-                   ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, REAL scale, int kv_bf16);
+                   ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, REAL scale, int kv_half);
     void (*add_pv)(REAL *acc, const REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys,
-                   ptrdiff_t e, int kv_bf16);
+                   ptrdiff_t e, int kv_half);
 } SFX(decode_kernels);
 
-/* x's number at index `at`: a REAL, or bfloat16 bits widened (kv_bf16,
- * float32 only) */
-static inline REAL SFX(kv_at)(const void *x, ptrdiff_t at, int kv_bf16)
+/* x's number at index `at`: a REAL, or half-precision bits widened
+ * (kv_half, float32 only) */
+static inline REAL SFX(kv_at)(const void *x, ptrdiff_t at, int kv_half)
 {
 #if !REAL_IS_DOUBLE
-    if (kv_bf16) return attnx_bf16_widened(((const uint16_t *)x)[at]);
+    if (kv_half == ATTNX_BF16) return attnx_bf16_widened(((const uint16_t *)x)[at]);
+    if (kv_half == ATTNX_F16) return attnx_f16_widened(((const uint16_t *)x)[at]);
 #endif
-    (void)kv_bf16;
+    (void)kv_half;
     return ((const REAL *)x)[at];
 }
 
-/* the plain set's: the same loops in C (vectorised where the compiler can) */
-static ATTNX_HOT void SFX(decode_scores_plain)(REAL *s, ptrdiff_t s_ld, const REAL *const *q,
-                                               ptrdiff_t rows, const void *k, ptrdiff_t k_row,
-                                               ptrdiff_t keys, ptrdiff_t d, REAL scale,
-                                               int kv_bf16)
+/* the plain set's: the same loops in C (vectorised where the compiler
+ * can), each for one kv_half, a constant where inlined, since a choice of
+ * format inside the loops keeps them from vectorising */
+static inline __attribute__((always_inline)) void SFX(decode_scores_loops)(
+    REAL *s, ptrdiff_t s_ld, const REAL *const *q, ptrdiff_t rows, const void *k,
+    ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, REAL scale, const int kv_half)
 {
     for (ptrdiff_t j = 0; j < keys; j++)
         for (ptrdiff_t r = 0; r < rows; r++) {
             REAL dot = 0;
 #pragma omp simd reduction(+ : dot)
-            for (ptrdiff_t c = 0; c < d; c++) dot += q[r][c] * SFX(kv_at)(k, j * k_row + c, kv_bf16);
+            for (ptrdiff_t c = 0; c < d; c++) dot += q[r][c] * SFX(kv_at)(k, j * k_row + c, kv_half);
             s[r * s_ld + j] = dot * scale;
         }
 }
 
-static ATTNX_HOT void SFX(decode_pv_plain)(REAL *acc, const REAL *p, const void *v,
-                                           ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e,
-                                           int kv_bf16)
+static inline __attribute__((always_inline)) void SFX(decode_pv_loops)(
+    REAL *acc, const REAL *p, const void *v, ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e,
+    const int kv_half)
 {
     for (ptrdiff_t j = 0; j < keys; j++)
         if (p[j] != 0)
 #pragma omp simd
-            for (ptrdiff_t c = 0; c < e; c++) acc[c] += p[j] * SFX(kv_at)(v, j * v_row + c, kv_bf16);
+            for (ptrdiff_t c = 0; c < e; c++) acc[c] += p[j] * SFX(kv_at)(v, j * v_row + c, kv_half);
+}
+
+static ATTNX_HOT void SFX(decode_scores_plain)(REAL *s, ptrdiff_t s_ld, const REAL *const *q,
+                                               ptrdiff_t rows, const void *k, ptrdiff_t k_row,
+                                               ptrdiff_t keys, ptrdiff_t d, REAL scale,
+                                               int kv_half)
+{
+    if (kv_half == ATTNX_BF16)
+        SFX(decode_scores_loops)(s, s_ld, q, rows, k, k_row, keys, d, scale, ATTNX_BF16);
+    else if (kv_half == ATTNX_F16)
+        SFX(decode_scores_loops)(s, s_ld, q, rows, k, k_row, keys, d, scale, ATTNX_F16);
+    else
+        SFX(decode_scores_loops)(s, s_ld, q, rows, k, k_row, keys, d, scale, 0);
+}
+
+static ATTNX_HOT void SFX(decode_pv_plain)(REAL *acc, const REAL *p, const void *v,
+                                           ptrdiff_t v_row, ptrdiff_t keys, ptrdiff_t e,
+                                           int kv_half)
+{
+    if (kv_half == ATTNX_BF16)
+        SFX(decode_pv_loops)(acc, p, v, v_row, keys, e, ATTNX_BF16);
+    else if (kv_half == ATTNX_F16)
+        SFX(decode_pv_loops)(acc, p, v, v_row, keys, e, ATTNX_F16);
+    else
+        SFX(decode_pv_loops)(acc, p, v, v_row, keys, e, 0);
 }
 
 static const SFX(decode_kernels) SFX(decode_plain) = {SFX(decode_scores_plain),
@@ -165,11 +193,11 @@ static ATTNX_HOT REAL SFX(decode_weights)(REAL *s, ptrdiff_t count, REAL shift)
 }
 
 /* the numbers of key or value row `row` of x (row stride x_row): REAL or
- * bfloat16 bits (kv_bf16) */
+ * half-precision bits (kv_half) */
 static const void *SFX(decode_rows)(const attnx_softmax_args *a, const void *x, ptrdiff_t row,
                                     ptrdiff_t x_row)
 {
-    return a->kv_bf16 ? (const void *)((const uint16_t *)x + row * x_row)
+    return a->kv_half ? (const void *)((const uint16_t *)x + row * x_row)
                       : (const void *)((const REAL *)x + row * x_row);
 }
 
@@ -209,7 +237,7 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
             call->kernels->scores(s + r0 * DECODE_CHUNK + (b0 - lo), DECODE_CHUNK, q + r0,
                                   ATTNX_MIN(MK_DECODE_ROWS, rows - r0),
                                   SFX(decode_rows)(a, k, b0, a->k_row), a->k_row, keys, a->d,
-                                  scale2, a->kv_bf16);
+                                  scale2, a->kv_half);
     }
 
     /* per row: hide what it does not see, add its bias, its weights */
@@ -246,7 +274,7 @@ static void SFX(decode_item)(const SFX(decode_call) *call, ptrdiff_t item, REAL 
             call->kernels->add_pv(
                 call->partials + ((head0 * n + r) * chunks + chunk) * (e + 2) + 2,
                 s + r * DECODE_CHUNK + (b0 - lo), SFX(decode_rows)(a, v, b0, a->v_row),
-                a->v_row, keys, e, a->kv_bf16);
+                a->v_row, keys, e, a->kv_half);
     }
 }
 
@@ -288,7 +316,7 @@ static void SFX(decode_merge)(const SFX(decode_call) *call, ptrdiff_t row)
 int TYPED(softmax_decode_f32, softmax_decode_f64)(const attnx_softmax_args *a)
 {
     const ptrdiff_t n = a->n, chunks = (a->m + DECODE_CHUNK - 1) / DECODE_CHUNK;
-    if (REAL_IS_DOUBLE && a->kv_bf16) return ATTNX_EINVAL;
+    if (REAL_IS_DOUBLE && a->kv_half) return ATTNX_EINVAL;
     if (a->heads == 0 || n == 0) return ATTNX_OK;
     int status = ATTNX_ENOMEM;
     ptrdiff_t *group_first = malloc((size_t)(a->heads + 1) * sizeof *group_first);

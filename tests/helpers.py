@@ -12,6 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 import attnx
 
@@ -228,3 +229,26 @@ def kernels_here(family):
         except ValueError:      # not in this family's table, or not in this build
             pass
     return sets
+
+
+@st.composite
+def strided_layouts(draw):
+    """(base shape, view): a view of 0-4 axes taken with steps, reversals,
+    a transpose and a broadcast (stride 0) axis, its last axis contiguous
+    or not."""
+    ndim = draw(st.integers(0, 4))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
+    steps = tuple(draw(st.sampled_from([1, 2, -1])) for _ in shape)
+    swap = ndim >= 2 and draw(st.booleans())
+    broadcast = draw(st.integers(0, ndim - 1)) if ndim and draw(st.booleans()) else None
+
+    def view(base):
+        v = base[tuple(slice(None, None, step) for step in steps)]
+        v = v[tuple(slice(0, s) for s in shape)]
+        if swap:
+            v = v.swapaxes(0, -1)
+        if broadcast is not None:
+            v = np.broadcast_to(v.take(range(min(1, v.shape[broadcast])), axis=broadcast), v.shape)
+        return v
+
+    return tuple(2 * s + 1 for s in shape), view

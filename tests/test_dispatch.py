@@ -36,7 +36,7 @@ def test_dispatch_setting_names():
     here = kernels_here("softmax_forward")
     assert here[-1] == "plain"
     cpu = set(attnx._C.build_info()["cpu_features"])
-    needs = {"avx2": {"AVX2", "FMA3"}, "avx512": {"AVX512F", "AVX512DQ"},
+    needs = {"avx2": {"AVX2", "FMA3", "F16C"}, "avx512": {"AVX512F", "AVX512DQ"},
              "avx512_bf16": {"AVX512F", "AVX512_BF16"}, "amx": {"AMX_TILE", "AMX_BF16"},
              "neon": {"ASIMD"}}
     for name in here[:-1]:
@@ -124,6 +124,14 @@ def test_avx2_level_runs_the_avx2_kernels():
             else:
                 assert "avx2" not in kernels_here(family), family
         assert not any(kernels.startswith(("avx512", "amx")) for kernels in chosen.values())
+
+
+def test_every_x86_set_needs_f16c():
+    """The AVX2 and AVX-512 sets read float16 keys and values and convert
+    float16 with F16C's instructions, so a CPU without it (as
+    ATTNX_DISABLE_CPU_FEATURES=F16C says) runs none of them"""
+    with dispatched("F16C") as chosen:
+        assert set(chosen.values()) <= {"neon", "plain"}, chosen
 
 
 # ------------------------------------------------- names grep can find

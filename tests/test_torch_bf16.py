@@ -1,5 +1,6 @@
-"""bfloat16 <-> float32 conversion (csrc/convert.c, attnx._C._convert_bf16),
-which attnx.torch uses for bfloat16 tensors: every path (the avx512_bf16
+"""bfloat16 <-> float32 conversion (csrc/convert.c, attnx._C._convert_half;
+float16's: tests/test_float16.py), which attnx.torch uses for bfloat16
+tensors: every path (the avx512_bf16
 instruction, the integer rounding in AVX2 or NEON vectors, the portable
 rounding) against a reference
 written from the definition of round-to-nearest-even, every layout, and the
@@ -12,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-from helpers import dispatched, kernels_here
+from helpers import dispatched, kernels_here, strided_layouts
 
-CONVERT = attnx._C._convert_bf16
+CONVERT = attnx._C._convert_half
 
 
 def _cpu_flags():
@@ -212,31 +213,8 @@ def test_widen_every_bit_pattern_is_exact(path):
 
 # ----------------------------------------------------------------- layouts
 
-@st.composite
-def layouts(draw):
-    """(base shape, view): a view of 0-4 axes taken with steps, reversals,
-    a transpose and a broadcast (stride 0) axis, its last axis contiguous
-    or not."""
-    ndim = draw(st.integers(0, 4))
-    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
-    steps = tuple(draw(st.sampled_from([1, 2, -1])) for _ in shape)
-    swap = ndim >= 2 and draw(st.booleans())
-    broadcast = draw(st.integers(0, ndim - 1)) if ndim and draw(st.booleans()) else None
-
-    def view(base):
-        v = base[tuple(slice(None, None, step) for step in steps)]
-        v = v[tuple(slice(0, s) for s in shape)]
-        if swap:
-            v = v.swapaxes(0, -1)
-        if broadcast is not None:
-            v = np.broadcast_to(v.take(range(min(1, v.shape[broadcast])), axis=broadcast), v.shape)
-        return v
-
-    return tuple(2 * s + 1 for s in shape), view
-
-
 @settings(max_examples=150, deadline=None)
-@given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
+@given(layout=strided_layouts(), seed=st.integers(0, 2**32 - 1))
 def test_every_layout_converts_like_its_contiguous_copy(layout, seed):
     base_shape, view = layout
     base = np.random.default_rng(seed).standard_normal(base_shape).astype(np.float32)
@@ -301,42 +279,59 @@ def test_inputs_are_not_modified():
     np.testing.assert_array_equal(bits, bits_before)
 
 
-# ------------------------------------------- keys and values as bfloat16
+# ------------------------------- keys and values as bfloat16 or float16
 
-def _kv_case(seed, n, m, layout, d=32):
-    """q (float32) and k, v as bfloat16 bits for a call of n queries
-    against m keys of d features; `layout` "contiguous", "strided" (k, v
-    permuted views of one (B, m, 2, H, d) array, as a [B, m, H, d] cache is
-    held), or "grouped" (k, v of one head broadcast over four, stride 0)"""
+HALF_FORMATS = ["bfloat16", "float16"]
+
+
+def _halved(x, fmt):
+    """float32 x in half precision as attnx reads it: bfloat16 bits, or float16"""
+    return narrow(x) if fmt == "bfloat16" else x.astype(np.float16)
+
+
+def _widened(h):
+    """half-precision h (bfloat16 bits, or float16) widened to float32, exactly"""
+    return h.astype(np.float32) if h.dtype == np.float16 else widen(h)
+
+
+def _kv_case(seed, n, m, layout, d=32, fmt="bfloat16"):
+    """q (float32) and k, v in half precision (`fmt`) for a call of n
+    queries against m keys of d features; `layout` "contiguous", "strided"
+    (k, v permuted views of one (B, m, 2, H, d) array, as a [B, m, H, d]
+    cache is held), or "grouped" (k, v of one head broadcast over four,
+    stride 0)"""
     rng = np.random.default_rng(seed)
     B, H = 2, 4
     q = rng.standard_normal((B, H, n, d), dtype=np.float32)
     if layout == "strided":
-        kv = narrow(rng.standard_normal((B, m, 2, H, d), dtype=np.float32))
+        kv = _halved(rng.standard_normal((B, m, 2, H, d), dtype=np.float32), fmt)
         k, v = kv.transpose(2, 0, 3, 1, 4)
     elif layout == "grouped":
-        k, v = (np.broadcast_to(narrow(rng.standard_normal((B, 1, m, d), dtype=np.float32)),
+        k, v = (np.broadcast_to(_halved(rng.standard_normal((B, 1, m, d), dtype=np.float32), fmt),
                                 (B, H, m, d)) for _ in range(2))
     else:
-        k, v = (narrow(rng.standard_normal((B, H, m, d), dtype=np.float32)) for _ in range(2))
+        k, v = (_halved(rng.standard_normal((B, H, m, d), dtype=np.float32), fmt)
+                for _ in range(2))
     return q, k, v
 
 
 SOFTMAX_SETS = kernels_here("softmax_forward")
 
 
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
 @pytest.mark.parametrize("held", SOFTMAX_SETS)
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "grouped"])
 @pytest.mark.parametrize("n, m, d", [(1, 700, 32), (5, 128, 48), (8, 1500, 40), (2, 200, 20),
                                      (9, 300, 32), (3, 100, 32)])
-def test_bf16_keys_and_values_give_the_widened_calls_bits(held, layout, n, m, d):
-    """softmax_attention's private _bf16_kv (attnx.torch's bfloat16 keys and
-    values, a bfloat16 KV cache): the same out and lse, bit for bit, as the
-    call on the widened arrays, whether the decoding path reads the bits
-    (at most 8 queries, at least 128 keys; d and e whole vectors or not) or
-    another widens them first (9 queries; 100 keys); with a causal band, a
-    window, a key-padding mask and a bias; the bits left as they were"""
-    q, k, v = _kv_case(n * m, n, m, layout, d)
+def test_half_keys_and_values_give_the_widened_calls_bits(fmt, held, layout, n, m, d):
+    """softmax_attention's private _half_kv (attnx.torch's bfloat16 and
+    float16 keys and values, a half-precision KV cache): the same out and
+    lse, bit for bit, as the call on the widened arrays, whether the
+    decoding path reads them as they are (at most 8 queries, at least 128
+    keys; d and e whole vectors or not) or another widens them first (9
+    queries; 100 keys); with a causal band, a window, a key-padding mask
+    and a bias; the inputs left as they were"""
+    q, k, v = _kv_case(n * m, n, m, layout, d, fmt)
     before = k.copy(), v.copy()
     mask = np.ones((2, 1, 1, m), bool)
     mask[1, ..., m // 3:] = False
@@ -344,59 +339,69 @@ def test_bf16_keys_and_values_give_the_widened_calls_bits(held, layout, n, m, d)
     options = [dict(causal=True), dict(window=(40, 3), mask=mask), dict(bias=bias)]
     with dispatched(softmax_forward=held):
         for option in options:
-            want = attnx.softmax_attention(q, widen(k), widen(v), return_lse=True, **option)
-            got = attnx.softmax_attention(q, k, v, return_lse=True, _bf16_kv=True, **option)
+            want = attnx.softmax_attention(q, _widened(k), _widened(v), return_lse=True, **option)
+            got = attnx.softmax_attention(q, k, v, return_lse=True, _half_kv=True, **option)
             for a, b in zip(want, got):
                 np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(k, before[0])
     np.testing.assert_array_equal(v, before[1])
 
 
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_keys_and_values_split_over_threads_as_on_one(threads):
-    q, k, v = _kv_case(11, 2, 5000, "contiguous")
+def test_half_keys_and_values_split_over_threads_as_on_one(fmt, threads):
+    q, k, v = _kv_case(11, 2, 5000, "contiguous", fmt=fmt)
+    if fmt == "bfloat16":
+        k = k.view(np.int16)    # int16 bits are read as uint16 bits
     saved = attnx.get_num_threads()
     try:
         attnx.set_num_threads(threads)
-        got = attnx.softmax_attention(q, k.view(np.int16), v, _bf16_kv=True)
+        got = attnx.softmax_attention(q, k, v, _half_kv=True)
     finally:
         attnx.set_num_threads(saved)
-    np.testing.assert_array_equal(got, attnx.softmax_attention(q, widen(k), widen(v)))
+    np.testing.assert_array_equal(got, attnx.softmax_attention(q, _widened(k), _widened(v)))
 
 
-def test_bf16_keys_and_values_are_read_in_place_when_decoding():
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
+def test_half_keys_and_values_are_read_in_place_when_decoding(fmt):
     """A decoding call allocates no widened copy of the keys and values
     (numpy's allocations, traced); a call of more queries does"""
     import tracemalloc
     rng = np.random.default_rng(14)
-    k, v = (narrow(rng.standard_normal((1, 4, 16384, 32), dtype=np.float32)) for _ in range(2))
+    k, v = (_halved(rng.standard_normal((1, 4, 16384, 32), dtype=np.float32), fmt)
+            for _ in range(2))
     wide_bytes = k.size * 4
     peaks = {}
     for n in (1, 64):
         q = rng.standard_normal((1, 4, n, 32), dtype=np.float32)
         tracemalloc.start()
-        attnx.softmax_attention(q, k, v, _bf16_kv=True)
+        attnx.softmax_attention(q, k, v, _half_kv=True)
         peaks[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peaks[1] < wide_bytes / 4, peaks
     assert peaks[64] >= 2 * wide_bytes, peaks
 
 
-def test_bf16_keys_and_values_refuse_other_arrays():
+def test_half_keys_and_values_refuse_other_arrays():
     q, k, v = _kv_case(13, 1, 300, "contiguous")
     for queries in (q.astype(np.float64), q.astype(np.float16), q.tolist()):
-        with pytest.raises(TypeError, match="_bf16_kv takes float32 queries"):
-            attnx.softmax_attention(queries, k, v, _bf16_kv=True)
-    with pytest.raises(TypeError, match="k must hold bfloat16 bits"):
-        attnx.softmax_attention(q, widen(k), v, _bf16_kv=True)
-    with pytest.raises(TypeError, match="v must hold bfloat16 bits"):
-        attnx.softmax_attention(q, k, v.astype(np.int32), _bf16_kv=True)
+        with pytest.raises(TypeError, match="_half_kv takes float32 queries"):
+            attnx.softmax_attention(queries, k, v, _half_kv=True)
+    with pytest.raises(TypeError, match="k must be float16 or hold bfloat16 bits"):
+        attnx.softmax_attention(q, widen(k), v, _half_kv=True)
+    with pytest.raises(TypeError, match="v must be float16 or hold bfloat16 bits"):
+        attnx.softmax_attention(q, k, v.astype(np.int32), _half_kv=True)
+    with pytest.raises(TypeError, match="k and v of one format"):
+        attnx.softmax_attention(q, k, widen(v).astype(np.float16), _half_kv=True)
     with pytest.raises(ValueError, match="native byte order"):
-        attnx.softmax_attention(q, k.astype(">u2"), v, _bf16_kv=True)
+        attnx.softmax_attention(q, k.astype(">u2"), v, _half_kv=True)
+    with pytest.raises(ValueError, match="native byte order"):
+        attnx.softmax_attention(q, widen(k).astype(">f2"), widen(v).astype(np.float16),
+                                _half_kv=True)
     with pytest.raises(ValueError, match=r"k has shape \(2, 4, 300, 31\)"):
-        attnx.softmax_attention(q, k[..., :31], v, _bf16_kv=True)
+        attnx.softmax_attention(q, k[..., :31], v, _half_kv=True)
     with pytest.raises(TypeError, match="k must be an array, got None"):
-        attnx.softmax_attention(q, None, v, _bf16_kv=True)
+        attnx.softmax_attention(q, None, v, _half_kv=True)
 
 
 # --------------------------------------------------- attnx.torch on bfloat16
@@ -408,21 +413,32 @@ def torch():
     return torch
 
 
-def _bf16(torch, *shape, seed):
+def _randn_half(torch, *shape, seed, dtype=None):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+    return torch.randn(*shape, generator=g).to(dtype or torch.bfloat16)
 
 
-def test_conversion_ops_match_torch_and_pass_opcheck(torch, path):
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
+def test_conversion_ops_match_torch_and_pass_opcheck(torch, path, fmt):
+    dtype = getattr(torch, fmt)
     x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)) * 1e3
-    half = torch.ops.attnx.float32_to_bfloat16(x)
-    assert half.dtype == torch.bfloat16 and half.is_contiguous()
-    assert torch.equal(half, x.to(torch.bfloat16))
-    wide = torch.ops.attnx.bfloat16_to_float32(half.transpose(0, 2))
+    half = torch.ops.attnx.float32_to_half(x, dtype)
+    assert half.dtype == dtype and half.is_contiguous()
+    assert torch.equal(half, x.to(dtype))
+    wide = torch.ops.attnx.half_to_float32(half.transpose(0, 2))
     assert wide.dtype == torch.float32 and wide.is_contiguous()
     assert torch.equal(wide, half.transpose(0, 2).float())
-    torch.library.opcheck(torch.ops.attnx.float32_to_bfloat16.default, (x.requires_grad_(),))
-    torch.library.opcheck(torch.ops.attnx.bfloat16_to_float32.default, (half.requires_grad_(),))
+    # differentiable: each conversion's gradient is the other
+    x.requires_grad_()
+    grad, = torch.autograd.grad(torch.ops.attnx.float32_to_half(x, dtype).sum(), x)
+    assert grad.dtype == torch.float32 and torch.equal(grad, torch.ones_like(x))
+    half.requires_grad_()
+    grad, = torch.autograd.grad(torch.ops.attnx.half_to_float32(half).sum(), half)
+    assert grad.dtype == dtype and torch.equal(grad, torch.ones_like(half))
+    torch.library.opcheck(torch.ops.attnx.float32_to_half.default, (x, dtype))
+    torch.library.opcheck(torch.ops.attnx.half_to_float32.default, (half,))
+    with pytest.raises(ValueError, match="bfloat16 or float16, not torch.float64"):
+        torch.ops.attnx.float32_to_half(x, torch.float64)
 
 
 # the softmax kernels without the bfloat16 dot products: the best of them
@@ -431,32 +447,35 @@ FLOAT32_SOFTMAX = sorted({next(s for s in kernels_here("softmax_backward")
                                if s not in ("avx512_bf16", "amx")), "plain"})
 
 
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
 @pytest.mark.parametrize("held", FLOAT32_SOFTMAX)
-def test_sdpa_bf16_is_the_float32_computation_rounded_once(torch, path, held):
+def test_sdpa_half_is_the_float32_computation_rounded_once(torch, path, held, fmt):
     """Where the kernels have no bfloat16 dot products (both softmax
-    families held to a set without them), out and every gradient
-    equal attnx's float32 computation on the widened inputs, rounded once
-    (bit for bit): the only rounding of the bfloat16 path there (with the
-    dot products, tests/test_bf16_products.py). Inputs in transformers'
+    families held to a set without them), and for float16 everywhere, out
+    and every gradient equal attnx's float32 computation on the widened
+    inputs, rounded once (bit for bit): the only rounding of the
+    half-precision path there (bfloat16 with the dot products,
+    tests/test_bf16_products.py). Inputs in transformers'
     layout (a permuted view of one (B, n, 3, H, d) tensor, read in place),
     a float mask in bfloat16, and the gradient of out.sum() (an expanded,
     stride-0 dout); a float bias with the causal flag goes through
     softmax_attention (torch's SDPA refuses attn_mask with is_causal)."""
+    dtype = getattr(torch, fmt)
     with dispatched(softmax_forward=held, softmax_backward=held, convert=path):
-        _check_rounded_once(torch)
-        _check_decoding_rounded_once(torch)
+        _check_rounded_once(torch, dtype)
+        _check_decoding_rounded_once(torch, dtype)
 
 
-def _check_decoding_rounded_once(torch):
+def _check_decoding_rounded_once(torch, dtype):
     """A decoding step's shapes: two query heads per key head (enable_gqa),
     the cache in a [B, m, H, d] layout read through a permuted view, a
-    key-padding mask; forward under no_grad (the keys and values read as
-    bfloat16 in place) and with gradients"""
+    key-padding mask; forward under no_grad (the keys and values read in
+    place) and with gradients"""
     import attnx.torch as at
 
     B, m, d = 2, 300, 16
-    q = _bf16(torch, B, 4, 1, d, seed=4).requires_grad_()
-    cache = _bf16(torch, B, m, 2, 2, d, seed=5).requires_grad_()
+    q = _randn_half(torch, B, 4, 1, d, seed=4, dtype=dtype).requires_grad_()
+    cache = _randn_half(torch, B, m, 2, 2, d, seed=5, dtype=dtype).requires_grad_()
     k, v = cache.permute(2, 0, 3, 1, 4)
     pad = torch.ones(B, 1, 1, m, dtype=torch.bool)
     pad[0, ..., 250:] = False
@@ -467,29 +486,29 @@ def _check_decoding_rounded_once(torch):
         out = at.scaled_dot_product_attention(q, k, v, attn_mask=pad, enable_gqa=True)
         out32 = at.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=pad,
                                                 enable_gqa=True)
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, out32.to(torch.bfloat16))
+    assert out.dtype == dtype
+    assert torch.equal(out, out32.to(dtype))
     out = at.scaled_dot_product_attention(q, k, v, attn_mask=pad, enable_gqa=True)
     out32 = at.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=pad,
                                             enable_gqa=True)
-    dout = _bf16(torch, B, 4, 1, d, seed=6)
+    dout = _randn_half(torch, B, 4, 1, d, seed=6, dtype=dtype)
     grads = torch.autograd.grad(out, (q, cache), dout)
     grads32 = torch.autograd.grad(out32, (wide_q, wide_cache), dout.float())
-    assert torch.equal(out, out32.to(torch.bfloat16))
+    assert torch.equal(out, out32.to(dtype))
     for ours, single in zip(grads, grads32):
-        assert ours.dtype == torch.bfloat16
-        assert torch.equal(ours, single.to(torch.bfloat16))
+        assert ours.dtype == dtype
+        assert torch.equal(ours, single.to(dtype))
 
 
-def _check_rounded_once(torch):
+def _check_rounded_once(torch, dtype):
     import attnx.torch as at
 
     B, n, H, d = 2, 37, 3, 16
-    qkv = _bf16(torch, B, n, 3, H, d, seed=1).requires_grad_()
-    bias = _bf16(torch, B, 1, n, n, seed=2).requires_grad_()
+    qkv = _randn_half(torch, B, n, 3, H, d, seed=1, dtype=dtype).requires_grad_()
+    bias = _randn_half(torch, B, 1, n, n, seed=2, dtype=dtype).requires_grad_()
     q, k, v = qkv.permute(2, 0, 3, 1, 4)
     out = at.softmax_attention(q, k, v, bias=bias, causal="upper_left")
-    dout = _bf16(torch, B, H, n, d, seed=3)
+    dout = _randn_half(torch, B, H, n, d, seed=3, dtype=dtype)
     dqkv, dbias = torch.autograd.grad(out, (qkv, bias), dout)
 
     wide = qkv.detach().float().requires_grad_()
@@ -498,21 +517,21 @@ def _check_rounded_once(torch):
     out32 = at.softmax_attention(q32, k32, v32, bias=wide_bias, causal="upper_left")
     dqkv32, dbias32 = torch.autograd.grad(out32, (wide, wide_bias), dout.float())
     for ours, single in ((out, out32), (dqkv, dqkv32), (dbias, dbias32)):
-        assert ours.dtype == torch.bfloat16
-        assert torch.equal(ours, single.to(torch.bfloat16))
+        assert ours.dtype == dtype
+        assert torch.equal(ours, single.to(dtype))
 
     # the gradient of out.sum(): dout arrives expanded with stride 0
     grads = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v).sum(), qkv)[0]
     grads32 = torch.autograd.grad(at.scaled_dot_product_attention(q32, k32, v32).sum(), wide)[0]
-    assert torch.equal(grads, grads32.to(torch.bfloat16))
+    assert torch.equal(grads, grads32.to(dtype))
 
 
 def test_linear_bf16_is_the_float32_computation_rounded_once(torch, path):
     import attnx.torch as at
 
-    q, k, v = (_bf16(torch, 2, 3, 20, 8, seed=s).requires_grad_() for s in (4, 5, 6))
-    W = _bf16(torch, 12, 8, seed=7).requires_grad_()
-    dout = _bf16(torch, 2, 3, 20, 8, seed=8)
+    q, k, v = (_randn_half(torch, 2, 3, 20, 8, seed=s).requires_grad_() for s in (4, 5, 6))
+    W = _randn_half(torch, 12, 8, seed=7).requires_grad_()
+    dout = _randn_half(torch, 2, 3, 20, 8, seed=8)
     out = at.performer_attention(q, k, v, W, causal=True)
     grads = torch.autograd.grad(out, (q, k, v, W), dout)
     wide = [t.detach().float().requires_grad_() for t in (q, k, v, W)]
@@ -523,31 +542,36 @@ def test_linear_bf16_is_the_float32_computation_rounded_once(torch, path):
         assert torch.equal(ours, single.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
 @pytest.mark.parametrize("n, m", [(1, 300), (3, 200), (50, 64)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_bf16_sdpa_without_graph_is_the_operators_result(torch, n, m, is_causal):
-    """A bfloat16 call that builds no graph (the short path: its keys and
-    values as bits) gives the bits of the same call through the operator
-    (inputs that require grad), grouped heads included"""
+def test_half_sdpa_without_graph_is_the_operators_result(torch, n, m, is_causal, fmt):
+    """A bfloat16 or float16 call that builds no graph (the short path: its
+    keys and values read as they are) gives the bits of the same call
+    through the operator (inputs that require grad), grouped heads
+    included"""
     import attnx.torch as at
 
-    q = _bf16(torch, 2, 4, n, 32, seed=n)
-    k, v = (_bf16(torch, 2, 2, m, 32, seed=m + s) for s in (1, 2))
+    dtype = getattr(torch, fmt)
+    q = _randn_half(torch, 2, 4, n, 32, seed=n, dtype=dtype)
+    k, v = (_randn_half(torch, 2, 2, m, 32, seed=m + s, dtype=dtype) for s in (1, 2))
     with torch.no_grad():
         plain = at.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     graphed = at.scaled_dot_product_attention(*leaves, is_causal=is_causal, enable_gqa=True)
-    assert plain.dtype == torch.bfloat16 and graphed.grad_fn is not None
+    assert plain.dtype == dtype and graphed.grad_fn is not None
     assert torch.equal(plain, graphed.detach())
 
 
-def test_bf16_sdpa_compiles_without_graph_breaks(torch):
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
+def test_half_sdpa_compiles_without_graph_breaks(torch, fmt):
     import attnx.torch as at
 
     def attend(q, k, v):
         return at.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
 
-    q, k, v = (_bf16(torch, 1, 2, 9, 8, seed=s).requires_grad_() for s in (1, 2, 3))
+    q, k, v = (_randn_half(torch, 1, 2, 9, 8, seed=s, dtype=getattr(torch, fmt)).requires_grad_()
+               for s in (1, 2, 3))
     compiled = torch.compile(attend, fullgraph=True, backend="inductor")
     eager = torch.autograd.grad(attend(q, k, v), (q, k, v))
     traced = torch.autograd.grad(compiled(q, k, v), (q, k, v))

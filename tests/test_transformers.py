@@ -56,16 +56,17 @@ def llama_config(positions=64):
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=positions)
 
 
-def bfloat16_llamas(positions=64):
-    """The same random bfloat16 Llama under "attnx" and under "sdpa" (each
-    its own config: the implementation is the config's)."""
+def half_llamas(positions=64, dtype=torch.bfloat16):
+    """The same random Llama in half-precision `dtype` under "attnx" and
+    under "sdpa" (each its own config: the implementation is the
+    config's)."""
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM._from_config(llama_config(positions),
                                                            attn_implementation="sdpa")
-    reference = reference.to(torch.bfloat16)
+    reference = reference.to(dtype)
     ours = transformers.LlamaForCausalLM._from_config(llama_config(positions),
                                                       attn_implementation="attnx")
-    ours = ours.to(torch.bfloat16)
+    ours = ours.to(dtype)
     ours.load_state_dict(reference.state_dict())
     return ours, reference
 
@@ -208,7 +209,7 @@ def test_decoder_in_bfloat16_trains(kernel_calls):
     bfloat16 rounding of the same model run through torch's SDPA."""
     ids, mask = left_padded_batch()
     labels = ids.masked_fill(mask == 0, -100)
-    ours, reference = bfloat16_llamas()
+    ours, reference = half_llamas()
     out = ours(ids, attention_mask=mask, labels=labels)
     assert out.logits.dtype == torch.bfloat16
     grads = parameter_grads(ours, out.loss)
@@ -224,12 +225,14 @@ def test_decoder_in_bfloat16_trains(kernel_calls):
                                    atol=0.05 * scale.item(), msg=name)
 
 
-def test_decoder_in_bfloat16_decodes_against_its_cache_in_place(monkeypatch):
-    """A bfloat16 model's decoding step against its bfloat16 KV cache (200
-    keys, past the decoding path's 128): attnx is handed the keys and
-    values as their bfloat16 bits (read in place, no widened copy), and the
-    step's logits are those of "sdpa" within bfloat16 rounding."""
-    ours, reference = bfloat16_llamas(positions=256)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoder_in_half_precision_decodes_against_its_cache_in_place(monkeypatch, dtype):
+    """A bfloat16 or float16 model's decoding step against its KV cache of
+    that type (200 keys, past the decoding path's 128): attnx is handed the
+    keys and values as they are (float16, or bfloat16 bits; read in place,
+    no widened copy), and the step's logits are those of "sdpa" within
+    bfloat16 rounding."""
+    ours, reference = half_llamas(positions=256, dtype=dtype)
     ids = torch.randint(1, 97, (1, 201), generator=torch.Generator().manual_seed(2))
     steps = {}
     for name, model in (("attnx", ours), ("sdpa", reference)):
@@ -239,7 +242,7 @@ def test_decoder_in_bfloat16_decodes_against_its_cache_in_place(monkeypatch):
             real = attnx.softmax_attention
 
             def spy(q, k, v, **kwargs):
-                calls.append((q.shape[-2], k.dtype, kwargs.get("_bf16_kv")))
+                calls.append((q.shape[-2], k.dtype, kwargs.get("_half_kv")))
                 return real(q, k, v, **kwargs)
 
             monkeypatch.setattr(attnx, "softmax_attention", spy)
@@ -250,7 +253,7 @@ def test_decoder_in_bfloat16_decodes_against_its_cache_in_place(monkeypatch):
                                  for call in calls), calls
         else:
             assert not calls
-    assert steps["attnx"].dtype == torch.bfloat16
+    assert steps["attnx"].dtype == dtype
     # logits of this tiny model are below 0.4 in size; the two differ by
     # about 1e-3 (bfloat16's rounding of the attention outputs)
     torch.testing.assert_close(steps["attnx"].float(), steps["sdpa"].float(), rtol=0.02,

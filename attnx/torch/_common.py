@@ -2,11 +2,12 @@
 install hint when torch is missing), the checks of tensor arguments and of
 the window and causal options, the numpy views attnx's functions read, and
 the dtype conversions: bfloat16 and float16 tensors are computed in
-float32, widened once on the way in and narrowed once on the way out (the
-bfloat16 conversions are operators, in C, ``torch.ops.attnx.bfloat16_to_float32``
-and ``float32_to_bfloat16``); softmax attention on bfloat16 tensors also
-asks the kernels for bfloat16 products where they have them, in the
-forward and the backward (_softmax.py, docs/pytorch.md).
+float32, widened once on the way in and narrowed once on the way out, in
+C (the operators ``torch.ops.attnx.half_to_float32`` and
+``float32_to_half``); softmax attention on bfloat16 tensors also asks the
+kernels for bfloat16 products where they have them, in the forward and the
+backward, and its decoding path reads half-precision keys and values as
+they are (_softmax.py, docs/pytorch.md).
 """
 import numpy as np
 
@@ -173,19 +174,22 @@ def _from_numpy(array, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-# ------------------------------------------- bfloat16 <-> float32 ops
+# ------------------------------------------- half precision <-> float32 ops
 
-def _bf16_bits(t):
-    """A numpy int16 view of bfloat16 tensor `t`'s bits (no copy)."""
-    return t.detach().resolve_neg().view(torch.int16).numpy()
+def _half_np(t):
+    """A numpy view (no copy) of half-precision tensor `t`'s numbers as
+    attnx's C code reads them: float16 as float16, bfloat16 (which numpy
+    lacks) as its bits in int16."""
+    t = t.detach().resolve_neg()
+    return t.numpy() if t.dtype == torch.float16 else t.view(torch.int16).numpy()
 
 
-@torch.library.custom_op("attnx::bfloat16_to_float32", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("attnx::half_to_float32", mutates_args=(), device_types="cpu")
 def _widen_op(x: Tensor) -> Tensor:
-    """x (bfloat16, any strides) as a new C-contiguous float32 tensor:
-    exact, in C (_C._convert_bf16)."""
+    """x (bfloat16 or float16, any strides) as a new C-contiguous float32
+    tensor: exact, in C (_C._convert_half)."""
     out = torch.empty(x.shape, dtype=torch.float32)
-    _C._convert_bf16(_bf16_bits(x), out.numpy())
+    _C._convert_half(_half_np(x), out.numpy())
     return out
 
 
@@ -194,64 +198,63 @@ def _(x):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("attnx::float32_to_bfloat16", mutates_args=(), device_types="cpu")
-def _narrow_op(x: Tensor) -> Tensor:
-    """x (float32, any strides) rounded to nearest-even bfloat16 in a new
-    C-contiguous tensor, in C."""
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    _C._convert_bf16(x.detach().resolve_neg().numpy(), _bf16_bits(out))
+@torch.library.custom_op("attnx::float32_to_half", mutates_args=(), device_types="cpu")
+def _narrow_op(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x (float32, any strides) rounded to nearest even in a new
+    C-contiguous tensor of half-precision `dtype` (bfloat16 or float16),
+    in C."""
+    if dtype not in _HALF:
+        raise ValueError(f"float32_to_half narrows to bfloat16 or float16, not {dtype}")
+    out = torch.empty(x.shape, dtype=dtype)
+    _C._convert_half(x.detach().resolve_neg().numpy(), _half_np(out))
     return out
 
 
 @_narrow_op.register_fake
-def _(x):
-    return x.new_empty(x.shape, dtype=torch.bfloat16)
+def _(x, dtype):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def _widen_setup(ctx, inputs, output):
+    ctx.half_dtype = inputs[0].dtype
 
 
 def _widen_backward(ctx, grad):
-    return torch.ops.attnx.float32_to_bfloat16(grad)
+    return torch.ops.attnx.float32_to_half(grad, ctx.half_dtype)
 
 
 def _narrow_backward(ctx, grad):
-    return torch.ops.attnx.bfloat16_to_float32(grad)
+    return torch.ops.attnx.half_to_float32(grad), None
 
 
-_widen_op.register_autograd(_widen_backward)
+_widen_op.register_autograd(_widen_backward, setup_context=_widen_setup)
 _narrow_op.register_autograd(_narrow_backward)
 
 
 def _in_compute_dtype(*tensors):
     """Half-precision tensors converted to float32, the one conversion on
-    the way in (differentiable: their gradients are converted back once);
-    others as they are. bfloat16 converts in C (strided tensors read in
-    place), float16 by torch."""
-    return [None if t is None
-            else torch.ops.attnx.bfloat16_to_float32(t) if t.dtype == torch.bfloat16
-            else t.to(torch.float32) if t.dtype == torch.float16
-            else t for t in tensors]
+    the way in, in C, strided tensors read in place (differentiable: their
+    gradients are converted back once); others as they are."""
+    return [torch.ops.attnx.half_to_float32(t) if t is not None and t.dtype in _HALF else t
+            for t in tensors]
 
 
 def _wide_np(t):
-    """A float32 numpy array of half-precision tensor `t` (one pass: C for
-    bfloat16, reading any strides in place; torch's vectorised conversion
-    for float16, numpy's being some forty times slower), or the numpy view
-    of a float32 / float64 / bool tensor (None for None)."""
+    """A float32 numpy array of half-precision tensor `t` (one pass, in C,
+    reading any strides in place), or the numpy view of a float32 /
+    float64 / bool tensor (None for None)."""
     if t is None or t.dtype not in _HALF:
         return _np(t)
-    if t.dtype == torch.float16:
-        return t.detach().resolve_neg().to(torch.float32).numpy()
     wide = np.empty(tuple(t.shape), dtype=np.float32)
-    _C._convert_bf16(_bf16_bits(t), wide)
+    _C._convert_half(_half_np(t), wide)
     return wide
 
 
 def _narrowed(array, dtype):
     """float32 numpy `array` as a new tensor of half `dtype`, rounded to
-    nearest even in one pass (C for bfloat16, torch for float16)."""
-    if dtype == torch.float16:
-        return torch.from_numpy(array).to(torch.float16, memory_format=torch.contiguous_format)
-    out = torch.empty(array.shape, dtype=torch.bfloat16)
-    _C._convert_bf16(array, _bf16_bits(out))
+    nearest even in one pass, in C."""
+    out = torch.empty(array.shape, dtype=dtype)
+    _C._convert_half(array, _half_np(out))
     return out
 
 
@@ -260,8 +263,8 @@ def _in_dtype(t, dtype):
     one conversion on the way out (differentiable)."""
     if t.dtype == dtype:
         return t
-    if dtype == torch.bfloat16:
-        return torch.ops.attnx.float32_to_bfloat16(t)
+    if dtype in _HALF:
+        return torch.ops.attnx.float32_to_half(t, dtype)
     return t.to(dtype)
 
 

@@ -17,7 +17,6 @@ from ._common import (
     _NATIVE,
     Tensor,
     _batch_shape,
-    _bf16_bits,
     _check_broadcast,
     _check_inputs,
     _check_tensor,
@@ -27,6 +26,7 @@ from ._common import (
     _encode_causal,
     _encode_window,
     _from_numpy,
+    _half_np,
     _key_padding_view,
     _narrowed,
     _np,
@@ -55,13 +55,14 @@ def _softmax_kernels(variant):
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def _bf16_kv_args(q, k, v, options):
-    """softmax_attention's q, k, v for bfloat16 tensors, its options told so:
-    q widened, the keys and values as their bits, which the decoding
-    kernels widen as they load them (a bfloat16 KV cache is not widened
-    whole at every step; another path widens them in C first)"""
-    options["_bf16_kv"] = True
-    return _wide_np(q), _bf16_bits(k), _bf16_bits(v)
+def _half_kv_args(q, k, v, options):
+    """softmax_attention's q, k, v for bfloat16 or float16 tensors, its
+    options told so: q widened, the keys and values as they are (_half_np),
+    which the decoding kernels widen as they load them (a half-precision KV
+    cache is not widened whole at every step; another path widens them in C
+    first)"""
+    options["_half_kv"] = True
+    return _wide_np(q), _half_np(k), _half_np(v)
 
 
 def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
@@ -78,8 +79,8 @@ def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropou
         lse = torch.full(shape + (q.shape[-2],), float("-inf"), dtype=dtype)
     else:
         options = _softmax_options(variant, param, causal, window, dropout_p, seed)
-        if variant == "softmax" and k.dtype == torch.bfloat16:
-            args = _bf16_kv_args(q, k, v, options)
+        if variant == "softmax" and k.dtype in _HALF:
+            args = _half_kv_args(q, k, v, options)
         else:
             args = (_wide_np(q), _wide_np(k), _wide_np(v))
         if variant == "gaussian":
@@ -522,15 +523,15 @@ def _sdpa_scale(scale, query):
 
 def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The result of the commonest call, or None when the call is not it:
-    no mask, no dropout, a positive scale, float32, float64 or bfloat16 CPU
-    tensors, nothing to differentiate and nothing traced. A decoding step
+    no mask, no dropout, a positive scale, float32, float64, bfloat16 or
+    float16 CPU tensors, nothing to differentiate and nothing traced. A decoding step
     is such a call, and the general path's checks and conversions cost some
     25 us of its time; this one asks only what it relies on and leaves the
     shapes to the kernel's own checks: a call they refuse (or any other
     call) takes the general path, which says what is wrong in torch's
-    terms. bfloat16: as the general path computes it (_bf16_products), q
-    widened, k and v passed as their bits (_bf16_kv), the result rounded
-    once."""
+    terms. bfloat16 and float16: as the general path computes them (with
+    _bf16_products for bfloat16), q widened, k and v passed as they are
+    (_half_kv), the result rounded once."""
     if attn_mask is not None or dropout_p != 0 or torch.compiler.is_compiling():
         return None
     if scale is not None and not (type(scale) in (float, int) and 0 < scale < math.inf):
@@ -538,7 +539,7 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
         return None
     dtype = query.dtype
-    if (dtype not in _NATIVE and dtype != torch.bfloat16) or key.dtype != dtype \
+    if dtype not in _NATIVE + _HALF or key.dtype != dtype \
             or value.dtype != dtype or not (query.is_cpu and key.is_cpu and value.is_cpu) \
             or query.is_neg() or key.is_neg() or value.is_neg():
         return None
@@ -546,9 +547,9 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
                                     or value.requires_grad):
         return None
     options = {"scale": scale, "causal": "upper_left" if is_causal else False}
-    if dtype == torch.bfloat16:
-        options["_bf16_products"] = True
-        q, k, v = _bf16_kv_args(query, key, value, options)
+    if dtype in _HALF:
+        options["_bf16_products"] = dtype == torch.bfloat16
+        q, k, v = _half_kv_args(query, key, value, options)
     else:
         q, k, v = query.detach().numpy(), key.detach().numpy(), value.detach().numpy()
     heads = groups = 1
@@ -565,7 +566,7 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         return None
     if groups > 1:
         out = out.reshape(out.shape[:-4] + (heads,) + out.shape[-2:])
-    return _narrowed(out, dtype) if dtype == torch.bfloat16 else torch.from_numpy(out)
+    return _narrowed(out, dtype) if dtype in _HALF else torch.from_numpy(out)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
