@@ -1,7 +1,7 @@
 """Softmax attention decoding: one query row per head against a long KV cache
 (csrc/softmax_decode.c), attnx beside torch's scaled_dot_product_attention.
 
-    python benchmarks/softmax_decode.py [--quick] [--dtypes float32,bfloat16] [--json FILE]
+    python benchmarks/softmax_decode.py [--quick] [--dtypes float32,bfloat16,float16] [--json FILE]
 
 Cases: 8 heads, 1 query, 4096 keys, d = 64; one head, 32768 keys,
 d = 128, on one thread and on two; grouped-query attention, 32 query heads
@@ -10,8 +10,8 @@ on numpy arrays (GQA as q (1, 8, 4, 1, d) against k, v (1, 8, 1, m, d)),
 attnx.torch.scaled_dot_product_attention and torch's own (enable_gqa=True
 for GQA, q (1, 32, 1, d), k, v (1, 8, m, d)), timed interleaved
 (harness.py), one call per sample. Each case runs in float32, and in
-bfloat16 (a model run in bfloat16: its KV cache in bfloat16) for the two
-torch front ends (numpy has no bfloat16). Each figure is the fastest call (on a
+bfloat16 and float16 (a model run in half precision: its KV cache of that
+type) for the two torch front ends (numpy has no bfloat16). Each figure is the fastest call (on a
 shared machine other work only slows a call). The rate is the bytes of K and V read per second
 (each read once), beside the read bandwidth of memory measured in the same
 run on the same threads (harness.machine_peak); a cache smaller than the
@@ -69,8 +69,8 @@ def calls(group, kv_heads, m, d, dtype, seed=0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="comma-separated: float32, bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16",
+                        help="comma-separated: float32, bfloat16, float16")
     parser.add_argument("--json", help="write the figures there")
     args = parser.parse_args()
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
@@ -101,14 +101,14 @@ def main():
             if failures:
                 print(f"{name:<44} failed: {failures}")
                 continue
-            # float32: to rounding; bfloat16: each result rounded once to
-            # bfloat16, from sums in float32 (attnx) or however torch sums
+            # float32: to rounding; half precision: each result rounded once
+            # to its type, from sums in float32 (attnx) or however torch sums
             tolerance = (dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32
                          else dict(rtol=2e-2, atol=2e-2))
             np.testing.assert_allclose(results["attnx.torch"], results["torch"], **tolerance)
             best = {key: stats[key].min for key in stats}
-            # the figures of the numpy front end, or where it has none
-            # (bfloat16) of attnx.torch
+            # the figures of the numpy front end, or where it has none (half
+            # precision) of attnx.torch
             ours = best.get("attnx", best["attnx.torch"])
             if "attnx" in results:
                 np.testing.assert_allclose(results["attnx"], results["torch"], **tolerance)

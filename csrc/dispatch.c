@@ -88,7 +88,8 @@ static const kernel_row mk_gemm_table[] = {
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
-/* VCVTNEPS2BF16 narrowing; the integer rounding in vectors (convert.c) */
+/* bfloat16: VCVTNEPS2BF16 narrowing, the integer rounding in vectors;
+ * float16: F16C's and NEON's conversions (convert.c) */
 static const kernel_row convert_table[] = {
     {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX2 | BIT(ATTNX_CPU_AVX512F) | BIT(ATTNX_CPU_AVX512_BF16),
      BUILT_CONVERT_X86},

@@ -511,7 +511,17 @@ static void check_lsh(int is_double, int threads, const char *context)
     for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
 }
 
-/* ------------------------------------------------- bfloat16 <-> float32 */
+/* --------------------------------- bfloat16 and float16 <-> float32 */
+
+/* count elements of src converted into dst, as convert.c's callers do */
+static void convert(void *dst, const void *src, int widen, attnx_half_format format,
+                    ptrdiff_t count)
+{
+    ptrdiff_t shape[1] = {count}, stride[1] = {1};
+    attnx_conversion job;
+    attnx_conversion_prepare(&job, dst, src, widen, format, 1, shape, stride);
+    attnx_conversion_run(&job);
+}
 
 /* float32 -> bfloat16 bits, round to nearest, ties to even, from the
  * definition on the bit pattern: the dropped half decides (above half a
@@ -534,8 +544,7 @@ static void check_convert(const char *context)
     float *x = malloc(PATTERNS * LOWS * sizeof *x);
     int bad = 0;
     for (uint32_t p = 0; p < PATTERNS; p++) bits[p] = (uint16_t)p;
-    ptrdiff_t shape[1] = {PATTERNS}, stride[1] = {1};
-    attnx_bf16_to_float(x, bits, 1, shape, stride);
+    convert(x, bits, 1, ATTNX_BF16, PATTERNS);
     for (uint32_t p = 0; p < PATTERNS; p++) {
         uint32_t got;
         memcpy(&got, x + p, sizeof got);
@@ -546,8 +555,7 @@ static void check_convert(const char *context)
             uint32_t pattern = p << 16 | lows[l];
             memcpy(x + p * LOWS + l, &pattern, sizeof pattern);
         }
-    shape[0] = PATTERNS * LOWS;
-    attnx_float_to_bf16(bits, x, 1, shape, stride);
+    convert(bits, x, 0, ATTNX_BF16, PATTERNS * LOWS);
     for (uint32_t i = 0; i < PATTERNS * LOWS; i++) {
         uint32_t pattern;
         memcpy(&pattern, x + i, sizeof pattern);
@@ -562,6 +570,58 @@ static void check_convert(const char *context)
     }
     free(bits);
     free(x);
+}
+
+/* a finite float16's value from its fields (subnormals at exponent 0) */
+static double f16_reference(uint32_t bits)
+{
+    uint32_t exponent = (bits >> 10) & 0x1fu, fraction = bits & 0x3ffu;
+    double value = exponent ? ldexp(1 + fraction / 1024.0, (int)exponent - 15)
+                            : ldexp(fraction / 1024.0, -14);
+    return bits & 0x8000u ? -value : value;
+}
+
+/* every float16 pattern widened exactly, and narrowed back; the midpoints
+ * between neighbouring finite values (ties, exact in float32: to the even
+ * one) and the floats either side of them, to the nearer */
+static void check_convert_f16(const char *context)
+{
+    enum { PATTERNS = 1 << 16, FINITE = 0x7c00, MIDS = FINITE - 1 };
+    uint16_t *bits = malloc(PATTERNS * sizeof *bits), *back = malloc(3 * MIDS * sizeof *back);
+    float *x = malloc(PATTERNS * sizeof *x), *mids = malloc(3 * MIDS * sizeof *mids);
+    int bad = 0;
+    for (uint32_t p = 0; p < PATTERNS; p++) bits[p] = (uint16_t)p;
+    convert(x, bits, 1, ATTNX_F16, PATTERNS);
+    for (uint32_t p = 0; p < PATTERNS; p++) {
+        int nan = (p & 0x7c00u) == 0x7c00u && (p & 0x3ffu);
+        if (nan) bad += x[p] == x[p];
+        else if ((p & 0x7fffu) == 0x7c00u) bad += x[p] != (p & 0x8000u ? -INFINITY : INFINITY);
+        else bad += (double)x[p] != f16_reference(p) || !!signbit(x[p]) != (int)(p >> 15);
+    }
+    convert(bits, x, 0, ATTNX_F16, PATTERNS);
+    for (uint32_t p = 0; p < PATTERNS; p++) {
+        int nan = (p & 0x7c00u) == 0x7c00u && (p & 0x3ffu);
+        bad += nan ? (bits[p] & 0x7e00u) != 0x7e00u || (bits[p] >> 15) != (p >> 15) : bits[p] != p;
+    }
+    for (uint32_t p = 0; p < MIDS; p++) {
+        float mid = (float)((f16_reference(p) + f16_reference(p + 1)) / 2);
+        mids[3 * p] = mid;
+        mids[3 * p + 1] = nextafterf(mid, 0);
+        mids[3 * p + 2] = nextafterf(mid, INFINITY);
+    }
+    convert(back, mids, 0, ATTNX_F16, 3 * MIDS);
+    for (uint32_t p = 0; p < MIDS; p++) {
+        uint32_t even = p & 1u ? p + 1 : p;
+        bad += back[3 * p] != even || back[3 * p + 1] != p || back[3 * p + 2] != p + 1;
+    }
+    if (bad) {
+        printf("FAIL float16 conversion %s: %d wrong results\n", context, bad);
+        failures++;
+    }
+    free(bits);
+    free(back);
+    free(x);
+    free(mids);
 }
 
 /* every family held to the table's `level`-th set from the end (0: plain) */
@@ -594,7 +654,8 @@ int main(void)
         printf("kernels: %s\n", names);
         snprintf(context, sizeof context, "(level %d)", level);
         check_convert(context);
-        checks++;
+        check_convert_f16(context);
+        checks += 2;
         for (int threads = 1; threads <= 2; threads++)
             for (int is_double = 0; is_double <= 1; is_double++) {
                 snprintf(context, sizeof context, "(%s, %d thread%s, level %d)",
