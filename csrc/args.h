@@ -263,11 +263,14 @@ int attnx_check_status(int status);
 
 /* job = src converted into dst between a half-precision format (float16,
  * or bfloat16 bits as int16 or uint16) and float32 (convert.h), after
- * checking both (module.c); -1 with an exception whose message starts with
+ * checking both (py_convert.c); -1 with an exception whose message starts with
  * `name` */
 struct attnx_conversion;
 int attnx_prepare_half_conversion(PyArrayObject *src, PyArrayObject *dst,
                                   struct attnx_conversion *job, const char *name);
+/* A new float32 array of half-precision `half` widened, or NULL with an
+ * exception whose message starts with `name` (py_convert.c) */
+PyObject *attnx_widened_half(PyArrayObject *half, const char *name);
 /* an array's half-precision format (convert.h's attnx_half_format: NPY_HALF
  * is float16, int16 and uint16 hold bfloat16 bits); 0 for other dtypes */
 int attnx_half_format_of(PyArrayObject *array);

@@ -17,6 +17,7 @@ PyObject *attnx_py_delta_rule_backward(PyObject *self, PyObject *args, PyObject 
 PyObject *attnx_py_causal_conv1d_update(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_lsh_backward(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *attnx_py_lsh_buckets(PyObject *self, PyObject *args);
+PyObject *attnx_py_convert_half(PyObject *self, PyObject *args);
 /* adds LinearAttentionState to the module (py_linear.c) */
 int attnx_linear_init(PyObject *module);
 /* the memory handler of attnx's results (output_cache.c) */

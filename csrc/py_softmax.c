@@ -31,23 +31,6 @@ static const attnx_param softmax_params_half_kv[NPARAMS] = {
     [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
 };
 
-/* A new float32 array of half-precision `half` widened, or NULL with an
- * exception */
-static PyObject *widened(PyArrayObject *half, const char *name)
-{
-    PyArrayObject *wide = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(half),
-                                                             PyArray_DIMS(half), NPY_FLOAT32);
-    attnx_conversion job;
-    if (!wide || attnx_prepare_half_conversion(half, wide, &job, name) < 0) {
-        Py_XDECREF(wide);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    attnx_conversion_run(&job);
-    Py_END_ALLOW_THREADS
-    return (PyObject *)wide;
-}
-
 /* Shared by both front ends. scale_obj NULL means gaussian attention with
  * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)).
  * Their keywords left out of their documented signatures, which
@@ -135,8 +118,8 @@ bind:
     if (status == ATTNX_EINVAL && args.kv_half) {
         /* not a call the decoding path takes (its only refusal, before any
          * work): k and v widened, then as any call */
-        if (!(k_wide = widened(call.ops[K].array, "k")) ||
-            !(v_wide = widened(call.ops[V].array, "v")))
+        if (!(k_wide = attnx_widened_half(call.ops[K].array, "k")) ||
+            !(v_wide = attnx_widened_half(call.ops[V].array, "v")))
             goto done;
         attnx_call_release(&call);
         k_obj = k_wide;
