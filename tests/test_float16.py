@@ -171,21 +171,29 @@ def test_every_layout_converts_like_its_contiguous_copy(layout, seed):
     np.testing.assert_array_equal(widen(halves), halves.astype(np.float32))
 
 
-def test_large_arrays_on_several_threads_match_one_thread():
-    # above the size from which the conversion starts a second thread
+@pytest.mark.parametrize("half", [np.float16, np.uint16], ids=["float16", "bfloat16"])
+def test_large_arrays_on_several_threads_match_one_thread(half):
+    # above the size from which the conversion starts a second thread; both
+    # formats (bfloat16 as its bits)
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((2, 4, 1 << 20), dtype=np.float32) * 1e3)[:, ::-1, :]
+
+    def both_ways():
+        halves = CONVERT(x, np.empty(x.shape, half))
+        return halves, CONVERT(halves[:, :, ::2], np.empty((2, 4, 1 << 19), np.float32))
+
     threads = attnx.get_num_threads()
     try:
         attnx.set_num_threads(1)
-        one = narrow(x), widen(narrow(x)[:, :, ::2])
+        one = both_ways()
         attnx.set_num_threads(max(2, threads))
-        many = narrow(x), widen(narrow(x)[:, :, ::2])
+        many = both_ways()
     finally:
         attnx.set_num_threads(threads)
     for a, b in zip(one, many):
         np.testing.assert_array_equal(a, b)
-    check_narrow(x.ravel(), one[0].ravel())
+    if half == np.float16:
+        check_narrow(x.ravel(), one[0].view(np.uint16).ravel())
 
 
 def test_bad_arguments_raise_clear_errors():

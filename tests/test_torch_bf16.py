@@ -225,23 +225,6 @@ def test_every_layout_converts_like_its_contiguous_copy(layout, seed):
     np.testing.assert_array_equal(widen(bits), reference_widen(np.ascontiguousarray(bits)))
 
 
-def test_large_arrays_on_several_threads_match_one_thread():
-    # above the size from which the conversion starts a second thread
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 4, 1 << 20), dtype=np.float32)[:, ::-1, :]
-    threads = attnx.get_num_threads()
-    try:
-        attnx.set_num_threads(1)
-        one = narrow(x), widen(narrow(x)[:, :, ::2])
-        attnx.set_num_threads(max(2, threads))
-        many = narrow(x), widen(narrow(x)[:, :, ::2])
-    finally:
-        attnx.set_num_threads(threads)
-    for a, b in zip(one, many):
-        np.testing.assert_array_equal(a, b)
-    check_narrow(x.ravel(), one[0].ravel())
-
-
 # ------------------------------------------------------------------ errors
 
 def test_bad_arguments_raise_clear_errors():
