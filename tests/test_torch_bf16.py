@@ -560,3 +560,62 @@ def test_half_sdpa_compiles_without_graph_breaks(torch, fmt):
     traced = torch.autograd.grad(compiled(q, k, v), (q, k, v))
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
+def test_half_tensors_cross_without_torchs_conversions(torch, fmt, monkeypatch):
+    """bfloat16 and float16 tensors are widened and narrowed in attnx's C
+    code, forward and backward, in every family's front end: no torch
+    conversion op (aten._to_copy, or a copy between a half-precision tensor
+    and a float32 one) touches their numbers; attnx's conversion
+    (_C._convert_half) runs instead"""
+    import attnx.torch as at
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dtype = getattr(torch, fmt)
+    half_and_wide = {dtype, torch.float32}
+
+    class Conversions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.torchs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            tensors = [t for t in list(args) + [result] if isinstance(t, torch.Tensor)]
+            if (str(func).startswith(("aten._to_copy", "aten.copy_", "aten.to"))
+                    and {t.dtype for t in tensors} == half_and_wide
+                    and max(t.numel() for t in tensors) > 1):
+                self.torchs.append((str(func), [(t.dtype, tuple(t.shape)) for t in tensors]))
+            return result
+
+    converted = []
+    convert = attnx._C._convert_half
+    monkeypatch.setattr(attnx._C, "_convert_half",
+                        lambda src, dst: converted.append(src.shape) or convert(src, dst))
+
+    def leaves(*shapes, seed):
+        return [_randn_half(torch, *shape, seed=seed + i, dtype=dtype).requires_grad_()
+                for i, shape in enumerate(shapes)]
+
+    q, k, v = leaves((2, 3, 20, 8), (2, 3, 20, 8), (2, 3, 20, 8), seed=1)
+    x = leaves((2, 3, 20, 8), seed=4)[0]
+    dq, dk, dv = leaves((1, 20, 2, 8), (1, 20, 2, 8), (1, 20, 2, 8), seed=5)
+    g = (-_randn_half(torch, 1, 20, 2, seed=8, dtype=dtype).abs()).requires_grad_()
+    beta = _randn_half(torch, 1, 20, 2, seed=9, dtype=dtype).sigmoid().detach().requires_grad_()
+    calls = {
+        "sdpa": lambda: at.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "linear": lambda: at.linear_attention(q, k, v, causal=True),
+        "focused": lambda: at.focused_linear_attention(q, k, v),
+        "lsh": lambda: at.lsh_attention(q, v, 4, chunk=8),
+        "rotary": lambda: at.rotary(x),
+        "gated delta rule": lambda: at.chunk_gated_delta_rule(dq, dk, dv, g, beta, chunk_size=8)[0],
+    }
+    for name, call in calls.items():
+        converted.clear()
+        with Conversions() as seen:
+            out = call()
+            assert out.dtype == dtype, name
+            out.backward(torch.ones_like(out))
+        assert not seen.torchs, (name, seen.torchs)
+        assert converted, name

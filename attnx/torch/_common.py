@@ -271,7 +271,10 @@ def _in_dtype(t, dtype):
 
 def _to_compute(t, dtype):
     """t (None, or a floating tensor) in the computing dtype `dtype`
-    (differentiable: autograd converts its gradient back)."""
+    (differentiable: autograd converts its gradient back); a half-precision
+    tensor widened in C."""
     if t is None or t.dtype == dtype:
         return t
+    if t.dtype in _HALF and dtype == torch.float32:
+        return torch.ops.attnx.half_to_float32(t)
     return t.to(dtype)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import _C, _delta
-from ._common import _check_tensor, _in_compute_dtype, _in_dtype, _np
+from ._common import _check_tensor, _in_compute_dtype, _in_dtype, _np, _to_compute
 
 
 
@@ -128,10 +128,7 @@ def _run(query, key, value, g, beta, scale, initial_state, output_final_state,
     dtype = query.dtype
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     q, k, v = _in_compute_dtype(query, key, value)
-    beta = beta if beta.dtype == compute else beta.to(compute)
-    g = g if g is None or g.dtype == compute else g.to(compute)
-    state = (initial_state if initial_state is None or initial_state.dtype == compute
-             else initial_state.to(compute))
+    beta, g, state = (_to_compute(t, compute) for t in (beta, g, initial_state))
     if scale is None:
         scale = query.shape[-1] ** -0.5
     args = (q, k, v, beta, g, state, float(scale), bool(use_qk_l2norm_in_kernel), recurrent,

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _dwc
-from ._common import _check_tensor, _compute_dtype, _from_numpy, _np, _to_compute
+from ._common import _check_tensor, _compute_dtype, _from_numpy, _in_dtype, _np, _to_compute
 
 
 def _spatial(spatial):
@@ -77,4 +77,4 @@ def add_depthwise_convolution(out, q, v, dwc_weight, spatial):
     term = torch.ops.attnx.depthwise_convolution(
         _to_compute(v, compute), _to_compute(dwc_weight, compute),
         None if spatial is None else [int(s) for s in spatial])
-    return out + term.to(out.dtype)
+    return out + _in_dtype(term, out.dtype)

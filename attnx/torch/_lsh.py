@@ -8,7 +8,8 @@ import torch
 import attnx
 
 from .. import _checks
-from ._common import Tensor, _batch_shape, _check_tensor, _compute_dtype, _in_compute_dtype, _np
+from ._common import (Tensor, _batch_shape, _check_tensor, _compute_dtype, _in_compute_dtype,
+                      _in_dtype, _np)
 
 
 @torch.library.custom_op("attnx::lsh_attention", mutates_args=(), device_types="cpu")
@@ -122,4 +123,4 @@ def lsh_attention(q, v, n_buckets, n_hashes=1, chunk=64, causal=False, seed=0):
     q32, v32 = _in_compute_dtype(q, v)
     out, _ = torch.ops.attnx.lsh_attention(q32, v32, n_buckets, n_hashes, chunk,
                                            causal is not False and causal is not np.False_, seed)
-    return out.to(q.dtype)
+    return _in_dtype(out, q.dtype)

@@ -32,6 +32,7 @@ from ._common import (
     _encode_causal,
     _encode_window,
     _from_numpy,
+    _in_dtype,
     _key_padding_view,
     _np,
     _to_compute,
@@ -214,7 +215,7 @@ def rotary(x, positions=None, base=10000, interleaved=False):
     dtype = x.dtype
     out = torch.ops.attnx.rotary(_to_compute(x, _compute_dtype(dtype)), positions, float(base),
                                  bool(interleaved))
-    return out.to(dtype)
+    return _in_dtype(out, dtype)
 
 
 # ------------------------------------- block-sparse, pooled and Linformer
@@ -337,7 +338,7 @@ def _system_call(system, q, k, v, layout=None, E=None, F=None, size=1, mode="mea
         q, k, v, layout, E, F, mask, bias, system, size, mode,
         None if scale is None else float(scale), _encode_causal(causal), _encode_window(window),
         float(dropout_p), _seed_tensor(dropout_p, seed))
-    out = out.to(dtype)
+    out = _in_dtype(out, dtype)
     return (out, lse) if return_lse else out
 
 
