@@ -57,6 +57,11 @@
 /* keys per block: a block of K (or V) stays in L1 while every row of the
  * group reads it */
 #define DECODE_BLOCK 32
+/* the plain set's partial sums of a dot product: spelled out rather than
+ * left to the vectoriser (an omp simd reduction), whose order of additions
+ * clang chose differently for float16 keys than for the float32 numbers
+ * they widen to; written out, every format gives the same bits */
+#define DECODE_PARTIALS 8
 
 #define ATTNX_FAMILY_FILE "softmax_decode.c"
 #include "real.h"
@@ -96,16 +101,23 @@ static inline REAL SFX(kv_at)(const void *x, ptrdiff_t at, int kv_half)
 
 /* the plain set's: the same loops in C (vectorised where the compiler
  * can), each for one kv_half, a constant where inlined, since a choice of
- * format inside the loops keeps them from vectorising */
+ * format inside the loops keeps them from vectorising; the dot products
+ * by DECODE_PARTIALS partial sums */
 static inline __attribute__((always_inline)) void SFX(decode_scores_loops)(
     REAL *s, ptrdiff_t s_ld, const REAL *const *q, ptrdiff_t rows, const void *k,
     ptrdiff_t k_row, ptrdiff_t keys, ptrdiff_t d, REAL scale, const int kv_half)
 {
+    const ptrdiff_t whole = d / DECODE_PARTIALS * DECODE_PARTIALS;
     for (ptrdiff_t j = 0; j < keys; j++)
         for (ptrdiff_t r = 0; r < rows; r++) {
-            REAL dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (ptrdiff_t c = 0; c < d; c++) dot += q[r][c] * SFX(kv_at)(k, j * k_row + c, kv_half);
+            REAL partial[DECODE_PARTIALS] = {0};
+            for (ptrdiff_t c = 0; c < whole; c += DECODE_PARTIALS)
+                for (int l = 0; l < DECODE_PARTIALS; l++)
+                    partial[l] += q[r][c + l] * SFX(kv_at)(k, j * k_row + c + l, kv_half);
+            for (ptrdiff_t c = whole; c < d; c++)
+                partial[c - whole] += q[r][c] * SFX(kv_at)(k, j * k_row + c, kv_half);
+            REAL dot = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+                       ((partial[4] + partial[5]) + (partial[6] + partial[7]));
             s[r * s_ld + j] = dot * scale;
         }
 }
