@@ -252,3 +252,36 @@ def strided_layouts(draw):
         return v
 
     return tuple(2 * s + 1 for s in shape), view
+
+
+def half_value(bits, exponent_bits):
+    """16-bit floating-point bits -> value in float64 from the fields: a
+    sign, `exponent_bits` of exponent (5 for float16, 8 for bfloat16), the
+    rest fraction; subnormals at exponent 0, infinity and NaN at the
+    largest."""
+    fraction_bits = 15 - exponent_bits
+    bias, top = (1 << (exponent_bits - 1)) - 1, (1 << exponent_bits) - 1
+    bits = np.asarray(bits, dtype=np.uint16).astype(np.int64)
+    sign = np.where(bits >> 15, -1.0, 1.0)
+    exponent, fraction = (bits >> fraction_bits) & top, bits & ((1 << fraction_bits) - 1)
+    fraction = fraction / float(1 << fraction_bits)
+    normal = np.ldexp(1.0 + fraction, exponent - bias)
+    subnormal = np.ldexp(fraction, 1 - bias)
+    value = np.where(exponent == 0, subnormal, normal)
+    value = np.where(exponent == top, np.where(fraction == 0, np.inf, np.nan), value)
+    return sign * value
+
+
+def check_random_narrowing_on_every_path(narrow, check):
+    """2^20 random float32 bit patterns narrowed by `narrow` on each
+    conversion path this CPU has: each result passes `check(x, got)`, and
+    every path gives the plain path's bits, NaN payloads included."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
+    results = {}
+    for name in kernels_here("convert"):
+        with dispatched(convert=name):
+            results[name] = narrow(x)
+        check(x, results[name])
+    for name, result in results.items():
+        np.testing.assert_array_equal(result, results["plain"], err_msg=name)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-from helpers import dispatched, kernels_here, strided_layouts
+from helpers import check_random_narrowing_on_every_path, dispatched, half_value, strided_layouts
 
 CONVERT = attnx._C._convert_half
 
@@ -26,16 +26,8 @@ def path(convert_kernels):
 # ------------------------------------------------------------- references
 
 def reference_widen(bits):
-    """float16 bits -> value in float64 from the fields: sign, 5-bit
-    exponent, 10-bit fraction (subnormals at exponent 0)."""
-    bits = np.asarray(bits, dtype=np.uint16).astype(np.int64)
-    sign = np.where(bits >> 15, -1.0, 1.0)
-    exponent, fraction = (bits >> 10) & 0x1f, bits & 0x3ff
-    normal = np.ldexp(1.0 + fraction / 1024.0, exponent - 15)
-    subnormal = np.ldexp(fraction / 1024.0, -14)
-    value = np.where(exponent == 0, subnormal, normal)
-    value = np.where(exponent == 31, np.where(fraction == 0, np.inf, np.nan), value)
-    return sign * value
+    """float16 bits -> value in float64 from the fields"""
+    return half_value(bits, 5)
 
 
 # the finite non-negative float16 values, in the order of their bits
@@ -135,16 +127,7 @@ def test_narrow_around_every_float16(path):
 
 
 def test_narrow_random_bit_patterns_every_path_agrees():
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
-    results = {}
-    for name in kernels_here("convert"):
-        with dispatched(convert=name):
-            results[name] = narrow(x)
-        check_narrow(x, results[name])
-    # the same bits on every path, NaN payloads included
-    for name, result in results.items():
-        np.testing.assert_array_equal(result, results["plain"], err_msg=name)
+    check_random_narrowing_on_every_path(narrow, check_narrow)
 
 
 @pytest.mark.parametrize("length", [1, 3, 4, 7, 8, 9, 15, 16, 17, 33, 70])

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-from helpers import dispatched, kernels_here, strided_layouts
+from helpers import (check_random_narrowing_on_every_path, dispatched, half_value, kernels_here,
+                     strided_layouts)
 
 CONVERT = attnx._C._convert_half
 
@@ -68,16 +69,8 @@ def reference_narrow(x):
 
 
 def reference_widen(bits):
-    """bfloat16 bits -> value in float64 from the fields: sign, 8-bit
-    exponent, 7-bit fraction (denormals at exponent 0)."""
-    bits = np.asarray(bits, dtype=np.uint16).astype(np.int64)
-    sign = np.where(bits >> 15, -1.0, 1.0)
-    exponent, fraction = (bits >> 7) & 0xff, bits & 0x7f
-    normal = np.ldexp(1.0 + fraction / 128.0, exponent - 127)
-    denormal = np.ldexp(fraction / 128.0, -126)
-    value = np.where(exponent == 0, denormal, normal)
-    value = np.where(exponent == 255, np.where(fraction == 0, np.inf, np.nan), value)
-    return sign * value
+    """bfloat16 bits -> value in float64 from the fields"""
+    return half_value(bits, 8)
 
 
 def narrow(x):
@@ -148,16 +141,7 @@ def test_narrow_special_values(path):
 
 
 def test_narrow_random_bit_patterns_both_paths_agree():
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
-    results = {}
-    for name in kernels_here("convert"):
-        with dispatched(convert=name):
-            results[name] = narrow(x)
-        check_narrow(x, results[name])
-    # the same bits on every path, NaN included
-    for name, result in results.items():
-        np.testing.assert_array_equal(result, results["plain"], err_msg=name)
+    check_random_narrowing_on_every_path(narrow, check_narrow)
 
 
 def test_narrow_around_every_bfloat16_is_the_plain_paths_bits(path):
