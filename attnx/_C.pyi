@@ -1,9 +1,11 @@
 # Type stubs of the C extension (csrc/module.c and the py_*.c bindings).
 # The public functions are re-exported and documented by attnx/__init__.pyi;
 # the others are the front ends' plumbing.
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar, overload
 
 from numpy.typing import ArrayLike, NDArray
+
+_Arrays = TypeVar("_Arrays", bound=Sequence[NDArray[Any]])
 
 def softmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
                       causal: bool | str = False, mask: ArrayLike | None = None,
@@ -77,4 +79,7 @@ def set_output_cache(limit: int, /) -> int: ...
 def _output_cache_held() -> tuple[int, int]: ...
 def build_info() -> dict[str, Any]: ...
 def _set_dispatch(disabled: str, limits: dict[str, str] | None = None, /) -> tuple[str, dict[str, str]]: ...
+@overload
 def _convert_half(src: NDArray[Any], dst: NDArray[Any], /) -> NDArray[Any]: ...
+@overload
+def _convert_half(src: Sequence[NDArray[Any]], dst: _Arrays, /) -> _Arrays: ...

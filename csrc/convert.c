@@ -30,12 +30,11 @@
 
 /* 16 Ki elements: 64 KiB of float32, a few microseconds of work */
 #define PIECE ((ptrdiff_t)16384)
-/* elements a second thread must have before it is started: the
- * conversion is memory bound, so below this a second thread would save
- * under half a millisecond, while a parallel region on a machine shared
- * with other work waits for its slowest thread to be scheduled, which
- * costs far more (docs/performance.md, the C code's choices) */
-#define PER_THREAD ((ptrdiff_t)1 << 22)
+/* elements each thread must have before a second one is started: a
+ * parallel region waits for its slowest thread to be scheduled, which on
+ * a machine shared with other work can cost more than the pass saves
+ * (docs/performance.md, the C code's choices) */
+#define PER_THREAD ((ptrdiff_t)1 << 18)
 
 /* ---------------------------------------------------------- one element */
 
@@ -324,12 +323,22 @@ static void convert_piece(const attnx_conversion *job, ptrdiff_t piece)
                  job->dst, job->src, &job->from, first, last);
 }
 
-void attnx_conversion_run(const attnx_conversion *job)
+void attnx_conversion_run(const attnx_conversion *jobs, int count)
 {
-    ptrdiff_t pieces = job_pieces(job);
+    ptrdiff_t pieces = 0, total = 0;
+    for (int j = 0; j < count; j++) {
+        pieces += job_pieces(&jobs[j]);
+        total += jobs[j].total;
+    }
     int threads = attnx_get_num_threads();
-    if (job->total / PER_THREAD < threads)
-        threads = job->total / PER_THREAD > 1 ? (int)(job->total / PER_THREAD) : 1;
+    if (total / PER_THREAD < threads)
+        threads = total / PER_THREAD > 1 ? (int)(total / PER_THREAD) : 1;
+    /* the jobs' pieces numbered one after the other: one region for all */
     #pragma omp parallel for num_threads(attnx_omp_threads(threads)) schedule(static) if (threads > 1)
-    for (ptrdiff_t piece = 0; piece < pieces; piece++) convert_piece(job, piece);
+    for (ptrdiff_t piece = 0; piece < pieces; piece++) {
+        int j = 0;
+        ptrdiff_t first = piece;
+        while (first >= job_pieces(&jobs[j])) first -= job_pieces(&jobs[j++]);
+        convert_piece(&jobs[j], first);
+    }
 }

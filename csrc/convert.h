@@ -74,7 +74,9 @@ int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, 
                              attnx_half_format format, int ndim, const ptrdiff_t *shape,
                              const ptrdiff_t *src_strides);
 
-/* job, on attnx's threads when it has enough work */
-void attnx_conversion_run(const attnx_conversion *job);
+/* the `count` jobs (whose destinations overlap nothing they read or
+ * write), in one parallel region of attnx's threads when they have
+ * enough work together */
+void attnx_conversion_run(const attnx_conversion *jobs, int count);
 
 #endif

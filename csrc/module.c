@@ -325,7 +325,8 @@ static PyMethodDef methods[] = {
      "to that set or a lesser one (for tests); returns (disabled, limits) before."},
     {"_convert_half", attnx_py_convert_half, METH_VARARGS,
      "_convert_half(src, dst): float16 or bfloat16 bits (int16/uint16) <-> float32, rounding to "
-     "nearest even; returns dst."},
+     "nearest even; src and dst may be tuples or lists of as many arrays (at most 8), converted "
+     "together; returns dst."},
     {"build_info", build_info, METH_NOARGS,
      "BLAS, its core (the kernels it chose for this CPU), SIMD level of the compiler's clones, "
      "AMX in use, each family's kernel set "

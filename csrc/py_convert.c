@@ -111,23 +111,78 @@ PyObject *attnx_widened_half(PyArrayObject *half, const char *name)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    attnx_conversion_run(&job);
+    attnx_conversion_run(&job, 1);
     Py_END_ALLOW_THREADS
     return (PyObject *)wide;
 }
 
-/* _convert_half(src, dst): dst = src converted (attnx_prepare_half_conversion).
- * Returns dst. */
+/* conversions run together: enough for a training step's gradients */
+#define MAX_CONVERSIONS 8
+
+/* whether the bytes `a` can touch meet those `b` can */
+static int arrays_overlap(PyArrayObject *a, PyArrayObject *b)
+{
+    char *a_low, *a_high, *b_low, *b_high;
+    byte_extent(a, &a_low, &a_high);
+    byte_extent(b, &b_low, &b_high);
+    return a_low < b_high && b_low < a_high;
+}
+
+/* _convert_half(src, dst): dst = src converted (attnx_prepare_half_conversion),
+ * or, src and dst tuples or lists of as many arrays (at most
+ * MAX_CONVERSIONS), each dst[i] = src[i] converted, all in one parallel
+ * region (no dst may overlap another's src or dst). Returns dst. */
 PyObject *attnx_py_convert_half(PyObject *self, PyObject *args)
 {
-    PyArrayObject *src, *dst;
-    if (!PyArg_ParseTuple(args, "O!O!:_convert_half", &PyArray_Type, &src, &PyArray_Type, &dst))
+    PyObject *src_obj, *dst_obj;
+    if (!PyArg_ParseTuple(args, "OO:_convert_half", &src_obj, &dst_obj)) return NULL;
+    PyArrayObject *sources[MAX_CONVERSIONS], *destinations[MAX_CONVERSIONS];
+    Py_ssize_t count = 1;
+    if (PyArray_Check(src_obj) && PyArray_Check(dst_obj)) {
+        sources[0] = (PyArrayObject *)src_obj;
+        destinations[0] = (PyArrayObject *)dst_obj;
+    } else if ((PyTuple_Check(src_obj) || PyList_Check(src_obj)) &&
+               (PyTuple_Check(dst_obj) || PyList_Check(dst_obj))) {
+        count = PySequence_Fast_GET_SIZE(src_obj);
+        if (count != PySequence_Fast_GET_SIZE(dst_obj) || count > MAX_CONVERSIONS) {
+            PyErr_Format(PyExc_ValueError, "_convert_half takes as many sources as destinations, "
+                         "at most %d, got %zd and %zd", MAX_CONVERSIONS, count,
+                         PySequence_Fast_GET_SIZE(dst_obj));
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *src = PySequence_Fast_GET_ITEM(src_obj, i);
+            PyObject *dst = PySequence_Fast_GET_ITEM(dst_obj, i);
+            if (!PyArray_Check(src) || !PyArray_Check(dst)) {
+                PyErr_SetString(PyExc_TypeError, "_convert_half takes numpy arrays");
+                return NULL;
+            }
+            sources[i] = (PyArrayObject *)src;
+            destinations[i] = (PyArrayObject *)dst;
+        }
+    } else {
+        PyErr_SetString(PyExc_TypeError, "_convert_half takes two numpy arrays, or two tuples or "
+                        "lists of them");
         return NULL;
-    attnx_conversion job;
-    if (attnx_prepare_half_conversion(src, dst, &job, "_convert_half") < 0) return NULL;
+    }
+    attnx_conversion jobs[MAX_CONVERSIONS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (attnx_prepare_half_conversion(sources[i], destinations[i], &jobs[i],
+                                          "_convert_half") < 0)
+            return NULL;
+        for (Py_ssize_t other = 0; other < i; other++)
+            if (arrays_overlap(destinations[i], sources[other]) ||
+                arrays_overlap(destinations[i], destinations[other]) ||
+                arrays_overlap(destinations[other], sources[i])) {
+                PyErr_SetString(PyExc_ValueError,
+                                "_convert_half: a dst must not overlap another conversion's "
+                                "src or dst");
+                return NULL;
+            }
+    }
     Py_BEGIN_ALLOW_THREADS
-    attnx_conversion_run(&job);
+    attnx_conversion_run(jobs, (int)count);
     Py_END_ALLOW_THREADS
-    Py_INCREF(dst);
-    return (PyObject *)dst;
+    Py_INCREF(dst_obj);
+    return dst_obj;
 }

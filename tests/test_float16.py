@@ -192,3 +192,76 @@ def test_bad_arguments_raise_clear_errors():
     before = x.copy()
     widen(x)
     np.testing.assert_array_equal(x, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_conversions_together_equal_each_alone(threads):
+    # a list of conversions (as attnx.torch converts a training step's
+    # inputs or gradients): both directions, both formats, strided and
+    # broadcast sources, and together above the size at which a second
+    # thread starts; each result the same bits as its conversion alone
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 1 << 18), dtype=np.float32) * 300
+    halves = CONVERT(x, np.empty(x.shape, np.float16))
+    bits = CONVERT(x, np.empty(x.shape, np.uint16))
+    sources = [x[:, ::-1], halves.T, bits[::2], np.broadcast_to(bits[1, :7], (5, 7)),
+               np.full((), 2.5, np.float32), halves[:, :0]]
+    kinds = [np.uint16, np.float32, np.float32, np.float32, np.float16, np.float32]
+    originals = [s.copy() for s in sources]
+    alone = [CONVERT(s, np.empty(s.shape, kind)) for s, kind in zip(sources, kinds)]
+    before = attnx.get_num_threads()
+    try:
+        attnx.set_num_threads(threads)
+        destinations = [np.empty(s.shape, kind) for s, kind in zip(sources, kinds)]
+        assert CONVERT(sources, destinations) is destinations
+        destinations_tuple = tuple(np.empty(s.shape, kind) for s, kind in zip(sources, kinds))
+        assert CONVERT(tuple(sources), destinations_tuple) is destinations_tuple
+    finally:
+        attnx.set_num_threads(before)
+    for one, together, again in zip(alone, destinations, destinations_tuple):
+        assert one.tobytes() == together.tobytes() == again.tobytes()
+    # and each the independent reference's (numpy's float16 casts round to
+    # nearest even; bfloat16 is the top half of a float32, rounded on the
+    # integer bits for these finite numbers)
+    def bf16_rounded(wide):
+        u = np.ascontiguousarray(wide, np.float32).view(np.uint32).astype(np.uint64)
+        return ((u + 0x7fff + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+    def bf16_widened(b):
+        return (np.asarray(b, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    expected = [bf16_rounded(sources[0]), sources[1].astype(np.float32), bf16_widened(sources[2]),
+                bf16_widened(sources[3]), sources[4].astype(np.float16),
+                sources[5].astype(np.float32)]
+    for want, together in zip(expected, destinations):
+        assert want.dtype == together.dtype and want.tobytes() == together.tobytes()
+    for source, original in zip(sources, originals):
+        assert source.tobytes() == original.tobytes()
+    assert CONVERT([], []) == []
+
+
+def test_conversions_together_refuse_bad_lists():
+    x = np.ones((4, 6), np.float32)
+    wide = np.empty((4, 6), np.float32)
+    half = np.empty((4, 6), np.float16)
+    with pytest.raises(ValueError, match="as many sources as destinations, at most 8"):
+        CONVERT([x, x], [half])
+    with pytest.raises(ValueError, match="as many sources as destinations, at most 8"):
+        CONVERT([x] * 9, [np.empty((4, 6), np.float16) for _ in range(9)])
+    with pytest.raises(TypeError, match="takes numpy arrays"):
+        CONVERT([x, [1.0]], [half, np.empty(1, np.float16)])
+    with pytest.raises(TypeError, match="two numpy arrays, or two tuples or lists"):
+        CONVERT(x, [half])
+    with pytest.raises(ValueError, match="shape of src"):
+        CONVERT([x, x], [half, np.empty((6, 4), np.float16)])
+    # one conversion's destination over another's source or destination
+    with pytest.raises(ValueError, match="must not overlap another conversion's src or dst"):
+        CONVERT([half, x], [wide, half.view(np.uint16)])
+    with pytest.raises(ValueError, match="must not overlap another conversion's src or dst"):
+        CONVERT([x, x], [half, half])
+    with pytest.raises(ValueError, match="must not overlap another conversion's src or dst"):
+        CONVERT([x[:2], half], [half[:2], wide])
+    # sources may share memory: they are only read
+    first, second = np.empty((4, 6), np.float16), np.empty((4, 6), np.float16)
+    CONVERT([x, x], [first, second])
+    np.testing.assert_array_equal(first, second)

@@ -310,6 +310,49 @@ def test_opcheck_softmax_ops():
         torch.library.opcheck(torch.ops.attnx.softmax_attention.default, args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["plain", "mask, bias, window", "gaussian, causal", "dropout"])
+def test_eager_autograd_is_the_operators(dtype, case):
+    """A call that builds a graph runs the operator's computation eagerly
+    (_SoftmaxFunction, without the custom operator's dispatch): its output
+    and every gradient, the bias's included, are the operator's bit for
+    bit, and a second derivative is refused as the operator refuses it"""
+    from attnx.torch._softmax import _encode_causal, _SoftmaxFunction
+
+    q, k, v = (randn(2, 3, 5, 8, seed=s).to(dtype).detach().requires_grad_() for s in (1, 2, 3))
+    mask = bias = seed = None
+    variant, param, causal, window, dropout_p = "softmax", None, False, None, 0.0
+    if case == "mask, bias, window":
+        mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(4)) > 0.3
+        bias = randn(1, 3, 5, 5, seed=5).to(dtype).detach().requires_grad_()
+        param, window = 0.7, [2, 1]
+    elif case == "gaussian, causal":
+        variant, param, causal = "gaussian", 1.3, "upper_left"
+    elif case == "dropout":
+        dropout_p, seed = 0.3, torch.tensor([12345], dtype=torch.int64)
+    args = (q, k, v, mask, bias, variant, param, _encode_causal(causal), window, dropout_p, seed)
+    inputs = [t for t in (q, k, v, bias) if t is not None]
+    dout = randn(2, 3, 5, 8, seed=6).to(dtype)
+
+    through_op, _, _ = torch.ops.attnx.softmax_attention(*args)
+    if variant == "gaussian":
+        eager = at.gaussian_attention(q, k, v, sigma=param, causal=causal)
+    else:
+        eager = at.softmax_attention(q, k, v, scale=param, mask=mask, bias=bias, window=window,
+                                     dropout_p=dropout_p,
+                                     seed=None if seed is None else int(seed))
+    assert type(eager.grad_fn).__name__ == _SoftmaxFunction.__name__ + "Backward"
+    assert eager.dtype == through_op.dtype == dtype
+    assert torch.equal(eager, through_op)
+    for got, want in zip(torch.autograd.grad(eager, inputs, dout, retain_graph=True),
+                         torch.autograd.grad(through_op, inputs, dout, retain_graph=True)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    for out in (eager, through_op):
+        first, = torch.autograd.grad((out * dout).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable|no autograd formula"):
+            first.sum().backward()
+
+
 def test_nothing_saved_without_grad():
     q, k, v = randn(2, 4, 3), randn(2, 5, 3), randn(2, 5, 2)
     with torch.no_grad():

@@ -575,8 +575,13 @@ def test_half_tensors_cross_without_torchs_conversions(torch, fmt, monkeypatch):
 
     converted = []
     convert = attnx._C._convert_half
-    monkeypatch.setattr(attnx._C, "_convert_half",
-                        lambda src, dst: converted.append(src.shape) or convert(src, dst))
+
+    def recording(src, dst):
+        # one array, or a list of them converted together
+        converted.extend(s.shape for s in (src if isinstance(src, list) else [src]))
+        return convert(src, dst)
+
+    monkeypatch.setattr(attnx._C, "_convert_half", recording)
 
     def leaves(*shapes, seed):
         return [_randn_half(torch, *shape, seed=seed + i, dtype=dtype).requires_grad_()

@@ -239,23 +239,30 @@ def _in_compute_dtype(*tensors):
             for t in tensors]
 
 
-def _wide_np(t):
-    """A float32 numpy array of half-precision tensor `t` (one pass, in C,
-    reading any strides in place), or the numpy view of a float32 /
-    float64 / bool tensor (None for None)."""
-    if t is None or t.dtype not in _HALF:
-        return _np(t)
-    wide = np.empty(tuple(t.shape), dtype=np.float32)
-    _C._convert_half(_half_np(t), wide)
-    return wide
+def _wide_np(*tensors):
+    """For each tensor: a float32 numpy array of a half-precision tensor
+    (one pass, in C, reading any strides in place; those of one call
+    converted together, in one parallel region), or the numpy view of a
+    float32 / float64 / bool tensor (None for None). One tensor: its
+    array; several: a list."""
+    arrays = [_np(t) if t is None or t.dtype not in _HALF
+              else np.empty(tuple(t.shape), dtype=np.float32) for t in tensors]
+    halves = [t for t in tensors if t is not None and t.dtype in _HALF]
+    if halves:
+        _C._convert_half([_half_np(t) for t in halves],
+                         [a for t, a in zip(tensors, arrays) if t is not None and t.dtype in _HALF])
+    return arrays[0] if len(tensors) == 1 else arrays
 
 
-def _narrowed(array, dtype):
-    """float32 numpy `array` as a new tensor of half `dtype`, rounded to
-    nearest even in one pass, in C."""
-    out = torch.empty(array.shape, dtype=dtype)
-    _C._convert_half(array, _half_np(out))
-    return out
+def _narrowed(arrays, dtype):
+    """float32 numpy array `arrays`, or each of a list of them, as a new
+    tensor of half `dtype`, rounded to nearest even in one pass, in C (a
+    list's converted together, in one parallel region)."""
+    if isinstance(arrays, np.ndarray):
+        return _narrowed([arrays], dtype)[0]
+    outs = [torch.empty(array.shape, dtype=dtype) for array in arrays]
+    _C._convert_half(arrays, [_half_np(out) for out in outs])
+    return outs
 
 
 def _in_dtype(t, dtype):

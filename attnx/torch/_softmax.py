@@ -82,7 +82,7 @@ def _softmax_forward(q, k, v, mask, bias, variant, param, causal, window, dropou
         if variant == "softmax" and k.dtype in _HALF:
             args = _half_kv_args(q, k, v, options)
         else:
-            args = (_wide_np(q), _wide_np(k), _wide_np(v))
+            args = tuple(_wide_np(q, k, v))
         if variant == "gaussian":
             args += (param,)
         _, lse = forward(*args, mask=_np(mask), bias=_wide_np(bias), out=wide.numpy(),
@@ -116,16 +116,10 @@ def _(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
     return out, lse, wide
 
 
-@torch.library.custom_op("attnx::softmax_attention_backward", mutates_args=(), device_types="cpu")
-def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                         mask: Optional[Tensor], bias: Optional[Tensor], variant: str,
-                         param: Optional[float], causal: str, window: Optional[List[int]],
-                         dropout_p: float, seed: Optional[Tensor],
-                         bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv (shapes and dtypes of q, k, v) and dbias (that of bias
-    when bias_grad, else an empty tensor) of sum(dout * out); `out` is the
-    forward's unrounded result (float32 for half inputs). Half-precision
-    dout and inputs are widened here, the gradients rounded once."""
+def _softmax_backward_body(dout, q, k, v, out, lse, mask, bias, variant, param, causal, window,
+                           dropout_p, seed, bias_grad):
+    """The backward operator's computation (_softmax_backward_op), which
+    the eager autograd formula (_SoftmaxFunction) runs directly"""
     _, backward = _softmax_kernels(variant)
     if backward is None:
         raise NotImplementedError(f"this attnx has no {variant}_attention_backward")
@@ -135,7 +129,7 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
         return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
     grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
-    args = tuple(_wide_np(t) for t in (dout, q, k, v)) + (_np(out), lse.numpy())
+    args = tuple(_wide_np(dout, q, k, v)) + (_np(out), lse.numpy())
     options = _softmax_options(variant, param, causal, window, dropout_p, seed)
     if variant == "gaussian":
         options["sigma"] = param
@@ -152,7 +146,21 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         dbias = q.new_empty((0,))
     if q.dtype == dtype:
         return (*grads, dbias)
-    return (*(_narrowed(grad.numpy(), q.dtype) for grad in grads), dbias)
+    return (*_narrowed([grad.numpy() for grad in grads], q.dtype), dbias)
+
+
+@torch.library.custom_op("attnx::softmax_attention_backward", mutates_args=(), device_types="cpu")
+def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         mask: Optional[Tensor], bias: Optional[Tensor], variant: str,
+                         param: Optional[float], causal: str, window: Optional[List[int]],
+                         dropout_p: float, seed: Optional[Tensor],
+                         bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shapes and dtypes of q, k, v) and dbias (that of bias
+    when bias_grad, else an empty tensor) of sum(dout * out); `out` is the
+    forward's unrounded result (float32 for half inputs). Half-precision
+    dout and inputs are widened here, the gradients rounded once."""
+    return _softmax_backward_body(dout, q, k, v, out, lse, mask, bias, variant, param, causal,
+                                  window, dropout_p, seed, bias_grad)
 
 
 @_softmax_backward_op.register_fake
@@ -171,16 +179,41 @@ def _softmax_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, wide if wide.numel() else out, lse, mask, bias, seed)
 
 
-def _softmax_backward(ctx, dout, dlse, dwide):
+def _softmax_input_grads(ctx, dout, backward):
+    """The gradients of the operator's 11 inputs, by `backward` (the
+    backward operator or its body)"""
     q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
     variant, param, causal, window, dropout_p = ctx.options
-    dq, dk, dv, dbias = torch.ops.attnx.softmax_attention_backward(
-        dout, q, k, v, out, lse, mask, bias, variant, param, causal, window, dropout_p, seed,
-        ctx.bias_grad)
+    dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, mask, bias, variant, param, causal,
+                                 window, dropout_p, seed, ctx.bias_grad)
     return dq, dk, dv, None, dbias if ctx.bias_grad else None, None, None, None, None, None, None
 
 
+def _softmax_backward(ctx, dout, dlse, dwide):
+    return _softmax_input_grads(ctx, dout, torch.ops.attnx.softmax_attention_backward)
+
+
 _softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    """The operator and its autograd formula run eagerly, without the
+    custom operator's dispatch, which costs some 150 us a training step
+    (forward and backward): the same computations (_softmax_forward,
+    _softmax_backward_body), the same saved tensors and the same refusal
+    of a second derivative. torch.compile, tracing and torch.func's
+    transforms take the operator."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _softmax_forward(*inputs)
+        _softmax_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse, dwide):
+        return _softmax_input_grads(ctx, dout, _softmax_backward_body)
 
 
 def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed):
@@ -192,12 +225,14 @@ def _softmax_apply(q, k, v, mask, bias, variant, param, causal, window, dropout_
     args = (q, k, v, mask, bias, variant, param, causal, window, dropout_p, seed)
     # the operator's dispatch (autograd, the fake kernel) costs some 100 us
     # a call, as much as a decoding step against a few thousand keys: a
-    # call that builds no graph and is not being traced runs the
-    # computation itself
-    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                        for t in (q, k, v, bias))) \
-            or torch.compiler.is_compiling():
+    # call that is not being traced or transformed runs the computation
+    # itself, through _SoftmaxFunction when it builds a graph
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() \
+            or torch._C._are_functorch_transforms_active():
         out, lse, _ = torch.ops.attnx.softmax_attention(*args)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                         for t in (q, k, v, bias)):
+        out, lse, _ = _SoftmaxFunction.apply(*args)
     else:
         out, lse, _ = _softmax_forward(*args)
     return out, lse
