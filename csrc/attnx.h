@@ -105,9 +105,10 @@ typedef struct {
     /* 0: k and v hold numbers of the call's type; ATTNX_BF16 or ATTNX_F16
      * (convert.h's attnx_half_format): they hold half-precision bits
      * (uint16_t, with k_row, v_row and their offsets counting those),
-     * widened as the decoding kernels load them: float32 calls that the
-     * decoding path takes only (softmax_decode_applies); others return
-     * ATTNX_EINVAL */
+     * widened as the decoding kernels load them, or, for bfloat16 with
+     * bf16_products on the AVX-512 micro-kernels, paired straight from
+     * their bits (softmax_mk_reads_half_kv): float32 calls those paths
+     * take only; others return ATTNX_EINVAL */
     int kv_half;
 } attnx_softmax_args;
 

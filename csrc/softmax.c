@@ -36,6 +36,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "convert.h"
 #include "philox.h"
 #include "softmax_internal.h"
 
@@ -196,10 +197,39 @@ ATTNX_HOT void SFX(softmax_online_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdif
     for (ptrdiff_t r = r0; r < r1; r++) w->row_sum[r] = tile_sum[r];
 }
 
+/* value `at` of v: a number of the call's type, or (float32, kv_half)
+ * bfloat16 bits widened */
+static inline REAL SFX(value_at)(const void *v, ptrdiff_t at, int kv_half)
+{
+#if !REAL_IS_DOUBLE
+    if (kv_half == ATTNX_BF16) return attnx_bf16_widened(((const uint16_t *)v)[at]);
+#endif
+    (void)kv_half;
+    return ((const REAL *)v)[at];
+}
+
+/* 1 when `count` rows of values from row `first` hold inf or NaN */
+static int SFX(values_nonfinite)(const attnx_softmax_args *a, const void *v, ptrdiff_t first,
+                                 ptrdiff_t count)
+{
+#if !REAL_IS_DOUBLE
+    if (a->kv_half == ATTNX_BF16) {
+        /* the exponent's bits all set */
+        const uint16_t *bits = (const uint16_t *)v + first * a->v_row;
+        uint16_t all_set = 0;
+        for (ptrdiff_t j = 0; j < count; j++)
+            for (ptrdiff_t c = 0; c < a->e; c++)
+                all_set |= (bits[j * a->v_row + c] & 0x7f80u) == 0x7f80u;
+        return all_set;
+    }
+#endif
+    return SFX(has_nonfinite)((const REAL *)v + first * a->v_row, count, a->e, a->v_row);
+}
+
 /* 1 when the values of the keys [j0, j0 + cols) are all finite; each
  * block of V_BLOCK keys is checked once per head and thread */
 int TYPED(softmax_values_finite_f32, softmax_values_finite_f64)(
-    const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *v, ptrdiff_t j0, ptrdiff_t cols)
+    const attnx_softmax_args *a, SFX(tile_work) *w, const void *v, ptrdiff_t j0, ptrdiff_t cols)
 {
     if (w->v_seen != v) {
         memset(w->v_state, 0, (size_t)((a->m + V_BLOCK - 1) / V_BLOCK));
@@ -208,7 +238,7 @@ int TYPED(softmax_values_finite_f32, softmax_values_finite_f64)(
     for (ptrdiff_t b = j0 / V_BLOCK; b * V_BLOCK < j0 + cols; b++) {
         if (!w->v_state[b]) {
             ptrdiff_t first = b * V_BLOCK, count = ATTNX_MIN(V_BLOCK, a->m - first);
-            w->v_state[b] = SFX(has_nonfinite)(v + first * a->v_row, count, a->e, a->v_row) ? 2 : 1;
+            w->v_state[b] = SFX(values_nonfinite)(a, v, first, count) ? 2 : 1;
         }
         if (w->v_state[b] == 2) return 0;
     }
@@ -218,10 +248,11 @@ int TYPED(softmax_values_finite_f32, softmax_values_finite_f64)(
 /* acc_r += sum_j p_rj v_j over the keys with p_rj != 0 only: the path for
  * value tiles holding inf or NaN, where the product's 0 * NaN would leak a
  * hidden key's NaN into rows that cannot see it. acc's element (r, c) is
- * at acc[r acc_row + c acc_col]. */
+ * at acc[r acc_row + c acc_col]; v_tile holds numbers of the call's type,
+ * or half-precision bits (kv_half). */
 void TYPED(softmax_add_visible_values_f32, softmax_add_visible_values_f64)(
     const mk_tile *t, REAL *acc, ptrdiff_t acc_row, ptrdiff_t acc_col, const REAL *pt,
-    ptrdiff_t pt_ld, const REAL *v_tile, ptrdiff_t v_row, ptrdiff_t e)
+    ptrdiff_t pt_ld, const void *v_tile, ptrdiff_t v_row, ptrdiff_t e, int kv_half)
 {
     for (ptrdiff_t r = 0; r < t->rows; r++) {
         ptrdiff_t lo, hi;
@@ -230,7 +261,8 @@ void TYPED(softmax_add_visible_values_f32, softmax_add_visible_values_f64)(
             REAL p_rj = pt[j * pt_ld + r];
             if (p_rj == 0) continue;
             for (ptrdiff_t c = 0; c < e; c++)
-                acc[r * acc_row + c * acc_col] += p_rj * v_tile[j * v_row + c];
+                acc[r * acc_row + c * acc_col] += p_rj * SFX(value_at)(v_tile, j * v_row + c,
+                                                                        kv_half);
         }
     }
 }
@@ -274,7 +306,7 @@ static void SFX(plain_add_pv)(const SFX(softmax_backend) *be, const attnx_softma
         if (w->correction[r] != 1) SFX(scale_row)(out + r * a->out_row, a->e, w->correction[r]);
     if (!finite)
         SFX(softmax_add_visible_values)(t, out, a->out_row, 1, w->st, w->st_ld, v_tile, a->v_row,
-                                        a->e);
+                                        a->e, 0);
     else
         SFX(gemm)(1, 0, t->rows, a->e, t->cols, 1, w->st, w->st_ld, v_tile, a->v_row, 1, out,
                   a->out_row);
@@ -442,8 +474,8 @@ int TYPED(attnx_softmax_fwd_f32, attnx_softmax_fwd_f64)(const attnx_softmax_args
 {
     /* a few queries against many keys: the keys split across threads */
     if (SFX(softmax_decode_applies)(a)) return SFX(softmax_decode)(a);
-    if (a->kv_half) return ATTNX_EINVAL;
     const SFX(softmax_backend) *be = SFX(softmax_choose_backend)(a);
+    if (a->kv_half && !SFX(softmax_mk_reads_half_kv)(a, be)) return ATTNX_EINVAL;
     softmax_plan plan = {.q_tile = be->q_tile};
     plan.q_tiles = (a->n + plan.q_tile - 1) / plan.q_tile;
     ptrdiff_t work = a->heads * plan.q_tiles;

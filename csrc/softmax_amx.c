@@ -113,7 +113,7 @@ static void amx_key_tile(const softmax_backend_f32 *be, const attnx_softmax_args
         if (!finite) {
             const mk_tile block = {&a->band, t->i0 + r0, r1 - r0, j0, t->cols};
             softmax_add_visible_values_f32(&block, ot + r0, 1, st_ld, st + r0, st_ld,
-                                           v + j0 * a->v_row, a->v_row, a->e);
+                                           v + j0 * a->v_row, a->v_row, a->e, 0);
             continue;
         }
         for (ptrdiff_t g = 0; g < 32; g += 16)

@@ -193,13 +193,15 @@ void SFX(softmax_apply_bias_mask)(const attnx_softmax_args *a, const mk_tile *t,
 void SFX(softmax_online_strip)(SFX(tile_work) *w, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t lo,
                                ptrdiff_t hi);
 /* 1 when the values of the keys [j0, j0 + cols) are all finite */
-int SFX(softmax_values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, const REAL *v,
+int SFX(softmax_values_finite)(const attnx_softmax_args *a, SFX(tile_work) *w, const void *v,
                                ptrdiff_t j0, ptrdiff_t cols);
 /* acc_r += sum_j p_rj v_j over the keys with p_rj != 0 only (values with
- * inf or NaN); acc's element (r, c) at acc[r acc_row + c acc_col] */
+ * inf or NaN); acc's element (r, c) at acc[r acc_row + c acc_col]; v_tile
+ * holds half-precision bits when kv_half says so */
 void SFX(softmax_add_visible_values)(const mk_tile *t, REAL *acc, ptrdiff_t acc_row,
                                      ptrdiff_t acc_col, const REAL *pt, ptrdiff_t pt_ld,
-                                     const REAL *v_tile, ptrdiff_t v_row, ptrdiff_t e);
+                                     const void *v_tile, ptrdiff_t v_row, ptrdiff_t e,
+                                     int kv_half);
 /* a key tile on backends that take the tile's rows strip by strip */
 void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_softmax_args *a,
                                   const mk_tile *t, SFX(tile_work) *w, const REAL *q,
@@ -210,6 +212,11 @@ void SFX(softmax_strips_key_tile)(const SFX(softmax_backend) *be, const attnx_so
  * keys, no dropout nor gaussian key term), and its forward */
 int SFX(softmax_decode_applies)(const attnx_softmax_args *a);
 int SFX(softmax_decode)(const attnx_softmax_args *a);
+
+/* softmax_mk.c: 1 when backend `be` reads the call's keys and values as
+ * the bfloat16 bits they are given in (kv_half: the AVX-512 micro-kernels
+ * with bf16_products pair them straight from the bits) */
+int SFX(softmax_mk_reads_half_kv)(const attnx_softmax_args *a, const SFX(softmax_backend) *be);
 
 /* softmax_mk.c: the micro-kernels' backends, one per instruction set, and
  * the packing and transposes AMX (and lsh.c) use too */

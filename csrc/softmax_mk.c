@@ -22,13 +22,18 @@
  * pairs of keys too, and a tile whose values are all bfloat16 values takes
  * P V from the pairs, each strip's P rounded to bfloat16 on the way
  * (mk_add_pv_pairs_w16); the online softmax's sums and rescaling stay
- * float32. */
+ * float32. Keys and values given as bfloat16 bits (kv_half, as attnx.torch
+ * passes bfloat16 tensors) are paired straight from the bits, with no
+ * float32 copy: a key's pair c is the 32-bit word c of its row, so its
+ * panel's pair rows are a transpose of words, and a value pair
+ * interleaves two rows (softmax_mk_reads_half_kv). */
 #ifndef REAL
 #include <stdlib.h>
 #include <string.h>
 
 #include "attnx.h"
 #include "blas.h" /* vec_real.h declares the BLAS calls */
+#include "convert.h"
 #include "softmax_internal.h"
 
 #ifdef SOFTMAX_MK
@@ -55,6 +60,41 @@ typedef struct {
     unsigned char *v_exact; /* per slot: the panel's values are all bfloat16 values */
     float *p_pairs;       /* (MK_KC / 2, strip) a strip's slice of P, rounded and paired */
 } packed_panels;
+
+#ifdef MK_HAVE_X86
+/* dst (ceil(count / 2), lanes): pair row c from the bfloat16 bits of rows
+ * 2c and 2c + 1 of x (count, lanes), the first in the low half (as
+ * mk_pair_rows pairs), 0 for the second past an odd count; rows x_row and
+ * dst_row apart */
+static void mk_pair_bf16_rows(float *dst, ptrdiff_t dst_row, const uint16_t *x, ptrdiff_t x_row,
+                              ptrdiff_t count, ptrdiff_t lanes)
+{
+    for (ptrdiff_t c = 0; c < count; c += 2) {
+        const uint16_t *first = x + c * x_row, *second = x + (c + 1) * x_row;
+        uint32_t *pair = (uint32_t *)(dst + c / 2 * dst_row);
+        if (c + 1 < count)
+            for (ptrdiff_t l = 0; l < lanes; l++) pair[l] = first[l] | (uint32_t)second[l] << 16;
+        else
+            for (ptrdiff_t l = 0; l < lanes; l++) pair[l] = first[l];
+    }
+}
+
+/* the panels (d, KB) of the keys [j0, j0 + cols) widened from their
+ * bfloat16 bits into kt: a tile whose queries are no bfloat16 values
+ * needs them (every call attnx.torch makes has bfloat16 queries) */
+static void mk_widen_panels(float *kt, ptrdiff_t slots, const uint16_t *k, ptrdiff_t k_row,
+                            ptrdiff_t m, ptrdiff_t d, ptrdiff_t kb, ptrdiff_t j0, ptrdiff_t cols)
+{
+    for (ptrdiff_t p = j0 / kb; p * kb < j0 + cols; p++) {
+        float *panel = kt + p % slots * kb * d;
+        ptrdiff_t count = m - p * kb < kb ? m - p * kb : kb;
+        if (count < kb) memset(panel, 0, (size_t)(d * kb) * sizeof *panel);
+        for (ptrdiff_t r = 0; r < count; r++)
+            for (ptrdiff_t c = 0; c < d; c++)
+                panel[c * kb + r] = attnx_bf16_widened(k[(p * kb + r) * k_row + c]);
+    }
+}
+#endif
 #endif
 
 #define ATTNX_FAMILY_FILE "softmax_mk.c"
@@ -169,6 +209,21 @@ static void SFX(mk_pack_panels)(const attnx_softmax_args *a, packed_panels *pk, 
     for (ptrdiff_t p = j0 / kb; p * kb < j0 + cols; p++) {
         ptrdiff_t slot = p % pk->slots, count = ATTNX_MIN(kb, a->m - p * kb);
         if (pk->owner[slot] == p + 1) continue;
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+        if (a->kv_half) {
+            /* the keys' rows as 32-bit words (d, k_row even): pairs */
+            const uint16_t *k_bits = (const uint16_t *)k + p * kb * a->k_row;
+            SFX(mk_pack)(pk->kt_pairs + slot * kb * (d / 2), (const REAL *)k_bits, a->k_row / 2,
+                         count, d / 2, kb, pk->width);
+            pk->exact[slot] = 1;
+            for (ptrdiff_t g = 0; g < e; g += kb)
+                mk_pair_bf16_rows(pk->vt_pairs + slot * kb * e / 2 + g * kb / 2, kb,
+                                  (const uint16_t *)v + p * kb * a->v_row + g, a->v_row, count, kb);
+            pk->v_exact[slot] = 1;
+            pk->owner[slot] = p + 1;
+            continue;
+        }
+#endif
         SFX(mk_pack)((REAL *)pk->kt + slot * kb * d, k + p * kb * a->k_row, a->k_row, count, d, kb,
                      pk->width);
 #if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
@@ -251,8 +306,9 @@ static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_soft
     const packed_panels *pk = w->operands;
     if (!SFX(softmax_values_finite)(a, w, v, t->j0, t->cols)) {
         SFX(mk_rescale_output)(w, t->rows, a->e);
-        SFX(softmax_add_visible_values)(t, w->ot, 1, w->st_ld, w->st, w->st_ld,
-                                        v + t->j0 * a->v_row, a->v_row, a->e);
+        const char *v_tile = (const char *)v + t->j0 * a->v_row * (a->kv_half ? 2 : sizeof(REAL));
+        SFX(softmax_add_visible_values)(t, w->ot, 1, w->st_ld, w->st, w->st_ld, v_tile, a->v_row,
+                                        a->e, a->kv_half);
         return;
     }
     ptrdiff_t kb = be->kb;
@@ -285,13 +341,19 @@ static void SFX(mk_tile_scores)(const SFX(softmax_backend) *be, const attnx_soft
 {
     packed_panels *pk = w->operands;
     SFX(mk_pack_panels)(a, pk, k, v, t->j0, t->cols);
-    if (SFX(mk_tile_exact)(pk, t, be->kb))
+    if (SFX(mk_tile_exact)(pk, t, be->kb)) {
         be->mk->scores_pairs(t, w->st, w->st_ld, (const REAL *)pk->qt_pairs,
                              (const REAL *)pk->kt_pairs, pk->slots, (a->d + 1) / 2, scale2,
                              w->key_term, w->tile_max);
-    else
-        be->mk->scores(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
-                       w->tile_max);
+        return;
+    }
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
+    if (a->kv_half)
+        mk_widen_panels(pk->kt, pk->slots, (const uint16_t *)k, a->k_row, a->m, a->d, be->kb,
+                        t->j0, t->cols);
+#endif
+    be->mk->scores(t, w->st, w->st_ld, w->qt, pk->kt, pk->slots, a->d, scale2, w->key_term,
+                   w->tile_max);
 }
 
 void TYPED(mk_write_output_f32, mk_write_output_f64)(
@@ -327,8 +389,9 @@ static int SFX(mk_setup)(const SFX(softmax_backend) *be, const attnx_softmax_arg
         ptrdiff_t span = ATTNX_MAX(2 * Q_TILE + (a->band.hi_shift - a->band.lo_shift) + 1, KEY_TILE);
         slots = ATTNX_MIN(slots, (span + kb - 1) / kb + 2);
     }
-    /* values are packed when more than one query tile reads them */
-    int pack_values = plan->q_tiles > 1;
+    /* values are packed when more than one query tile reads them (as
+     * pairs only, when read from their bits) */
+    int pack_values = plan->q_tiles > 1 && !a->kv_half;
     ptrdiff_t packed = softmax_lines(slots * kb * a->d, size);
     ptrdiff_t packed_v = pack_values ? softmax_lines(slots * kb * a->e, size) : 0;
     ptrdiff_t queries = softmax_lines(st_ld * a->d, size), outputs = softmax_lines(st_ld * a->e, size);
@@ -473,4 +536,22 @@ const SFX(softmax_backend) SFX(softmax_mk_avx2) = {
 };
 #endif /* MK_HAVE_NEON */
 #endif /* SOFTMAX_MK */
+
+int SFX(softmax_mk_reads_half_kv)(const attnx_softmax_args *a, const SFX(softmax_backend) *be)
+{
+#if !REAL_IS_DOUBLE && defined(SOFTMAX_MK) && defined(MK_HAVE_X86)
+    /* the pairs of bits: whole 32-bit words in every row and head */
+    if (a->kv_half != ATTNX_BF16 || !a->bf16_products || be != &SFX(softmax_mk_avx512) ||
+        !attnx_kernels_bf16_dot(attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD)) ||
+        a->key_sqnorm_coef != 0 || a->d % 2 || a->k_row % 2 || (uintptr_t)a->k % 4)
+        return 0;
+    for (ptrdiff_t head = 0; head < a->heads; head++)
+        if (a->offsets[head * ATTNX_SM_NOPS + ATTNX_SM_K] % 4) return 0;
+    return 1;
+#else
+    (void)a;
+    (void)be;
+    return 0;
+#endif
+}
 #endif /* REAL */

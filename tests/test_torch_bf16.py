@@ -349,6 +349,65 @@ def test_half_keys_and_values_are_read_in_place_when_decoding(fmt):
     assert peaks[64] >= 2 * wide_bytes, peaks
 
 
+@pytest.mark.parametrize("held", SOFTMAX_SETS)
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "grouped"])
+@pytest.mark.parametrize("n, m, d", [(300, 517, 64), (48, 129, 32), (240, 33, 64), (20, 400, 48),
+                                     (64, 200, 30), (30, 150, 33)])
+def test_bfloat16_keys_and_values_with_bfloat16_products_give_the_widened_calls_bits(
+        held, layout, n, m, d):
+    """With bfloat16 arithmetic (_bf16_products: attnx.torch's bfloat16
+    tensors) the AVX-512 micro-kernels pair bfloat16 keys and values
+    straight from their bits, every other set and an odd d widen them
+    first: either way the same out and lse, bit for bit, as the call on
+    the widened arrays; for bfloat16 queries and others, a causal band, a
+    window with a key-padding mask, a mask and a bias per query, dropout,
+    and values holding inf and NaN; the inputs left as they were"""
+    q, k, v = _kv_case(n + m + d, n, m, layout, d)
+    rng = np.random.default_rng(d)
+    mask = rng.random((2, 4, n, m)) < 0.8
+    padding = np.ones((2, 1, 1, m), bool)
+    padding[1, ..., m // 3:] = False
+    bias = rng.standard_normal((n, m), dtype=np.float32)
+    options = [dict(), dict(causal=True), dict(window=(40, 3), mask=padding),
+               dict(mask=mask, bias=bias), dict(dropout_p=0.25, seed=5)]
+    nonfinite = v.copy()
+    nonfinite[0, 1, m // 2, 3] = 0x7f80                      # inf
+    nonfinite[1, 3, m - 1, 0] = np.uint16(0xffc0).view(nonfinite.dtype)   # NaN
+    before = k.copy(), v.copy(), nonfinite.copy()
+    with dispatched(softmax_forward=held):
+        for queries in (_widened(_halved(q, "bfloat16")), q):
+            for values in (v, nonfinite):
+                for option in options:
+                    want = attnx.softmax_attention(queries, _widened(k), _widened(values),
+                                                   return_lse=True, _bf16_products=True, **option)
+                    got = attnx.softmax_attention(queries, k, values, return_lse=True,
+                                                  _bf16_products=True, _half_kv=True, **option)
+                    for a, b in zip(want, got):
+                        assert a.tobytes() == b.tobytes(), (option, values is v)
+    for array, saved in zip((k, v, nonfinite), before):
+        np.testing.assert_array_equal(array, saved)
+
+
+@pytest.mark.parametrize("held", SOFTMAX_SETS)
+def test_bfloat16_keys_and_values_are_paired_in_place_on_avx512_bf16(held):
+    """The set with the bfloat16 dot products makes no widened copy of the
+    keys and values of a call with bfloat16 arithmetic (numpy's
+    allocations, traced); any other set does"""
+    import tracemalloc
+    q, k, v = _kv_case(21, 256, 4096, "contiguous", d=64)
+    q = _widened(_halved(q, "bfloat16"))
+    out = np.empty(q.shape, np.float32)
+    with dispatched(softmax_forward=held):
+        tracemalloc.start()
+        attnx.softmax_attention(q, k, v, out=out, _bf16_products=True, _half_kv=True)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    if held == "avx512_bf16":
+        assert peak < k.size * 4 / 16, peak
+    else:
+        assert peak >= 2 * k.size * 4, peak
+
+
 def test_half_keys_and_values_refuse_other_arrays():
     q, k, v = _kv_case(13, 1, 300, "contiguous")
     for queries in (q.astype(np.float64), q.astype(np.float16), q.tolist()):
