@@ -14,16 +14,21 @@ from ._grad import Gradients, deliver, direct_output, register_vjp
 
 def _backward(dout, q, k, v, out, lse, *, mask, bias, bias_grad, dq, dk, dv, **options):
     """The kernel's gradients delivered to the inputs; `options`: the
-    kernel's scale or sigma, causal, window, dropout_p, seed."""
-    inputs = (dout, q, k, v, out)
+    kernel's scale or sigma, causal, window, dropout_p, seed, and
+    attnx.torch's private _bf16_products and _half_kv (k and v in half
+    precision, as the C entry reads them; their gradients float32)."""
+    kv = (k, v)
+    if options.get("_half_kv"):
+        kv = tuple(np.broadcast_to(np.float32(0), np.shape(x)) for x in kv)
+    inputs = (dout, q) + kv + (out,)
     shapes = [np.shape(x)[:-2] for x in (dout, q, k, v, out, mask, bias) if x is not None]
     shapes.append(np.shape(lse)[:-1])
-    direct = [direct_output(g, x, inputs, shapes) for g, x in ((dq, q), (dk, k), (dv, v))]
+    direct = [direct_output(g, x, inputs, shapes) for g, x in ((dq, q), (dk, kv[0]), (dv, kv[1]))]
     grad_q, grad_k, grad_v, grad_bias = _C.softmax_backward(
         dout, q, k, v, out, lse, mask=mask, bias=bias, bias_grad=bool(bias_grad), dq=direct[0],
         dk=direct[1], dv=direct[2], **options)
-    return Gradients(q=deliver(grad_q, q, dq, "dq"), k=deliver(grad_k, k, dk, "dk"),
-                     v=deliver(grad_v, v, dv, "dv"),
+    return Gradients(q=deliver(grad_q, q, dq, "dq"), k=deliver(grad_k, kv[0], dk, "dk"),
+                     v=deliver(grad_v, kv[1], dv, "dv"),
                      bias=None if grad_bias is None else deliver(grad_bias, bias, None, "dbias"))
 
 

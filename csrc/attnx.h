@@ -108,7 +108,9 @@ typedef struct {
      * widened as the decoding kernels load them, or, for bfloat16 with
      * bf16_products on the AVX-512 micro-kernels, paired straight from
      * their bits (softmax_mk_reads_half_kv): float32 calls those paths
-     * take only; others return ATTNX_EINVAL */
+     * take only; others return ATTNX_EINVAL. The backward
+     * (softmax_backward.c) widens them a key block at a time: float32
+     * softmax calls; gaussian ones return ATTNX_EINVAL */
     int kv_half;
 } attnx_softmax_args;
 

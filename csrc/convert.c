@@ -295,6 +295,13 @@ static narrow_fn chosen_narrow(attnx_half_format format)
     return format == ATTNX_F16 ? f16_narrow_row : narrow_row_portable;
 }
 
+void attnx_widen_rows(float *dst, ptrdiff_t dst_row, const uint16_t *src, ptrdiff_t src_row,
+                      ptrdiff_t rows, ptrdiff_t cols, attnx_half_format format)
+{
+    widen_fn widen = chosen_widen(format);
+    for (ptrdiff_t r = 0; r < rows; r++) widen(dst + r * dst_row, src + r * src_row, 1, cols);
+}
+
 int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, int widen,
                              attnx_half_format format, int ndim, const ptrdiff_t *shape,
                              const ptrdiff_t *src_strides)

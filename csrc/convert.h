@@ -74,6 +74,12 @@ int attnx_conversion_prepare(attnx_conversion *job, void *dst, const void *src, 
                              attnx_half_format format, int ndim, const ptrdiff_t *shape,
                              const ptrdiff_t *src_strides);
 
+/* rows x cols half-precision numbers of `format` widened into float32,
+ * rows src_row and dst_row apart, on the calling thread (a kernel's block
+ * of keys) */
+void attnx_widen_rows(float *dst, ptrdiff_t dst_row, const uint16_t *src, ptrdiff_t src_row,
+                      ptrdiff_t rows, ptrdiff_t cols, attnx_half_format format);
+
 /* the `count` jobs (whose destinations overlap nothing they read or
  * write), in one parallel region of attnx's threads when they have
  * enough work together */

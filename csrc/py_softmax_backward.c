@@ -27,6 +27,21 @@ static const attnx_param backward_params[NPARAMS] = {
     [DV] = {"dv", "m e", ATTNX_OUTPUT, ATTNX_SMB_DV},
     [DBIAS] = {"dbias", "n m", ATTNX_OUTPUT, ATTNX_SMB_DBIAS},
 };
+/* the same with k and v in half precision, read as they are (kv_half) */
+static const attnx_param backward_params_half_kv[NPARAMS] = {
+    [DOUT] = {"dout", "n e", ATTNX_REQUIRED, ATTNX_SMB_DOUT},
+    [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
+    [K] = {"k", "m d", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
+    [V] = {"v", "m e", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
+    [OUT] = {"out", "n e", ATTNX_REQUIRED, ATTNX_SM_OUT},
+    [LSE] = {"lse", "n", ATTNX_REQUIRED, ATTNX_SM_LSE},
+    [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
+    [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
+    [DQ] = {"dq", "n d", ATTNX_OUTPUT, ATTNX_SMB_DQ},
+    [DK] = {"dk", "m d", ATTNX_OUTPUT, ATTNX_SMB_DK},
+    [DV] = {"dv", "m e", ATTNX_OUTPUT, ATTNX_SMB_DV},
+    [DBIAS] = {"dbias", "n m", ATTNX_OUTPUT, ATTNX_SMB_DBIAS},
+};
 
 /* _C.softmax_backward(dout, q, k, v, out, lse, *, scale, sigma, causal, mask,
  * bias, window, dropout_p, seed, bias_grad, dq, dk, dv) -> (dq, dk, dv,
@@ -34,26 +49,29 @@ static const attnx_param backward_params[NPARAMS] = {
  * written into the dq, dk, dv given (None: allocated). sigma None:
  * softmax (scale None: 1/sqrt(d)); sigma given: gaussian attention.
  * _bf16_products (attnx.torch, for bfloat16 tensors only): the
- * bf16_products of attnx_softmax_args (attnx.h). */
+ * bf16_products of attnx_softmax_args (attnx.h). _half_kv (attnx.torch,
+ * for bfloat16 and float16 tensors): k and v in half precision (both
+ * float16, or both bfloat16 as bits), widened by the kernel a key block at
+ * a time (kv_half), or first, whole, where it refuses them; q float32. */
 PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"dout", "q", "k", "v", "out", "lse", "scale", "sigma", "causal",
                                "mask", "bias", "window", "dropout_p", "seed", "bias_grad", "dq",
-                               "dk", "dv", "_bf16_products", NULL};
+                               "dk", "dv", "_bf16_products", "_half_kv", NULL};
     PyObject *objs[NPARAMS] = {NULL}, *scale_obj = Py_None, *sigma_obj = Py_None,
              *causal_obj = Py_False, *window_obj = Py_None, *dropout_obj = Py_None,
              *seed_obj = Py_None, *ret = NULL;
-    int bias_grad = 0, bf16_products = 0, causal, has_left, has_right;
+    int bias_grad = 0, bf16_products = 0, half_kv = 0, causal, has_left, has_right;
     npy_intp left, right;
     double scale = 0, sigma = 0, dropout_p;
     uint64_t seed;
     objs[MASK] = objs[BIAS] = objs[DQ] = objs[DK] = objs[DV] = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OOOOOOOOpOOOp:softmax_backward",
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OOOOOOOOpOOOpp:softmax_backward",
                                      keywords, &objs[DOUT], &objs[Q], &objs[K], &objs[V],
                                      &objs[OUT], &objs[LSE], &scale_obj, &sigma_obj, &causal_obj,
                                      &objs[MASK], &objs[BIAS], &window_obj, &dropout_obj,
                                      &seed_obj, &bias_grad, &objs[DQ], &objs[DK], &objs[DV],
-                                     &bf16_products))
+                                     &bf16_products, &half_kv))
         return NULL;
     if (attnx_parse_causal(causal_obj, &causal) < 0 ||
         attnx_parse_window(window_obj, &has_left, &left, &has_right, &right) < 0 ||
@@ -66,11 +84,29 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kw
         return NULL;
     }
 
+    if (half_kv && !(PyArray_Check(objs[Q]) && PyArray_TYPE((PyArrayObject *)objs[Q]) == NPY_FLOAT)) {
+        PyErr_SetString(PyExc_TypeError, "_half_kv takes float32 queries (a numpy array)");
+        return NULL;
+    }
     attnx_call call;
     attnx_interrupt interrupt = attnx_interrupt_for_call();
-    attnx_call_init(&call, backward_params, NPARAMS, ATTNX_SMB_NOPS, "dem");
+    PyObject *k_wide = NULL, *v_wide = NULL;
+    const attnx_param *params = half_kv ? backward_params_half_kv : backward_params;
+bind:
+    attnx_call_init(&call, params, NPARAMS, ATTNX_SMB_NOPS, "dem");
     objs[DBIAS] = bias_grad ? Py_None : NULL;
     if (attnx_bind(&call, objs) < 0) goto done;
+    int kv_half = 0;
+    if (params == backward_params_half_kv) {
+        kv_half = attnx_half_format_of(call.ops[K].array);
+        if (attnx_half_format_of(call.ops[V].array) != kv_half) {
+            PyErr_Format(PyExc_TypeError, "_half_kv takes k and v of one format (both float16, "
+                         "or both bfloat16 bits), got %R and %R",
+                         (PyObject *)PyArray_DESCR(call.ops[K].array),
+                         (PyObject *)PyArray_DESCR(call.ops[V].array));
+            goto done;
+        }
+    }
 
     npy_intp n = attnx_size(&call, 'n'), m = attnx_size(&call, 'm'), d = attnx_size(&call, 'd');
     int gaussian = sigma_obj != Py_None;
@@ -100,6 +136,7 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kw
             .seed = seed,
             .interrupt = &interrupt,
             .bf16_products = bf16_products,
+            .kv_half = kv_half,
         },
         .dout = attnx_data(&call, DOUT),
         .dq = attnx_data(&call, DQ), .dk = attnx_data(&call, DK), .dv = attnx_data(&call, DV),
@@ -114,12 +151,26 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kw
     Py_BEGIN_ALLOW_THREADS
     status = softmax_bwd_kernels[call.dtypes.compute == NPY_DOUBLE](&kargs);
     Py_END_ALLOW_THREADS
+    if (status == ATTNX_EINVAL && kv_half) {
+        /* a call the kernel does not widen itself (its only refusal,
+         * before any work): k and v widened first */
+        if (!(k_wide = attnx_widened_half(call.ops[K].array, "k")) ||
+            !(v_wide = attnx_widened_half(call.ops[V].array, "v")))
+            goto done;
+        attnx_call_release(&call);
+        objs[K] = k_wide;
+        objs[V] = v_wide;
+        params = backward_params;
+        goto bind;
+    }
     if (attnx_check_status(status) < 0 || attnx_finish(&call) < 0) goto done;
     ret = PyTuple_Pack(4, (PyObject *)call.results[DQ], (PyObject *)call.results[DK],
                        (PyObject *)call.results[DV],
                        bias_grad ? (PyObject *)call.results[DBIAS] : Py_None);
 done:
     attnx_call_release(&call);
+    Py_XDECREF(k_wide);
+    Py_XDECREF(v_wide);
     return ret;
 }
 

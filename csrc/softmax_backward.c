@@ -53,6 +53,7 @@
 
 #include "attnx.h"
 #include "blas.h"
+#include "convert.h"
 #include "philox.h"
 #include "softmax_internal.h"
 
@@ -133,6 +134,12 @@ typedef struct {
                                             * block as needed */
     float *k_rows;                 /* (BC / 2, d): the key block's K, keys paired */
     int k_rows_exact;              /* its keys are all bfloat16 values */
+    /* the key block's K and V rows, k_row and v_row apart: in place, or
+     * (kv_half) widened from their half-precision bits into k_block, v_block
+     * ((BC, d), (BC, e)), once per block */
+    const REAL *k_j, *v_j;
+    ptrdiff_t k_row, v_row;
+    REAL *k_block, *v_block;
 } SFX(bwd_work);
 
 /* The operands of one head, positioned once. */
@@ -293,7 +300,8 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     const ptrdiff_t d = a->d, e = a->e;
     const REAL scale = (REAL)a->scale;
     const REAL *q_i = h->q + i0 * a->q_row, *do_i = h->dout + i0 * dout_row;
-    const REAL *k_j = h->k + j0 * a->k_row, *v_j = h->v + j0 * a->v_row;
+    const REAL *k_j = w->k_j, *v_j = w->v_j;
+    const ptrdiff_t k_row = w->k_row, v_row = w->v_row;
     REAL *dk_j = h->dk + j0 * dk_row, *dv_j = h->dv + j0 * dv_row;
 
     /* with bwd_gemm, the score and dP columns are whole vectors (K^T and
@@ -319,7 +327,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         SFX(bwd_gemm)(w->width, rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0,
                       w->pt, BC);
     else
-        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, a->k_row, 0, w->pt, BC);
+        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, k_row, 0, w->pt, BC);
     if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
             for (ptrdiff_t r = 0; r < rows; r++)
@@ -372,7 +380,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     } else
     if (!nonfinite) {
         SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
-        SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, a->v_row, 0, w->dpt, BC);
+        SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, v_row, 0, w->dpt, BC);
     } else {
         SFX(add_products_skipping_zeros)(dv_j, dv_row, w->ptd, 1, BC, do_i, dout_row, cols, rows,
                                          e, 1);
@@ -380,7 +388,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
             for (ptrdiff_t c = 0; c < cols; c++) {
                 REAL dp = 0;
                 if (w->pt[r * BC + c] != 0)
-                    for (ptrdiff_t x = 0; x < e; x++) dp += do_i[r * dout_row + x] * v_j[c * a->v_row + x];
+                    for (ptrdiff_t x = 0; x < e; x++) dp += do_i[r * dout_row + x] * v_j[c * v_row + x];
                 w->dpt[r * BC + c] = dp;
             }
     }
@@ -410,16 +418,16 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     if (mk) {
         SFX(bwd_gemm)(w->width, cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j,
                       dk_row);
-        SFX(bwd_gemm)(w->width, rows, d, cols, scale, w->dpt, BC, 1, k_j, a->k_row, 1, dq_i,
+        SFX(bwd_gemm)(w->width, rows, d, cols, scale, w->dpt, BC, 1, k_j, k_row, 1, dq_i,
                       dq_row);
     } else
     if (!nonfinite) {
         SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
-        SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, a->k_row, 1, dq_i, dq_row);
+        SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, k_row, 1, dq_i, dq_row);
     } else {
         SFX(add_products_skipping_zeros)(dk_j, dk_row, w->dpt, 1, BC, q_i, a->q_row, cols, rows,
                                          d, scale);
-        SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, BC, 1, k_j, a->k_row, rows, cols,
+        SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, BC, 1, k_j, k_row, rows, cols,
                                          d, scale);
     }
 }
@@ -476,6 +484,32 @@ static void SFX(bwd_pair_queries)(const attnx_softmax_args *a, const SFX(bwd_hea
 }
 #endif
 
+/* w's k_j, v_j: the rows of the key block [j0, j0 + cols), in place or
+ * widened from their half-precision bits into the thread's k_block,
+ * v_block (in L1, where a widened copy of the whole of k and v went
+ * through memory) */
+static void SFX(bwd_key_block)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
+                               SFX(bwd_work) *w, ptrdiff_t j0, ptrdiff_t cols)
+{
+#if !REAL_IS_DOUBLE
+    if (a->kv_half) {
+        attnx_widen_rows(w->k_block, a->d, (const uint16_t *)h->k + j0 * a->k_row, a->k_row, cols,
+                         a->d, (attnx_half_format)a->kv_half);
+        attnx_widen_rows(w->v_block, a->e, (const uint16_t *)h->v + j0 * a->v_row, a->v_row, cols,
+                         a->e, (attnx_half_format)a->kv_half);
+        w->k_j = w->k_block;
+        w->v_j = w->v_block;
+        w->k_row = a->d;
+        w->v_row = a->e;
+        return;
+    }
+#endif
+    w->k_j = h->k + j0 * a->k_row;
+    w->v_j = h->v + j0 * a->v_row;
+    w->k_row = a->k_row;
+    w->v_row = a->v_row;
+}
+
 /* Work item: key blocks group, group + groups, ... of one head; it stops
  * between key blocks when the call is interrupted (calling_thread: this
  * thread polls for it). */
@@ -495,9 +529,10 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             w->col_sum[c] = 0;
         }
         SFX(softmax_fill_key_term)(a, w->key_term, h->k, h->bias, h->mask, j0, cols, cols);
+        SFX(bwd_key_block)(a, h, w, j0, cols);
         if (w->width) {
-            SFX(transpose_padded)(w->kt, h->k + j0 * a->k_row, a->k_row, cols, a->d, w->width);
-            SFX(transpose_padded)(w->vt, h->v + j0 * a->v_row, a->v_row, cols, a->e, w->width);
+            SFX(transpose_padded)(w->kt, w->k_j, w->k_row, cols, a->d, w->width);
+            SFX(transpose_padded)(w->vt, w->v_j, w->v_row, cols, a->e, w->width);
         }
 #ifdef BWD_PAIRS
         if (w->kt_pairs) {
@@ -505,11 +540,10 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
             w->v_exact = mk_pair_rows(w->vt_pairs, BC, w->vt, BC, a->e, BC);
         }
         if (w->k_rows)
-            w->k_rows_exact = mk_pair_rows(w->k_rows, a->d, h->k + j0 * a->k_row, a->k_row, cols,
-                                           a->d);
+            w->k_rows_exact = mk_pair_rows(w->k_rows, a->d, w->k_j, w->k_row, cols, a->d);
 #endif
-        int k_bad = SFX(has_nonfinite)(h->k + j0 * a->k_row, cols, a->d, a->k_row) ||
-                    SFX(has_nonfinite)(h->v + j0 * a->v_row, cols, a->e, a->v_row);
+        int k_bad = SFX(has_nonfinite)(w->k_j, cols, a->d, w->k_row) ||
+                    SFX(has_nonfinite)(w->v_j, cols, a->e, w->v_row);
         ptrdiff_t first, end;
         SFX(bwd_query_range)(&a->band, a->n, j0, cols, &first, &end);
         if (h->dbias) {
@@ -573,6 +607,9 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
 {
     const attnx_softmax_args *a = &b->fwd;
     const ptrdiff_t n = a->n, m = a->m, d = a->d, heads = a->heads;
+    /* half-precision keys and values are widened block by block: float32
+     * softmax only (the gaussian key term reads k whole) */
+    if (a->kv_half && (REAL_IS_DOUBLE || a->key_sqnorm_coef != 0)) return ATTNX_EINVAL;
     if (heads == 0 || n == 0) {
         /* no query: every gradient is 0 (dk, dv included) */
         for (ptrdiff_t head = 0; head < heads; head++) {
@@ -623,8 +660,11 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
                                       : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
+    ptrdiff_t widened_keys = a->kv_half ? LINES(BC * d) : 0;
+    ptrdiff_t widened = a->kv_half ? widened_keys + LINES(BC * a->e) : 0;
+    ptrdiff_t dropped = dropout * LINES(BR * BC);
     ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed + paired +
-                           rounded_pairs;
+                           rounded_pairs + widened;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
@@ -648,6 +688,10 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
                                    .vt = width ? kt + d * BC : NULL, .ptd = base,
                                    .keep = keeps + t * bytes};
         if (dropout) works[t].ptd = kt + transposed + paired + rounded_pairs;
+        if (widened) {
+            works[t].k_block = kt + transposed + paired + rounded_pairs + dropped;
+            works[t].v_block = works[t].k_block + widened_keys;
+        }
 #ifdef BWD_PAIRS
         if (pairs) {
             float *pair_base = kt + transposed;

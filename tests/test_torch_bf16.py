@@ -408,6 +408,81 @@ def test_bfloat16_keys_and_values_are_paired_in_place_on_avx512_bf16(held):
         assert peak >= 2 * k.size * 4, peak
 
 
+BACKWARD_SETS = kernels_here("softmax_backward")
+
+
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
+@pytest.mark.parametrize("held", BACKWARD_SETS)
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "grouped"])
+@pytest.mark.parametrize("n, m, d", [(200, 300, 64), (30, 129, 32), (130, 40, 20)])
+def test_backward_widens_half_keys_and_values_a_block_at_a_time(fmt, held, layout, n, m, d):
+    """The softmax backward's private _half_kv (attnx.torch's bfloat16 and
+    float16 keys and values): the kernel widens k and v a key block at a
+    time, a gaussian call has them widened first; either way dq, dk, dv
+    and dbias equal, bit for bit, the gradients of the call on the widened
+    arrays, with and without bfloat16 arithmetic, for keys and values
+    shared by a group of query heads (their gradients summed), masks,
+    windows, a bias, dropout and values holding inf; inputs unchanged"""
+    from attnx._softmax import _backward
+
+    q, k, v = _kv_case(n * m + d, n, m, layout, d, fmt)
+    q = _widened(_halved(q, "bfloat16"))
+    rng = np.random.default_rng(n)
+    dout = _widened(_halved(rng.standard_normal(q.shape, dtype=np.float32), "bfloat16"))
+    padding = np.ones((2, 1, 1, m), bool)
+    padding[1, ..., m // 3:] = False
+    bias = rng.standard_normal((n, m), dtype=np.float32)
+    nonfinite = v.copy()
+    nonfinite[0, 1, m // 2, 3] = np.float16(np.inf) if fmt == "float16" else 0x7f80
+    cases = [(v, dict(scale=0.3)), (v, dict(scale=0.3, causal=True)),
+             (v, dict(scale=0.3, window=(40, 3), mask=padding)),
+             (v, dict(scale=0.3, bias=bias, bias_grad=True)),
+             (v, dict(scale=0.3, dropout_p=0.25, seed=5)), (nonfinite, dict(scale=0.3)),
+             (v, dict(sigma=1.7, causal=True))]
+    before = k.copy(), v.copy(), nonfinite.copy()
+    with dispatched(softmax_backward=held):
+        for values, option in cases:
+            forward = {key: option[key] for key in ("causal", "window", "mask", "bias",
+                                                    "dropout_p", "seed") if key in option}
+            wide_k, wide_v = _widened(k), _widened(values)
+            if "sigma" in option:
+                out, lse = attnx.gaussian_attention(q, wide_k, wide_v, option["sigma"],
+                                                    return_lse=True, **forward)
+            else:
+                out, lse = attnx.softmax_attention(q, wide_k, wide_v, scale=option["scale"],
+                                                   return_lse=True, **forward)
+            backward = dict(dict(mask=None, bias=None, bias_grad=False), **option)
+            for products in (False, True):
+                want = _backward(dout, q, wide_k, wide_v, out, lse, dq=None, dk=None, dv=None,
+                                 _bf16_products=products, **backward)
+                got = _backward(dout, q, k, values, out, lse, dq=None, dk=None, dv=None,
+                                _bf16_products=products, _half_kv=True, **backward)
+                for a, b in zip(want, got):
+                    assert (a is None and b is None) or (
+                        a.dtype == b.dtype == np.float32 and a.shape == b.shape
+                        and a.tobytes() == b.tobytes()), (option, products)
+    for array, saved in zip((k, v, nonfinite), before):
+        np.testing.assert_array_equal(array, saved)
+
+
+@pytest.mark.parametrize("fmt", HALF_FORMATS)
+def test_backward_makes_no_widened_copy_of_half_keys_and_values(fmt):
+    """numpy's allocations, traced: the backward of a call with half keys
+    and values allocates no copy of them (its gradients are given)"""
+    import tracemalloc
+    from attnx._softmax import _backward
+
+    q, k, v = _kv_case(31, 64, 8192, "contiguous", d=64, fmt=fmt)
+    out, lse = attnx.softmax_attention(q, _widened(k), _widened(v), return_lse=True)
+    grads = [np.empty(x.shape, np.float32) for x in (q, k, v)]
+    tracemalloc.start()
+    _backward(out, q, k, v, out, lse, mask=None, bias=None, bias_grad=False, dq=grads[0],
+              dk=grads[1], dv=grads[2], _half_kv=True)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < k.size * 4 / 8, peak
+
+
 def test_half_keys_and_values_refuse_other_arrays():
     q, k, v = _kv_case(13, 1, 300, "contiguous")
     for queries in (q.astype(np.float64), q.astype(np.float16), q.tolist()):

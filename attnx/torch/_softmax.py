@@ -129,10 +129,17 @@ def _softmax_backward_body(dout, q, k, v, out, lse, mask, bias, variant, param, 
         dbias = torch.zeros_like(bias) if bias_grad else q.new_empty((0,))
         return (*(torch.zeros_like(t) for t in (q, k, v)), dbias)
     grads = [torch.empty(t.shape, dtype=dtype) for t in (q, k, v)]
-    args = tuple(_wide_np(dout, q, k, v)) + (_np(out), lse.numpy())
     options = _softmax_options(variant, param, causal, window, dropout_p, seed)
     if variant == "gaussian":
         options["sigma"] = param
+        args = tuple(_wide_np(dout, q, k, v))
+    elif k.dtype in _HALF and v.dtype == k.dtype:
+        # the kernel widens k and v itself, a key block at a time
+        options["_half_kv"] = True
+        args = tuple(_wide_np(dout, q)) + (_half_np(k), _half_np(v))
+    else:
+        args = tuple(_wide_np(dout, q, k, v))
+    args += (_np(out), lse.numpy())
     # bfloat16 tensors take bfloat16 products (the probabilities and their
     # gradients rounded, as torch's own CPU kernels do): the C entry's
     # private keyword, which the public backward functions do not take
@@ -339,7 +346,8 @@ def softmax_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None
     A ``torch.library.custom_op`` (``torch.ops.attnx.softmax_attention``)
     with a fake kernel and an autograd formula whose backward is
     `attnx.softmax_attention_backward`, so it runs under
-    ``torch.compile(fullgraph=True)``. float32 and float64 tensors are read
+    ``torch.compile(fullgraph=True)``; in eager mode the same computation
+    runs without the operator's dispatch. float32 and float64 tensors are read
     in place; bfloat16 and float16 are computed in float32 (docs/pytorch.md).
 
     Examples
