@@ -520,7 +520,7 @@ static void convert(void *dst, const void *src, int widen, attnx_half_format for
     ptrdiff_t shape[1] = {count}, stride[1] = {1};
     attnx_conversion job;
     attnx_conversion_prepare(&job, dst, src, widen, format, 1, shape, stride);
-    attnx_conversion_run(&job);
+    attnx_conversion_run(&job, 1);
 }
 
 /* float32 -> bfloat16 bits, round to nearest, ties to even, from the
