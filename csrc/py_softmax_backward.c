@@ -84,7 +84,8 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kw
         return NULL;
     }
 
-    if (half_kv && !(PyArray_Check(objs[Q]) && PyArray_TYPE((PyArrayObject *)objs[Q]) == NPY_FLOAT)) {
+    if (half_kv &&
+        !(PyArray_Check(objs[Q]) && PyArray_TYPE((PyArrayObject *)objs[Q]) == NPY_FLOAT)) {
         PyErr_SetString(PyExc_TypeError, "_half_kv takes float32 queries (a numpy array)");
         return NULL;
     }

@@ -306,7 +306,8 @@ static void SFX(mk_tile_add_pv)(const SFX(softmax_backend) *be, const attnx_soft
     const packed_panels *pk = w->operands;
     if (!SFX(softmax_values_finite)(a, w, v, t->j0, t->cols)) {
         SFX(mk_rescale_output)(w, t->rows, a->e);
-        const char *v_tile = (const char *)v + t->j0 * a->v_row * (a->kv_half ? 2 : sizeof(REAL));
+        ptrdiff_t value_size = a->kv_half ? 2 : (ptrdiff_t)sizeof(REAL);
+        const char *v_tile = (const char *)v + t->j0 * a->v_row * value_size;
         SFX(softmax_add_visible_values)(t, w->ot, 1, w->st_ld, w->st, w->st_ld, v_tile, a->v_row,
                                         a->e, a->kv_half);
         return;

@@ -165,7 +165,8 @@ def _softmax_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     """dq, dk, dv (shapes and dtypes of q, k, v) and dbias (that of bias
     when bias_grad, else an empty tensor) of sum(dout * out); `out` is the
     forward's unrounded result (float32 for half inputs). Half-precision
-    dout and inputs are widened here, the gradients rounded once."""
+    dout and q are widened here, k and v by the kernel a key block at a
+    time, the gradients rounded once."""
     return _softmax_backward_body(dout, q, k, v, out, lse, mask, bias, variant, param, causal,
                                   window, dropout_p, seed, bias_grad)
 
