@@ -274,5 +274,12 @@ PyObject *attnx_widened_half(PyArrayObject *half, const char *name);
 /* an array's half-precision format (convert.h's attnx_half_format: NPY_HALF
  * is float16, int16 and uint16 hold bfloat16 bits); 0 for other dtypes */
 int attnx_half_format_of(PyArrayObject *array);
+/* to = the `count` params of `from`, with params k and v (computing
+ * inputs) taking half-precision arrays as they are instead: the private
+ * _half_kv of the softmax bindings (py_convert.c) */
+void attnx_half_kv_params(attnx_param *to, const attnx_param *from, int count, int k, int v);
+/* the one half-precision format of bound k and v, or -1 with a TypeError
+ * when they differ (py_convert.c) */
+int attnx_half_kv_format(PyArrayObject *k, PyArrayObject *v);
 
 #endif

@@ -116,6 +116,25 @@ PyObject *attnx_widened_half(PyArrayObject *half, const char *name)
     return (PyObject *)wide;
 }
 
+void attnx_half_kv_params(attnx_param *to, const attnx_param *from, int count, int k, int v)
+{
+    memcpy(to, from, (size_t)count * sizeof *to);
+    to[k].flags = (from[k].flags & ~ATTNX_COMPUTE) | ATTNX_HALF | ATTNX_REQUIRED;
+    to[v].flags = (from[v].flags & ~ATTNX_COMPUTE) | ATTNX_HALF | ATTNX_REQUIRED;
+}
+
+int attnx_half_kv_format(PyArrayObject *k, PyArrayObject *v)
+{
+    int format = attnx_half_format_of(k);
+    if (attnx_half_format_of(v) != format) {
+        PyErr_Format(PyExc_TypeError, "_half_kv takes k and v of one format (both float16, "
+                     "or both bfloat16 bits), got %R and %R", (PyObject *)PyArray_DESCR(k),
+                     (PyObject *)PyArray_DESCR(v));
+        return -1;
+    }
+    return format;
+}
+
 /* conversions run together: enough for a training step's gradients */
 #define MAX_CONVERSIONS 8
 

@@ -20,16 +20,6 @@ static const attnx_param softmax_params[NPARAMS] = {
     [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
     [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
 };
-/* the same with k and v in half precision, read as they are (kv_half) */
-static const attnx_param softmax_params_half_kv[NPARAMS] = {
-    [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
-    [K] = {"k", "m d", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
-    [V] = {"v", "m e", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
-    [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
-    [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
-    [OUT] = {"out", "n e", ATTNX_OUTPUT | ATTNX_RESULT_DTYPE, ATTNX_SM_OUT},
-    [LSE] = {"lse", "n", ATTNX_OUTPUT, ATTNX_SM_LSE},
-};
 
 /* Shared by both front ends. scale_obj NULL means gaussian attention with
  * bandwidth sigma (scale 1/sigma^2 and key bias -|k|^2 / (2 sigma^2)).
@@ -65,7 +55,10 @@ static PyObject *softmax_common(PyObject *q_obj, PyObject *k_obj, PyObject *v_ob
     attnx_call call;
     attnx_interrupt interrupt = attnx_interrupt_for_call();
     PyObject *ret = NULL, *k_wide = NULL, *v_wide = NULL;
-    const attnx_param *params = half_kv ? softmax_params_half_kv : softmax_params;
+    /* with _half_kv, k and v read as they are (kv_half) */
+    attnx_param half_kv_params[NPARAMS];
+    attnx_half_kv_params(half_kv_params, softmax_params, NPARAMS, K, V);
+    const attnx_param *params = half_kv ? half_kv_params : softmax_params;
 bind:
     attnx_call_init(&call, params, NPARAMS, ATTNX_SM_NOPS, "dem");
     PyObject *const objs[NPARAMS] = {
@@ -74,16 +67,9 @@ bind:
     };
     if (attnx_bind(&call, objs) < 0) goto done;
     int kv_half = 0;
-    if (params == softmax_params_half_kv) {
-        kv_half = attnx_half_format_of(call.ops[K].array);
-        if (attnx_half_format_of(call.ops[V].array) != kv_half) {
-            PyErr_Format(PyExc_TypeError, "_half_kv takes k and v of one format (both float16, "
-                         "or both bfloat16 bits), got %R and %R",
-                         (PyObject *)PyArray_DESCR(call.ops[K].array),
-                         (PyObject *)PyArray_DESCR(call.ops[V].array));
-            goto done;
-        }
-    }
+    if (params == half_kv_params &&
+        (kv_half = attnx_half_kv_format(call.ops[K].array, call.ops[V].array)) < 0)
+        goto done;
 
     npy_intp n = attnx_size(&call, 'n'), m = attnx_size(&call, 'm'), d = attnx_size(&call, 'd');
     if (!scale_obj) scale = 1 / (sigma * sigma);

@@ -27,21 +27,6 @@ static const attnx_param backward_params[NPARAMS] = {
     [DV] = {"dv", "m e", ATTNX_OUTPUT, ATTNX_SMB_DV},
     [DBIAS] = {"dbias", "n m", ATTNX_OUTPUT, ATTNX_SMB_DBIAS},
 };
-/* the same with k and v in half precision, read as they are (kv_half) */
-static const attnx_param backward_params_half_kv[NPARAMS] = {
-    [DOUT] = {"dout", "n e", ATTNX_REQUIRED, ATTNX_SMB_DOUT},
-    [Q] = {"q", "n d", ATTNX_COMPUTE, ATTNX_SM_Q},
-    [K] = {"k", "m d", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_K},
-    [V] = {"v", "m e", ATTNX_HALF | ATTNX_REQUIRED | ATTNX_BROADCAST_ROWS, ATTNX_SM_V},
-    [OUT] = {"out", "n e", ATTNX_REQUIRED, ATTNX_SM_OUT},
-    [LSE] = {"lse", "n", ATTNX_REQUIRED, ATTNX_SM_LSE},
-    [BIAS] = {"bias", "n|1 m|1", ATTNX_ELEMENTWISE, ATTNX_SM_BIAS},
-    [MASK] = {"mask", "n|1 m|1", ATTNX_BOOL, ATTNX_SM_MASK},
-    [DQ] = {"dq", "n d", ATTNX_OUTPUT, ATTNX_SMB_DQ},
-    [DK] = {"dk", "m d", ATTNX_OUTPUT, ATTNX_SMB_DK},
-    [DV] = {"dv", "m e", ATTNX_OUTPUT, ATTNX_SMB_DV},
-    [DBIAS] = {"dbias", "n m", ATTNX_OUTPUT, ATTNX_SMB_DBIAS},
-};
 
 /* _C.softmax_backward(dout, q, k, v, out, lse, *, scale, sigma, causal, mask,
  * bias, window, dropout_p, seed, bias_grad, dq, dk, dv) -> (dq, dk, dv,
@@ -92,22 +77,18 @@ PyObject *attnx_py_softmax_backward(PyObject *self, PyObject *args, PyObject *kw
     attnx_call call;
     attnx_interrupt interrupt = attnx_interrupt_for_call();
     PyObject *k_wide = NULL, *v_wide = NULL;
-    const attnx_param *params = half_kv ? backward_params_half_kv : backward_params;
+    /* with _half_kv, k and v read as they are (kv_half) */
+    attnx_param half_kv_params[NPARAMS];
+    attnx_half_kv_params(half_kv_params, backward_params, NPARAMS, K, V);
+    const attnx_param *params = half_kv ? half_kv_params : backward_params;
 bind:
     attnx_call_init(&call, params, NPARAMS, ATTNX_SMB_NOPS, "dem");
     objs[DBIAS] = bias_grad ? Py_None : NULL;
     if (attnx_bind(&call, objs) < 0) goto done;
     int kv_half = 0;
-    if (params == backward_params_half_kv) {
-        kv_half = attnx_half_format_of(call.ops[K].array);
-        if (attnx_half_format_of(call.ops[V].array) != kv_half) {
-            PyErr_Format(PyExc_TypeError, "_half_kv takes k and v of one format (both float16, "
-                         "or both bfloat16 bits), got %R and %R",
-                         (PyObject *)PyArray_DESCR(call.ops[K].array),
-                         (PyObject *)PyArray_DESCR(call.ops[V].array));
-            goto done;
-        }
-    }
+    if (params == half_kv_params &&
+        (kv_half = attnx_half_kv_format(call.ops[K].array, call.ops[V].array)) < 0)
+        goto done;
 
     npy_intp n = attnx_size(&call, 'n'), m = attnx_size(&call, 'm'), d = attnx_size(&call, 'd');
     int gaussian = sigma_obj != Py_None;

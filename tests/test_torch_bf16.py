@@ -505,6 +505,29 @@ def test_half_keys_and_values_refuse_other_arrays():
         attnx.softmax_attention(q, None, v, _half_kv=True)
 
 
+def test_backward_half_keys_and_values_refuse_other_arrays():
+    q, k, v = _kv_case(17, 40, 300, "contiguous")
+    out, lse = attnx.softmax_attention(q, widen(k), widen(v), return_lse=True)
+
+    def backward(queries, keys, values):
+        return attnx._C.softmax_backward(out, queries, keys, values, out, lse, _half_kv=True)
+
+    for queries in (q.astype(np.float64), q.astype(np.float16), q.tolist()):
+        with pytest.raises(TypeError, match="_half_kv takes float32 queries"):
+            backward(queries, k, v)
+    with pytest.raises(TypeError, match="k must be float16 or hold bfloat16 bits"):
+        backward(q, widen(k), v)
+    with pytest.raises(TypeError, match="_half_kv takes k and v of one format"):
+        backward(q, k, widen(v).astype(np.float16))
+    with pytest.raises(ValueError, match=r"k has shape \(2, 4, 300, 31\)"):
+        backward(q, k[..., :31], v)
+    before = k.copy(), v.copy()
+    dq, dk, dv, _ = backward(q, k, v)
+    np.testing.assert_array_equal(k, before[0])
+    np.testing.assert_array_equal(v, before[1])
+    assert dk.dtype == dv.dtype == np.float32 and dk.shape == k.shape
+
+
 # --------------------------------------------------- attnx.torch on bfloat16
 
 @pytest.fixture
