@@ -353,6 +353,26 @@ def test_eager_autograd_is_the_operators(dtype, case):
             first.sum().backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jit_trace_records_the_operator(dtype):
+    """torch.jit.trace of a call that builds no graph records the operator,
+    not numpy arrays baked in as constants: the trace gives new inputs'
+    results"""
+    def sdpa(q, k, v):
+        return at.scaled_dot_product_attention(q, k, v)
+
+    def causal(q, k, v):
+        return at.softmax_attention(q, k, v, causal=True)
+
+    q, k, v = (randn(1, 2, 5, 8, seed=s, grad=False).to(dtype) for s in (1, 2, 3))
+    fresh = [randn(1, 2, 5, 8, seed=s, grad=False).to(dtype) for s in (4, 5, 6)]
+    for function in (sdpa, causal):
+        with torch.no_grad():
+            traced = torch.jit.trace(function, (q, k, v), check_trace=False)
+        assert "attnx::softmax_attention" in str(traced.graph)
+        assert torch.equal(traced(*fresh), function(*fresh))
+
+
 def test_nothing_saved_without_grad():
     q, k, v = randn(2, 4, 3), randn(2, 5, 3), randn(2, 5, 2)
     with torch.no_grad():

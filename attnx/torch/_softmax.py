@@ -576,7 +576,8 @@ def _sdpa_plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     terms. bfloat16 and float16: as the general path computes them (with
     _bf16_products for bfloat16), q widened, k and v passed as they are
     (_half_kv), the result rounded once."""
-    if attn_mask is not None or dropout_p != 0 or torch.compiler.is_compiling():
+    if attn_mask is not None or dropout_p != 0 or torch.compiler.is_compiling() \
+            or torch.jit.is_tracing():
         return None
     if scale is not None and not (type(scale) in (float, int) and 0 < scale < math.inf):
         return None
