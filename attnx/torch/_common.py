@@ -245,12 +245,12 @@ def _wide_np(*tensors):
     converted together, in one parallel region), or the numpy view of a
     float32 / float64 / bool tensor (None for None). One tensor: its
     array; several: a list."""
-    arrays = [_np(t) if t is None or t.dtype not in _HALF
-              else np.empty(tuple(t.shape), dtype=np.float32) for t in tensors]
-    halves = [t for t in tensors if t is not None and t.dtype in _HALF]
-    if halves:
-        _C._convert_half([_half_np(t) for t in halves],
-                         [a for t, a in zip(tensors, arrays) if t is not None and t.dtype in _HALF])
+    half = [t is not None and t.dtype in _HALF for t in tensors]
+    arrays = [np.empty(tuple(t.shape), dtype=np.float32) if is_half else _np(t)
+              for t, is_half in zip(tensors, half)]
+    if any(half):
+        _C._convert_half([_half_np(t) for t, is_half in zip(tensors, half) if is_half],
+                         [a for a, is_half in zip(arrays, half) if is_half])
     return arrays[0] if len(tensors) == 1 else arrays
 
 

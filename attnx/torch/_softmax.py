@@ -132,8 +132,7 @@ def _softmax_backward_body(dout, q, k, v, out, lse, mask, bias, variant, param, 
     options = _softmax_options(variant, param, causal, window, dropout_p, seed)
     if variant == "gaussian":
         options["sigma"] = param
-        args = tuple(_wide_np(dout, q, k, v))
-    elif k.dtype in _HALF and v.dtype == k.dtype:
+    if variant == "softmax" and k.dtype in _HALF and v.dtype == k.dtype:
         # the kernel widens k and v itself, a key block at a time
         options["_half_kv"] = True
         args = tuple(_wide_np(dout, q)) + (_half_np(k), _half_np(v))
