@@ -268,7 +268,8 @@ def show_config():
     attnx's OpenMP pool), the SIMD level of the kernels, each family's
     kernel set (`cpu_dispatch`), the CPU features
     ``ATTNX_DISABLE_CPU_FEATURES`` left out, whether AMX and the bfloat16
-    dot product are in use, the threads, the output cache's
+    dot product are in use, the softmax backward's block side (smaller
+    where a core's L2 is under 1 MiB), the threads, the output cache's
     limit, numpy's version and the compiler. Include them in a bug report.
 
     Examples
@@ -291,6 +292,10 @@ def show_config():
     print(f"  disabled: {disabled} (ATTNX_DISABLE_CPU_FEATURES)")
     print("  kernels:  " + ", ".join(f"{family} {kernels}"
                                      for family, kernels in info["dispatch"].items()))
+    l2 = info["l2_cache_bytes"]
+    l2_text = f"L2 {l2 // 1024} KiB a core" if l2 else "L2 not asked on this CPU"
+    print(f"  blocks:   softmax backward {info['softmax_backward_block']} x "
+          f"{info['softmax_backward_block']} ({l2_text})")
     print(f"  threads:  {get_num_threads()} (OMP_NUM_THREADS or attnx.set_num_threads)")
     limit = set_output_cache(0)
     set_output_cache(limit)

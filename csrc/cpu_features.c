@@ -116,6 +116,19 @@ attnx_cpu_set attnx_cpu_detected(void)
     return detected;
 }
 
+long attnx_cpu_l2_bytes(void)
+{
+#if defined(CPU_X86)
+    unsigned r[4];
+    cpuid(0x80000000u, 0, r);
+    if (r[0] < 0x80000006u) return 0;
+    cpuid(0x80000006u, 0, r);
+    return (long)(r[2] >> 16) * 1024; /* ECX[31:16]: KiB */
+#else
+    return 0;
+#endif
+}
+
 static int is_separator(char c) { return c == ',' || c == ' ' || c == '\t' || c == '\n'; }
 
 attnx_cpu_set attnx_cpu_parse(const char *list, char *unknown, int unknown_size)

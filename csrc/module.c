@@ -125,6 +125,21 @@ static PyObject *set_dispatch(PyObject *self, PyObject *args)
     return Py_BuildValue("(sN)", before_names, before_limits);
 }
 
+/* _softmax_backward_block(side): hold the softmax backward's block side at
+ * 64 or 128, or (0) choose it by the L2 again; returns what was held
+ * before (0: the L2 chose) */
+static PyObject *softmax_backward_block(PyObject *self, PyObject *args)
+{
+    Py_ssize_t side;
+    if (!PyArg_ParseTuple(args, "n:_softmax_backward_block", &side)) return NULL;
+    if (side != 0 && side != 64 && side != 128) {
+        PyErr_Format(PyExc_ValueError,
+                     "_softmax_backward_block: side must be 0, 64 or 128, not %zd", side);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(attnx_softmax_bwd_set_block(side));
+}
+
 /* Fill the tables from ATTNX_DISABLE_CPU_FEATURES at import. As numpy
  * does with NPY_DISABLE_CPU_FEATURES, names it does not know give an
  * ImportWarning and are ignored. ATTNX_SOFTMAX_BACKEND and ATTNX_AMX, which
@@ -164,12 +179,15 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
     const int optimized = 0;
 #endif
     int amx = attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD) == ATTNX_KERNELS_AMX;
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:N,s:N,s:N,s:i,s:s,s:N}", "blas", attnx_blas_name(),
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:N,s:N,s:N,s:i,s:l,s:n,s:s,s:N}", "blas",
+                         attnx_blas_name(),
                          "blas_core", attnx_blas_core(), "simd", attnx_simd_level(), "amx",
                          PyBool_FromLong(amx), "dispatch",
                          family_dict(0), "cpu_features", feature_list(attnx_cpu_detected()),
                          "disabled_cpu_features", feature_list(attnx_dispatch_disabled()),
-                         "num_threads", attnx_get_num_threads(), "compiler",
+                         "num_threads", attnx_get_num_threads(), "l2_cache_bytes",
+                         attnx_cpu_l2_bytes(), "softmax_backward_block", attnx_softmax_bwd_block(),
+                         "compiler",
 #if defined(__clang__)
                          "clang " __clang_version__,
 #elif defined(__VERSION__)
@@ -323,6 +341,9 @@ static PyMethodDef methods[] = {
      "_set_dispatch(disabled, limits=None): every family's kernels chosen again as at import "
      "with ATTNX_DISABLE_CPU_FEATURES=disabled, families in limits ({family: kernel set}) held "
      "to that set or a lesser one (for tests); returns (disabled, limits) before."},
+    {"_softmax_backward_block", softmax_backward_block, METH_VARARGS,
+     "_softmax_backward_block(side): the softmax backward's query and key blocks held at side x "
+     "side (64 or 128), or chosen by the L2 again (0); returns what was held before (for tests)."},
     {"_convert_half", attnx_py_convert_half, METH_VARARGS,
      "_convert_half(src, dst): float16 or bfloat16 bits (int16/uint16) <-> float32, rounding to "
      "nearest even; src and dst may be tuples or lists of as many arrays (at most 8), converted "

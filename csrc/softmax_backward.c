@@ -54,14 +54,39 @@
 #include "attnx.h"
 #include "blas.h"
 #include "convert.h"
+#include "cpu_features.h"
 #include "philox.h"
 #include "softmax_internal.h"
 
-/* Query and key block sizes: the five products of a block pair are
- * (128 x 128) by d or e. (Measured on BLAS, one thread, n = 2048, d = 64:
- * 128 x 128, 128 x 256, 256 x 128, 192 x 192 and 256 x 256 all within 4%.) */
-#define BR 128
-#define BC 128
+/* Query and key blocks: the five products of a block pair are (side x
+ * side) by d or e, and the pair's tiles are side x side. The side is 128,
+ * or 64 on a CPU whose cores have less than 1 MiB of L2 (AMD's before Zen
+ * 4, Intel's client cores before Alder Lake): a pair of 128 touches about
+ * 450 KiB at d = e = 64 (its tiles, K^T and V^T, the blocks of Q, dO, K, V,
+ * dQ, dK and dV), which does not stay in their L2. (Measured on BLAS, one
+ * thread, n = 2048, d = 64: 128 x 128, 128 x 256, 256 x 128, 192 x 192 and
+ * 256 x 256 all within 4%. On AVX2's kernels, one thread of a Zen 3, n =
+ * 2048, sides built in: 32, 64 and 96 at 77-79 GFLOP/s against 71-75 for
+ * 128.) */
+#define SIDE 128
+#define SMALL_L2_SIDE 64
+#define SMALL_L2_BYTES (1L << 20)
+
+static ptrdiff_t held_side = 0; /* attnx_softmax_bwd_set_block's; 0: by the cache */
+
+ptrdiff_t attnx_softmax_bwd_block(void)
+{
+    if (held_side) return held_side;
+    long l2 = attnx_cpu_l2_bytes();
+    return l2 > 0 && l2 < SMALL_L2_BYTES ? SMALL_L2_SIDE : SIDE;
+}
+
+ptrdiff_t attnx_softmax_bwd_set_block(ptrdiff_t side)
+{
+    ptrdiff_t before = held_side;
+    held_side = side;
+    return before;
+}
 
 /* Work items per call to aim for when a call has few heads: enough to keep
  * a few threads busy (and to balance causal work), few enough that the
@@ -106,17 +131,18 @@ static inline __attribute__((always_inline)) void SFX(bwd_gemm)(
 
 /* One thread's working memory. */
 typedef struct {
-    REAL *pt, *dpt;        /* (BR, BC) */
-    REAL *key_term;        /* (BC) per-key addend of the scores, log2 units; -inf: hidden */
-    REAL *col_sum;         /* (BC) sum_i dS_ij (gaussian) */
+    REAL *pt, *dpt;        /* (side, side) */
+    REAL *key_term;        /* (side) per-key addend of the scores, log2 units; -inf: hidden */
+    REAL *col_sum;         /* (side) sum_i dS_ij (gaussian) */
+    ptrdiff_t side;        /* the call's query and key block side (attnx_softmax_bwd_block) */
     int width;             /* bwd_gemm's kernels (float32 lanes); 0: the products run on BLAS */
     ptrdiff_t lanes;       /* their numbers per vector */
-    REAL *kt, *vt;         /* (d, BC), (e, BC): the key block's K^T, V^T for bwd_gemm,
+    REAL *kt, *vt;         /* (d, side), (e, side): the key block's K^T, V^T for bwd_gemm,
                             * keys past the block 0 */
-    REAL *ptd;             /* (BR, BC) with dropout, else pt */
-    unsigned char *keep;   /* (BC) one row's dropout decisions */
+    REAL *ptd;             /* (side, side) with dropout, else pt */
+    unsigned char *keep;   /* (side) one row's dropout decisions */
     /* the bfloat16 dot products (float32 with bwd_gemm); kt_pairs NULL: none */
-    float *kt_pairs, *vt_pairs;    /* (d / 2, BC), (e / 2, BC): kt, vt in pair rows */
+    float *kt_pairs, *vt_pairs;    /* (d / 2, side), (e / 2, side): kt, vt in pair rows */
     float *q_pairs, *dout_pairs;   /* (n, d / 2), (n, e / 2): the item's Q, dO paired along
                                     * their rows, by query block as needed */
     unsigned char *block_pairs;    /* per query block: 0 not paired yet, else PAIRED and
@@ -125,18 +151,18 @@ typedef struct {
     int q_exact, dout_exact;       /* the same of the query block at hand */
     /* the caller's bfloat16 arithmetic (bf16_products): the products of p
      * and dS on pairs too; pd_pairs NULL: not asked for */
-    float *pd_pairs, *ds_pairs;    /* (BR / 2, BC): ptd, dS rounded, query rows paired */
-    float *ds_along;               /* (BR, BC / 2): dS rounded, paired along its rows */
-    float *q_rows, *dout_rows;     /* (BR / 2, d), (BR / 2, e): the query rows' Q, dO paired,
+    float *pd_pairs, *ds_pairs;    /* (side / 2, side): ptd, dS rounded, query rows paired */
+    float *ds_along;               /* (side, side / 2): dS rounded, paired along its rows */
+    float *q_rows, *dout_rows;     /* (side / 2, d), (side / 2, e): the query rows' Q, dO paired,
                                     * where they start at an odd row of their block */
-    float *q_block_rows, *dout_block_rows; /* (n + BR) / 2 pair rows of d, e: the item's
+    float *q_block_rows, *dout_block_rows; /* (n + side) / 2 pair rows of d, e: the item's
                                             * query blocks' Q, dO paired across rows, by
                                             * block as needed */
-    float *k_rows;                 /* (BC / 2, d): the key block's K, keys paired */
+    float *k_rows;                 /* (side / 2, d): the key block's K, keys paired */
     int k_rows_exact;              /* its keys are all bfloat16 values */
     /* the key block's K and V rows, k_row and v_row apart: in place, or
      * (kv_half) widened from their half-precision bits into k_block, v_block
-     * ((BC, d), (BC, e)), once per block */
+     * ((side, d), (side, e)), once per block */
     const REAL *k_j, *v_j;
     ptrdiff_t k_row, v_row;
     REAL *k_block, *v_block;
@@ -156,7 +182,8 @@ typedef struct {
 /* Per head: D_i = dO_i . O_i and the offset each row's scores lose,
  * lse_i (less the gaussian query term) in log2 units; which query blocks
  * hold a non-finite query or output gradient. */
-static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff_t dout_row)
+static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff_t dout_row,
+                          ptrdiff_t side)
 {
     for (ptrdiff_t i = 0; i < a->n; i++) {
         const REAL *o_i = h->out + i * a->out_row, *do_i = h->dout + i * dout_row;
@@ -174,8 +201,8 @@ static void SFX(bwd_rows)(const attnx_softmax_args *a, SFX(bwd_head) *h, ptrdiff
         /* a row that saw nothing (lse -inf) gets p = 2^-inf = 0 */
         h->row_offset[i] = lse == -(REAL)INFINITY ? (REAL)INFINITY : lse * LOG2E;
     }
-    for (ptrdiff_t b = 0; b * BR < a->n; b++) {
-        ptrdiff_t i0 = b * BR, rows = ATTNX_MIN(BR, a->n - i0);
+    for (ptrdiff_t b = 0; b * side < a->n; b++) {
+        ptrdiff_t i0 = b * side, rows = ATTNX_MIN(side, a->n - i0);
         h->q_bad[b] = SFX(has_nonfinite)(h->q + i0 * a->q_row, rows, a->d, a->q_row) ||
                       SFX(has_nonfinite)(h->dout + i0 * dout_row, rows, a->e, dout_row);
     }
@@ -189,6 +216,7 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
                                             SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t rows,
                                             ptrdiff_t j0, ptrdiff_t cols)
 {
+    const ptrdiff_t side = w->side;
     REAL *pt = w->pt;
     const REAL *key_term = w->key_term;
     const REAL neg_inf = -(REAL)INFINITY;
@@ -197,7 +225,7 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
     int any = 0;
     for (ptrdiff_t r = 0; r < rows; r++) {
         ptrdiff_t i = i0 + r;
-        REAL *p_r = pt + r * BC, offset = h->row_offset[i];
+        REAL *p_r = pt + r * side, offset = h->row_offset[i];
         ptrdiff_t lo = attnx_band_first(&a->band, i) - j0, hi = attnx_band_end(&a->band, i) - j0;
         lo = lo < 0 ? 0 : (lo > cols ? cols : lo);
         hi = hi < lo ? lo : (hi > cols ? cols : hi);
@@ -227,7 +255,7 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
         }
         if (w->ptd != pt) {
             /* the forward's dropped weights p z, from the same decisions */
-            REAL *pd_r = w->ptd + r * BC, kept = (REAL)(1 / (1 - a->dropout_p));
+            REAL *pd_r = w->ptd + r * side, kept = (REAL)(1 / (1 - a->dropout_p));
             attnx_dropout_row(a->seed, (uint64_t)h->index, (uint64_t)i, (uint64_t)j0, cols,
                               attnx_dropout_threshold(a->dropout_p), w->keep);
             for (ptrdiff_t c = 0; c < cols; c++) pd_r[c] = w->keep[c] ? p_r[c] * kept : 0;
@@ -239,11 +267,12 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
 /* dpt <- dS = pd dP - p D_i (pd = p z, or p without dropout), exactly 0
  * where p is (dP may be anything there, NaN included) */
 static ATTNX_HOT void SFX(bwd_score_grads)(REAL *dpt, const REAL *pt, const REAL *ptd,
-                                           const REAL *row_delta, ptrdiff_t rows, ptrdiff_t cols)
+                                           const REAL *row_delta, ptrdiff_t rows, ptrdiff_t cols,
+                                           ptrdiff_t side)
 {
     for (ptrdiff_t r = 0; r < rows; r++) {
-        REAL *ds_r = dpt + r * BC, delta = row_delta[r];
-        const REAL *p_r = pt + r * BC, *pd_r = ptd + r * BC;
+        REAL *ds_r = dpt + r * side, delta = row_delta[r];
+        const REAL *p_r = pt + r * side, *pd_r = ptd + r * side;
 #pragma omp simd
         for (ptrdiff_t c = 0; c < cols; c++)
             ds_r[c] = p_r[c] == 0 ? 0 : pd_r[c] * ds_r[c] - p_r[c] * delta;
@@ -268,17 +297,17 @@ static void SFX(add_products_skipping_zeros)(REAL *acc, ptrdiff_t acc_row, const
 }
 
 #ifdef BWD_PAIRS
-/* The query block from block_start (a multiple of BR) with its rows paired
+/* The query block from block_start (a multiple of the side) with its rows paired
  * (q_block_rows, dout_block_rows), the first time the item needs them;
  * returns whether its Q and dO all are bfloat16 values (bwd_pair_queries,
  * which paired the block along its rows, found out) */
 static int SFX(bwd_pair_query_rows)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
                                     SFX(bwd_work) *w, ptrdiff_t block_start, ptrdiff_t dout_row)
 {
-    unsigned char *state = &w->block_pairs[block_start / BR];
+    unsigned char *state = &w->block_pairs[block_start / w->side];
     if (!(*state & Q_EXACT) || !(*state & DOUT_EXACT)) return 0;
     if (!(*state & ROWS_PAIRED)) {
-        ptrdiff_t rows = ATTNX_MIN(BR, a->n - block_start);
+        ptrdiff_t rows = ATTNX_MIN(w->side, a->n - block_start);
         mk_pair_rows(w->q_block_rows + block_start / 2 * a->d, a->d,
                      h->q + block_start * a->q_row, a->q_row, rows, a->d);
         mk_pair_rows(w->dout_block_rows + block_start / 2 * a->e, a->e,
@@ -297,6 +326,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
                                 ptrdiff_t dout_row, ptrdiff_t dk_row, ptrdiff_t dv_row,
                                 ptrdiff_t dbias_row)
 {
+    const ptrdiff_t side = w->side;
     const ptrdiff_t d = a->d, e = a->e;
     const REAL scale = (REAL)a->scale;
     const REAL *q_i = h->q + i0 * a->q_row, *do_i = h->dout + i0 * dout_row;
@@ -320,14 +350,14 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
 #ifdef BWD_PAIRS
     if (score_pairs)
         mk_gemm_pairs_w16(rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2), d / 2,
-                          1, w->kt_pairs, BC, 0, w->pt, BC);
+                          1, w->kt_pairs, side, 0, w->pt, side);
     else
 #endif
     if (mk)
-        SFX(bwd_gemm)(w->width, rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, BC, 0,
-                      w->pt, BC);
+        SFX(bwd_gemm)(w->width, rows, cols_pad, d, scale * LOG2E, q_i, a->q_row, 1, w->kt, side, 0,
+                      w->pt, side);
     else
-        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, k_row, 0, w->pt, BC);
+        SFX(gemm)(0, 1, rows, cols, d, scale * LOG2E, q_i, a->q_row, k_j, k_row, 0, w->pt, side);
     if (!SFX(bwd_probabilities)(a, h, w, i0, rows, j0, cols)) {
         if (h->dbias)
             for (ptrdiff_t r = 0; r < rows; r++)
@@ -343,7 +373,7 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     if (rounded) {
         /* the block's paired rows from i0 on, where i0 starts a pair of
          * them; else the rows paired here */
-        ptrdiff_t block_start = i0 - i0 % BR;
+        ptrdiff_t block_start = i0 - i0 % side;
         if ((i0 - block_start) % 2 == 0 && SFX(bwd_pair_query_rows)(a, h, w, block_start,
                                                                      dout_row)) {
             q_rows = w->q_block_rows + i0 / 2 * d;
@@ -362,85 +392,86 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
         /* dV_j += P^T dO_i;  dP = dO_i V_j^T */
 #ifdef BWD_PAIRS
         if (rounded) {
-            mk_pair_rows_rounded(w->pd_pairs, BC, w->ptd, BC, rows, cols);
-            mk_gemm_pairs_w16(cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, BC, dout_rows, e, 1,
+            mk_pair_rows_rounded(w->pd_pairs, side, w->ptd, side, rows, cols);
+            mk_gemm_pairs_w16(cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, side, dout_rows, e, 1,
                               dv_j, dv_row);
         } else
 #endif
-        SFX(bwd_gemm)(w->width, cols, e, rows, 1, w->ptd, 1, BC, do_i, dout_row, 1, dv_j,
+        SFX(bwd_gemm)(w->width, cols, e, rows, 1, w->ptd, 1, side, do_i, dout_row, 1, dv_j,
                       dv_row);
 #ifdef BWD_PAIRS
         if (dp_pairs)
             mk_gemm_pairs_w16(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2, 1,
-                              w->vt_pairs, BC, 0, w->dpt, BC);
+                              w->vt_pairs, side, 0, w->dpt, side);
         else
 #endif
-        SFX(bwd_gemm)(w->width, rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, BC, 0, w->dpt,
-                      BC);
+        SFX(bwd_gemm)(w->width, rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, side, 0, w->dpt,
+                      side);
     } else
     if (!nonfinite) {
-        SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, BC, do_i, dout_row, 1, dv_j, dv_row);
-        SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, v_row, 0, w->dpt, BC);
+        SFX(gemm)(1, 0, cols, e, rows, 1, w->ptd, side, do_i, dout_row, 1, dv_j, dv_row);
+        SFX(gemm)(0, 1, rows, cols, e, 1, do_i, dout_row, v_j, v_row, 0, w->dpt, side);
     } else {
-        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->ptd, 1, BC, do_i, dout_row, cols, rows,
+        SFX(add_products_skipping_zeros)(dv_j, dv_row, w->ptd, 1, side, do_i, dout_row, cols, rows,
                                          e, 1);
         for (ptrdiff_t r = 0; r < rows; r++)
             for (ptrdiff_t c = 0; c < cols; c++) {
                 REAL dp = 0;
-                if (w->pt[r * BC + c] != 0)
+                if (w->pt[r * side + c] != 0)
                     for (ptrdiff_t x = 0; x < e; x++) dp += do_i[r * dout_row + x] * v_j[c * v_row + x];
-                w->dpt[r * BC + c] = dp;
+                w->dpt[r * side + c] = dp;
             }
     }
     /* pass 2: dS, rounded and paired for its products on pairs */
 #ifdef BWD_PAIRS
     if (rounded)
-        mk_score_grads_pairs_w16(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols, BC,
+        mk_score_grads_pairs_w16(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols, side,
                                  w->ds_pairs, w->ds_along);
     else
 #endif
-    SFX(bwd_score_grads)(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols);
+    SFX(bwd_score_grads)(w->dpt, w->pt, w->ptd, h->row_delta + i0, rows, cols, side);
     if (h->dbias)
         for (ptrdiff_t r = 0; r < rows; r++)
-            memcpy(h->dbias + (i0 + r) * dbias_row + j0, w->dpt + r * BC, (size_t)cols * sizeof(REAL));
+            memcpy(h->dbias + (i0 + r) * dbias_row + j0, w->dpt + r * side,
+                   (size_t)cols * sizeof(REAL));
     if (a->key_sqnorm_coef != 0)
         for (ptrdiff_t r = 0; r < rows; r++)
-            for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * BC + c];
+            for (ptrdiff_t c = 0; c < cols; c++) w->col_sum[c] += w->dpt[r * side + c];
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
 #ifdef BWD_PAIRS
     if (rounded) {
-        mk_gemm_pairs_w16(cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, BC, q_rows, d, 1,
+        mk_gemm_pairs_w16(cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, side, q_rows, d, 1,
                           dk_j, dk_row);
-        mk_gemm_pairs_w16(rows, d, (cols + 1) / 2, scale, w->ds_along, BC / 2, 1, w->k_rows, d, 1,
+        mk_gemm_pairs_w16(rows, d, (cols + 1) / 2, scale, w->ds_along, side / 2, 1, w->k_rows, d, 1,
                           dq_i, dq_row);
     } else
 #endif
     if (mk) {
-        SFX(bwd_gemm)(w->width, cols, d, rows, scale, w->dpt, 1, BC, q_i, a->q_row, 1, dk_j,
+        SFX(bwd_gemm)(w->width, cols, d, rows, scale, w->dpt, 1, side, q_i, a->q_row, 1, dk_j,
                       dk_row);
-        SFX(bwd_gemm)(w->width, rows, d, cols, scale, w->dpt, BC, 1, k_j, k_row, 1, dq_i,
+        SFX(bwd_gemm)(w->width, rows, d, cols, scale, w->dpt, side, 1, k_j, k_row, 1, dq_i,
                       dq_row);
     } else
     if (!nonfinite) {
-        SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, BC, q_i, a->q_row, 1, dk_j, dk_row);
-        SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, BC, k_j, k_row, 1, dq_i, dq_row);
+        SFX(gemm)(1, 0, cols, d, rows, scale, w->dpt, side, q_i, a->q_row, 1, dk_j, dk_row);
+        SFX(gemm)(0, 0, rows, d, cols, scale, w->dpt, side, k_j, k_row, 1, dq_i, dq_row);
     } else {
-        SFX(add_products_skipping_zeros)(dk_j, dk_row, w->dpt, 1, BC, q_i, a->q_row, cols, rows,
+        SFX(add_products_skipping_zeros)(dk_j, dk_row, w->dpt, 1, side, q_i, a->q_row, cols, rows,
                                          d, scale);
-        SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, BC, 1, k_j, k_row, rows, cols,
+        SFX(add_products_skipping_zeros)(dq_i, dq_row, w->dpt, side, 1, k_j, k_row, rows, cols,
                                          d, scale);
     }
 }
 
-/* dst (features, BC) <- x (count, features) transposed, columns past count
- * 0, by the forward's blocked transpose for the kernels' width */
+/* dst (features, side) <- x (count, features) transposed, columns from count
+ * to side 0, by the forward's blocked transpose for the kernels' width */
 static void SFX(transpose_padded)(REAL *dst, const REAL *x, ptrdiff_t x_row, ptrdiff_t count,
-                                  ptrdiff_t features, int width)
+                                  ptrdiff_t features, ptrdiff_t side, int width)
 {
-    SFX(mk_transpose)(dst, BC, x, x_row, count, features, width);
-    if (count < BC)
+    SFX(mk_transpose)(dst, side, x, x_row, count, features, width);
+    if (count < side)
         for (ptrdiff_t c = 0; c < features; c++)
-            memset(dst + c * BC + count, 0, (size_t)(BC - count) * sizeof(REAL));
+            memset(dst + c * side + count, 0, (size_t)(side - count) * sizeof(REAL));
 }
 
 /* The rows [first, end) of queries that see some key of [j0, j0 + cols):
@@ -464,15 +495,15 @@ static void SFX(bwd_query_range)(const attnx_band *band, ptrdiff_t n, ptrdiff_t 
 }
 
 #ifdef BWD_PAIRS
-/* The query block from i0 (a multiple of BR) in pair rows, the first time
+/* The query block from i0 (a multiple of the side) in pair rows, the first time
  * the item needs it, and w's flags for it */
 static void SFX(bwd_pair_queries)(const attnx_softmax_args *a, const SFX(bwd_head) *h,
                                   SFX(bwd_work) *w, ptrdiff_t i0, ptrdiff_t dout_row)
 {
-    unsigned char *state = &w->block_pairs[i0 / BR];
+    unsigned char *state = &w->block_pairs[i0 / w->side];
     if (!*state) {
         int q_exact = 1, dout_exact = 1;
-        for (ptrdiff_t i = i0; i < ATTNX_MIN(i0 + BR, a->n); i++) {
+        for (ptrdiff_t i = i0; i < ATTNX_MIN(i0 + w->side, a->n); i++) {
             q_exact &= mk_pair_along(w->q_pairs + i * (a->d / 2), h->q + i * a->q_row, a->d);
             dout_exact &= mk_pair_along(w->dout_pairs + i * (a->e / 2), h->dout + i * dout_row,
                                         a->e);
@@ -518,11 +549,11 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
                           ptrdiff_t dq_row, int calling_thread)
 {
     const attnx_softmax_args *a = &b->fwd;
-    ptrdiff_t key_blocks = (a->m + BC - 1) / BC;
-    if (w->block_pairs) memset(w->block_pairs, 0, (size_t)((a->n + BR - 1) / BR));
+    const ptrdiff_t side = w->side, key_blocks = (a->m + side - 1) / side;
+    if (w->block_pairs) memset(w->block_pairs, 0, (size_t)((a->n + side - 1) / side));
     for (ptrdiff_t kb = group; kb < key_blocks; kb += groups) {
         if (attnx_interrupted(a->interrupt, calling_thread)) return;
-        ptrdiff_t j0 = kb * BC, cols = ATTNX_MIN(BC, a->m - j0);
+        ptrdiff_t j0 = kb * side, cols = ATTNX_MIN(side, a->m - j0);
         for (ptrdiff_t c = 0; c < cols; c++) {
             memset(h->dk + (j0 + c) * b->dk_row, 0, (size_t)a->d * sizeof(REAL));
             memset(h->dv + (j0 + c) * b->dv_row, 0, (size_t)a->e * sizeof(REAL));
@@ -531,13 +562,13 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
         SFX(softmax_fill_key_term)(a, w->key_term, h->k, h->bias, h->mask, j0, cols, cols);
         SFX(bwd_key_block)(a, h, w, j0, cols);
         if (w->width) {
-            SFX(transpose_padded)(w->kt, w->k_j, w->k_row, cols, a->d, w->width);
-            SFX(transpose_padded)(w->vt, w->v_j, w->v_row, cols, a->e, w->width);
+            SFX(transpose_padded)(w->kt, w->k_j, w->k_row, cols, a->d, side, w->width);
+            SFX(transpose_padded)(w->vt, w->v_j, w->v_row, cols, a->e, side, w->width);
         }
 #ifdef BWD_PAIRS
         if (w->kt_pairs) {
-            w->k_exact = mk_pair_rows(w->kt_pairs, BC, w->kt, BC, a->d, BC);
-            w->v_exact = mk_pair_rows(w->vt_pairs, BC, w->vt, BC, a->e, BC);
+            w->k_exact = mk_pair_rows(w->kt_pairs, side, w->kt, side, a->d, side);
+            w->v_exact = mk_pair_rows(w->vt_pairs, side, w->vt, side, a->e, side);
         }
         if (w->k_rows)
             w->k_rows_exact = mk_pair_rows(w->k_rows, a->d, w->k_j, w->k_row, cols, a->d);
@@ -552,13 +583,13 @@ static void SFX(bwd_item)(const attnx_softmax_bwd_args *b, const SFX(bwd_head) *
                 if (i < first || i >= end)
                     memset(h->dbias + i * b->dbias_row + j0, 0, (size_t)cols * sizeof(REAL));
         }
-        /* query blocks aligned to BR, so q_bad's blocks apply */
-        for (ptrdiff_t i0 = first - first % BR; i0 < end; i0 += BR) {
-            ptrdiff_t lo = ATTNX_MAX(i0, first), rows = ATTNX_MIN(i0 + BR, end) - lo;
+        /* query blocks aligned to the side, so q_bad's blocks apply */
+        for (ptrdiff_t i0 = first - first % side; i0 < end; i0 += side) {
+            ptrdiff_t lo = ATTNX_MAX(i0, first), rows = ATTNX_MIN(i0 + side, end) - lo;
 #ifdef BWD_PAIRS
             if (w->kt_pairs) SFX(bwd_pair_queries)(a, h, w, i0, b->dout_row);
 #endif
-            SFX(bwd_block_pair)(a, h, w, lo, rows, j0, cols, k_bad || h->q_bad[i0 / BR],
+            SFX(bwd_block_pair)(a, h, w, lo, rows, j0, cols, k_bad || h->q_bad[i0 / side],
                                 dq + lo * dq_row, dq_row, b->dout_row, b->dk_row, b->dv_row,
                                 b->dbias_row);
         }
@@ -621,7 +652,8 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
         }
         return ATTNX_OK;
     }
-    ptrdiff_t key_blocks = (m + BC - 1) / BC, query_blocks = (n + BR - 1) / BR;
+    const ptrdiff_t side = attnx_softmax_bwd_block();
+    ptrdiff_t key_blocks = (m + side - 1) / side, query_blocks = (n + side - 1) / side;
     ptrdiff_t groups = (TARGET_ITEMS + heads - 1) / heads;
     groups = ATTNX_MAX(1, ATTNX_MIN(groups, key_blocks));
     ptrdiff_t items = heads * groups;
@@ -643,34 +675,34 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
 #endif
     ptrdiff_t lanes = width * 4 / (ptrdiff_t)sizeof(REAL);
     if (width && (d % lanes != 0 || a->e % lanes != 0)) width = 0;
-    ptrdiff_t transposed = width ? LINES(d * BC) + LINES(a->e * BC) : 0;
+    ptrdiff_t transposed = width ? LINES(d * side) + LINES(a->e * side) : 0;
     /* the bfloat16 dot products: the key block's and the item's query
      * blocks' pair rows (float32, so the numbers are the pairs' size) */
     int pairs = 0;
 #ifdef BWD_PAIRS
     pairs = width && attnx_kernels_bf16_dot(set);
 #endif
-    ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (BC + n)) : 0;
+    ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (side + n)) : 0;
     /* and with the caller's bfloat16 arithmetic, the pairs of p, dS and
      * the query and key rows (rounded) */
     int rounded = pairs && a->bf16_products;
-    ptrdiff_t block_rows = query_blocks * (BR / 2);
-    ptrdiff_t rounded_pairs = rounded ? 3 * LINES(BR / 2 * BC) + LINES(BR / 2 * (d + a->e)) +
-                                            LINES(BC / 2 * d) + LINES(block_rows * (d + a->e))
+    ptrdiff_t block_rows = query_blocks * (side / 2);
+    ptrdiff_t rounded_pairs = rounded ? 3 * LINES(side / 2 * side) + LINES(side / 2 * (d + a->e)) +
+                                            LINES(side / 2 * d) + LINES(block_rows * (d + a->e))
                                       : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
-    ptrdiff_t widened_keys = a->kv_half ? LINES(BC * d) : 0;
-    ptrdiff_t widened = a->kv_half ? widened_keys + LINES(BC * a->e) : 0;
-    ptrdiff_t dropped = dropout * LINES(BR * BC);
-    ptrdiff_t per_thread = (2 + dropout) * LINES(BR * BC) + 2 * LINES(BC) + transposed + paired +
-                           rounded_pairs + widened;
+    ptrdiff_t widened_keys = a->kv_half ? LINES(side * d) : 0;
+    ptrdiff_t widened = a->kv_half ? widened_keys + LINES(side * a->e) : 0;
+    ptrdiff_t dropped = dropout * LINES(side * side);
+    ptrdiff_t per_thread = (2 + dropout) * LINES(side * side) + 2 * LINES(side) + transposed +
+                           paired + rounded_pairs + widened;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
     unsigned char *bad = malloc((size_t)(heads * query_blocks) + 1);
     /* per thread: a row's dropout decisions, the query blocks' block_pairs */
-    ptrdiff_t bytes = BC + (pairs ? query_blocks : 0);
+    ptrdiff_t bytes = side + (pairs ? query_blocks : 0);
     unsigned char *keeps = malloc((size_t)(threads * bytes));
     SFX(bwd_work) *works = calloc((size_t)threads, sizeof *works);
     int status = ATTNX_ENOMEM;
@@ -680,12 +712,13 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     if (!bad || !keeps || !works || !head_rows || !tiles || (partial && !partials)) goto done;
     for (int t = 0; t < threads; t++) {
         REAL *base = tiles + per_thread * t;
-        REAL *kt = base + 2 * BR * BC + 2 * BC;
-        works[t] = (SFX(bwd_work)){.pt = base, .dpt = base + BR * BC,
-                                   .key_term = base + 2 * BR * BC,
-                                   .col_sum = base + 2 * BR * BC + BC, .width = width,
+        REAL *kt = base + 2 * side * side + 2 * side;
+        works[t] = (SFX(bwd_work)){.pt = base, .dpt = base + side * side,
+                                   .key_term = base + 2 * side * side,
+                                   .col_sum = base + 2 * side * side + side, .side = side,
+                                   .width = width,
                                    .lanes = lanes, .kt = width ? kt : NULL,
-                                   .vt = width ? kt + d * BC : NULL, .ptd = base,
+                                   .vt = width ? kt + d * side : NULL, .ptd = base,
                                    .keep = keeps + t * bytes};
         if (dropout) works[t].ptd = kt + transposed + paired + rounded_pairs;
         if (widened) {
@@ -696,19 +729,19 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
         if (pairs) {
             float *pair_base = kt + transposed;
             works[t].kt_pairs = pair_base;
-            works[t].vt_pairs = pair_base + d / 2 * BC;
-            works[t].q_pairs = works[t].vt_pairs + a->e / 2 * BC;
+            works[t].vt_pairs = pair_base + d / 2 * side;
+            works[t].q_pairs = works[t].vt_pairs + a->e / 2 * side;
             works[t].dout_pairs = works[t].q_pairs + n * d / 2;
-            works[t].block_pairs = keeps + t * bytes + BC;
+            works[t].block_pairs = keeps + t * bytes + side;
             if (rounded) {
                 float *rounded_base = kt + transposed + paired;
                 works[t].pd_pairs = rounded_base;
-                works[t].ds_pairs = rounded_base + BR / 2 * BC;
-                works[t].ds_along = rounded_base + 2 * (BR / 2 * BC);
-                works[t].q_rows = rounded_base + 3 * (BR / 2 * BC);
-                works[t].dout_rows = works[t].q_rows + BR / 2 * d;
-                works[t].k_rows = works[t].dout_rows + BR / 2 * a->e;
-                works[t].q_block_rows = works[t].k_rows + BC / 2 * d;
+                works[t].ds_pairs = rounded_base + side / 2 * side;
+                works[t].ds_along = rounded_base + 2 * (side / 2 * side);
+                works[t].q_rows = rounded_base + 3 * (side / 2 * side);
+                works[t].dout_rows = works[t].q_rows + side / 2 * d;
+                works[t].k_rows = works[t].dout_rows + side / 2 * a->e;
+                works[t].q_block_rows = works[t].k_rows + side / 2 * d;
                 works[t].dout_block_rows = works[t].q_block_rows + block_rows * d;
             }
         }
@@ -722,7 +755,7 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
         for (ptrdiff_t head = 0; head < heads; head++) {
             SFX(bwd_head) h = SFX(bwd_position)(b, head, head_rows + per_head * head,
                                                 bad + head * query_blocks);
-            SFX(bwd_rows)(a, &h, b->dout_row);
+            SFX(bwd_rows)(a, &h, b->dout_row, side);
             if (groups == 1)
                 for (ptrdiff_t i = 0; i < n; i++) memset(h.dq + i * b->dq_row, 0, (size_t)d * sizeof(REAL));
         }

@@ -13,7 +13,7 @@ under each level, .ci/run) moves them all at once."""
 import pytest
 
 import attnx
-from helpers import dispatched, kernels_here
+from helpers import backward_blocks, dispatched, kernels_here
 
 
 def _family_fixture(family):
@@ -35,6 +35,17 @@ decode_kernels = _family_fixture("decode")
 lsh_kernels = _family_fixture("lsh")
 convert_kernels = _family_fixture("convert")
 delta_rule_kernels = _family_fixture("delta_rule")
+
+
+
+@pytest.fixture(params=[64, 128])
+def softmax_backward_side(request):
+    """Each side of the softmax backward's blocks: 64 on CPUs whose cores have
+    less than 1 MiB of L2, 128 on the others (csrc/softmax_backward.c)."""
+    with backward_blocks(request.param):
+        assert attnx._C.build_info()["softmax_backward_block"] == request.param
+        yield request.param
+
 
 assert set(attnx.cpu_dispatch()) == {"softmax_forward", "softmax_backward", "linear_forward",
                                      "linear_backward", "decode", "lsh", "convert",

@@ -216,6 +216,18 @@ def dispatched(disabled=None, **limits):
         attnx._C._set_dispatch(*before)
 
 
+@contextlib.contextmanager
+def backward_blocks(side):
+    """The softmax backward's query and key blocks held at side x side (64 or
+    128) for the block; otherwise the L2 of this CPU's cores chooses
+    (csrc/softmax_backward.c)."""
+    before = attnx._C._softmax_backward_block(side)
+    try:
+        yield side
+    finally:
+        attnx._C._softmax_backward_block(before)
+
+
 def kernels_here(family):
     """The kernel sets `family` can run on this CPU and build, best first,
     less those the features left out rule out: those its table gives when

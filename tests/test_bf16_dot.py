@@ -161,7 +161,7 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bf16_values_match_the_float64_reference(setting, case):
+def test_bf16_values_match_the_float64_reference(setting, case, softmax_backward_side):
     rng = np.random.default_rng(1)
     q, k, v = bf16_inputs(rng, (2, 2, N, 32), (2, 2, M, 32), (2, 2, M, 16))
     dout = bf16_values(rng.standard_normal((2, 2, N, 16)))

@@ -91,7 +91,7 @@ def _case(case, seed=0):
 
 @needs_dot
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_rounded_products_against_the_float64_reference(case):
+def test_rounded_products_against_the_float64_reference(case, softmax_backward_side):
     q, k, v, dout, options = _case(case)
     with dispatched(softmax_forward="avx512_bf16", softmax_backward="avx512_bf16"):
         got = kernel_results(q, k, v, dout, True, **dict(options))

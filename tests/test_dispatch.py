@@ -4,6 +4,7 @@ hook that fills them again through the same code, the levels tests/levels.py
 runs the subset under, and what show_config and cpu_dispatch report."""
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -187,3 +188,48 @@ def test_grep_finds_every_typed_kernel_by_the_name_it_is_called_by():
                      if not any(_defined_at(text, m.end()) for text in sources.values()
                                 for m in re.finditer(r"\b" + name + r"\b", text)))
     assert not unfound, f"defined only through SFX() or MK_NAME(): {unfound}"
+
+
+def _sysfs_l2_bytes():
+    """The first core's level-2 cache as Linux describes it, or None."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    if not os.path.isdir(base):
+        return None
+    for index in sorted(os.listdir(base)):
+        try:
+            with open(os.path.join(base, index, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(base, index, "size")) as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        if level == "2" and size.endswith("K"):
+            return int(size[:-1]) * 1024
+    return None
+
+
+def test_softmax_backward_blocks_follow_the_l2():
+    info = attnx._C.build_info()
+    l2 = info["l2_cache_bytes"]
+    assert l2 >= 0
+    if l2:
+        assert l2 % 1024 == 0
+        sysfs = _sysfs_l2_bytes()
+        if sysfs is not None:
+            assert l2 == sysfs
+    else:
+        # x86-64 always answers (CPUID leaf 0x80000006); elsewhere nothing is asked
+        assert not re.match(r"x86_64|AMD64", platform.machine())
+    assert info["softmax_backward_block"] == (64 if 0 < l2 < 2**20 else 128)
+    for side in (64, 128):
+        before = attnx._C._softmax_backward_block(side)
+        try:
+            assert before == 0
+            assert attnx._C.build_info()["softmax_backward_block"] == side
+        finally:
+            assert attnx._C._softmax_backward_block(0) == side
+    assert attnx._C.build_info()["softmax_backward_block"] == info["softmax_backward_block"]
+    for wrong in (-1, 32, 96, 256):
+        with pytest.raises(ValueError, match="0, 64 or 128"):
+            attnx._C._softmax_backward_block(wrong)
+    assert attnx._C.build_info()["softmax_backward_block"] == info["softmax_backward_block"]

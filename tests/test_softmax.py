@@ -1787,6 +1787,8 @@ def test_show_config(capsys):
     for family, kernels in attnx.cpu_dispatch().items():
         assert f"{family} {kernels}" in text, text
     assert "disabled: none" in text or os.environ.get("ATTNX_DISABLE_CPU_FEATURES"), text
+    side = attnx._C.build_info()["softmax_backward_block"]
+    assert f"blocks:   softmax backward {side} x {side} (L2 " in text, text
     with dispatched("AVX512F"):
         attnx.show_config()
         text = capsys.readouterr().out

@@ -52,8 +52,9 @@ def check_softmax(q, k, v, dtype, rng, bias_grad=False, **options):
 
 # the backward's products (csrc/mk_backward.h) take rows (queries of a
 # block; keys, for dK and dV) in blocks of 8 (AVX-512, NEON) or 6 (AVX2),
-# then of 4, then the 1 to 3 left: blocks of 128 with 0 to 11 rows left over
-# (137 = 128 + 6 + 3 or + 8 + 1; 139 = 128 + 6 + 4 + 1 or + 8 + 3)
+# then of 4, then the 1 to 3 left: blocks of 64 or 128 (softmax_backward_side)
+# with 0 to 11 rows left over (137 = 128 + 6 + 3 or + 8 + 1; 139 = 128 + 6 + 4
+# + 1 or + 8 + 3; with blocks of 64, 9 and 11 rows over two full blocks)
 SIZES = [(1, 1, 4, 4), (5, 7, 4, 3), (130, 260, 16, 16), (257, 129, 32, 16), (200, 200, 64, 64),
          (137, 139, 32, 16)]
 
@@ -61,7 +62,7 @@ SIZES = [(1, 1, 4, 4), (5, 7, 4, 3), (130, 260, 16, 16), (257, 129, 32, 16), (20
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n, m, d, e", SIZES)
 @pytest.mark.parametrize("causal", [False, True, "upper_left"])
-def test_softmax_grads_match_reference(dtype, n, m, d, e, causal):
+def test_softmax_grads_match_reference(dtype, n, m, d, e, causal, softmax_backward_side):
     rng = np.random.default_rng(n * 1000 + m)
     q, k, v = inputs(rng, (2, n, d), (2, m, d), (2, m, e), dtype)
     check_softmax(q, k, v, dtype, rng, causal=causal)
@@ -69,7 +70,7 @@ def test_softmax_grads_match_reference(dtype, n, m, d, e, causal):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("window", [3, (40, 0), (None, 5), (0, None), (2, 7)])
-def test_softmax_grads_windows(dtype, window):
+def test_softmax_grads_windows(dtype, window, softmax_backward_side):
     rng = np.random.default_rng(1)
     q, k, v = inputs(rng, (1, 2, 300, 16), (1, 2, 290, 16), (1, 2, 290, 16), dtype)
     check_softmax(q, k, v, dtype, rng, window=window)
@@ -78,7 +79,7 @@ def test_softmax_grads_windows(dtype, window):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mask_shape", [(1, 150), (140, 150), (2, 1, 140, 150), (2, 3, 1, 150)])
-def test_softmax_grads_masks(dtype, mask_shape):
+def test_softmax_grads_masks(dtype, mask_shape, softmax_backward_side):
     rng = np.random.default_rng(2)
     q, k, v = inputs(rng, (2, 3, 140, 16), (2, 3, 150, 16), (2, 3, 150, 32), dtype)
     mask = rng.random(mask_shape) < 0.7
@@ -89,7 +90,7 @@ def test_softmax_grads_masks(dtype, mask_shape):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("bias_shape", [(1, 150), (140, 150), (3, 140, 150), (2, 3, 140, 1),
                                         (2, 1, 1, 150)])
-def test_softmax_grads_bias(dtype, bias_shape):
+def test_softmax_grads_bias(dtype, bias_shape, softmax_backward_side):
     rng = np.random.default_rng(3)
     q, k, v = inputs(rng, (2, 3, 140, 16), (2, 3, 150, 16), (2, 3, 150, 16), dtype)
     bias = rng.standard_normal(bias_shape).astype(dtype)
@@ -111,7 +112,7 @@ def test_grouped_query_grads_are_summed_over_the_group(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("sigma", [0.7, 2.0])
-def test_gaussian_grads_match_reference(dtype, sigma):
+def test_gaussian_grads_match_reference(dtype, sigma, softmax_backward_side):
     rng = np.random.default_rng(5)
     q, k, v = inputs(rng, (2, 150, 16), (2, 170, 16), (2, 170, 16), dtype)
     bias = rng.standard_normal((150, 170)).astype(dtype)
@@ -397,7 +398,7 @@ def held_to(backend):
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_grads_on_every_backend(backend, dtype, causal):
+def test_grads_on_every_backend(backend, dtype, causal, softmax_backward_side):
     rng = np.random.default_rng(16)
     q, k, v = inputs(rng, (2, 200, 32), (2, 300, 32), (2, 300, 16), dtype)
     with held_to(backend):
@@ -442,7 +443,7 @@ def test_dropout_forward_and_weights_match_reference(backend, dtype, p):
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_dropout_gradients_match_reference(backend, dtype):
+def test_dropout_gradients_match_reference(backend, dtype, softmax_backward_side):
     rng = np.random.default_rng(18)
     p, seed = 0.25, 7
     q, k, v = inputs(rng, (2, 2, 170, 32), (2, 1, 260, 32), (2, 1, 260, 16), dtype)
