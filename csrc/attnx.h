@@ -136,13 +136,13 @@ typedef struct {
 } attnx_softmax_bwd_args;
 
 int attnx_softmax_bwd_f32(const attnx_softmax_bwd_args *args);
+int attnx_softmax_bwd_f64(const attnx_softmax_bwd_args *args);
 /* the side of the backward's square query and key blocks: 128, or 64 where
  * a core's L2 is smaller than 1 MiB (softmax_backward.c); set_block(64 or
  * 128) holds it there, set_block(0) chooses by the cache again (for tests
  * and measurements), and returns what was held before (0: the cache chose) */
 ptrdiff_t attnx_softmax_bwd_block(void);
 ptrdiff_t attnx_softmax_bwd_set_block(ptrdiff_t side);
-int attnx_softmax_bwd_f64(const attnx_softmax_bwd_args *args);
 
 /* ------------------------------------------------------------------------
  * Kernelised (linear) attention over non-negative features (linear.c).

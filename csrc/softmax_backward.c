@@ -63,11 +63,10 @@
  * or 64 on a CPU whose cores have less than 1 MiB of L2 (AMD's before Zen
  * 4, Intel's client cores before Alder Lake): a pair of 128 touches about
  * 450 KiB at d = e = 64 (its tiles, K^T and V^T, the blocks of Q, dO, K, V,
- * dQ, dK and dV), which does not stay in their L2. (Measured on BLAS, one
- * thread, n = 2048, d = 64: 128 x 128, 128 x 256, 256 x 128, 192 x 192 and
- * 256 x 256 all within 4%. On AVX2's kernels, one thread of a Zen 3, n =
- * 2048, sides built in: 32, 64 and 96 at 77-79 GFLOP/s against 71-75 for
- * 128.) */
+ * dQ, dK and dV), which does not stay in their L2 (docs/performance.md,
+ * "The C code's choices"). (Measured on BLAS, one thread, n = 2048, d =
+ * 64: 128 x 128, 128 x 256, 256 x 128, 192 x 192 and 256 x 256 all within
+ * 4%.) */
 #define SIDE 128
 #define SMALL_L2_SIDE 64
 #define SMALL_L2_BYTES (1L << 20)

@@ -37,7 +37,6 @@ convert_kernels = _family_fixture("convert")
 delta_rule_kernels = _family_fixture("delta_rule")
 
 
-
 @pytest.fixture(params=[64, 128])
 def softmax_backward_side(request):
     """Each side of the softmax backward's blocks: 64 on CPUs whose cores have

@@ -418,7 +418,8 @@ BACKWARD_SETS = kernels_here("softmax_backward")
 @pytest.mark.parametrize("held", BACKWARD_SETS)
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "grouped"])
 @pytest.mark.parametrize("n, m, d", [(200, 300, 64), (30, 129, 32), (130, 40, 20)])
-def test_backward_widens_half_keys_and_values_a_block_at_a_time(fmt, held, layout, n, m, d):
+def test_backward_widens_half_keys_and_values_a_block_at_a_time(fmt, held, layout, n, m, d,
+                                                               softmax_backward_side):
     """The softmax backward's private _half_kv (attnx.torch's bfloat16 and
     float16 keys and values): the kernel widens k and v a key block at a
     time, a gaussian call has them widened first; either way dq, dk, dv
