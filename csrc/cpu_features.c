@@ -118,15 +118,21 @@ attnx_cpu_set attnx_cpu_detected(void)
 
 long attnx_cpu_l2_bytes(void)
 {
+    /* asked once: under a hypervisor each cpuid is a trip out of the guest,
+     * and every softmax backward asks */
+    static int asked = 0;
+    static long l2_bytes = 0;
+    if (asked) return l2_bytes;
 #if defined(CPU_X86)
     unsigned r[4];
     cpuid(0x80000000u, 0, r);
-    if (r[0] < 0x80000006u) return 0;
-    cpuid(0x80000006u, 0, r);
-    return (long)(r[2] >> 16) * 1024; /* ECX[31:16]: KiB */
-#else
-    return 0;
+    if (r[0] >= 0x80000006u) {
+        cpuid(0x80000006u, 0, r);
+        l2_bytes = (long)(r[2] >> 16) * 1024; /* ECX[31:16]: KiB */
+    }
 #endif
+    asked = 1;
+    return l2_bytes;
 }
 
 static int is_separator(char c) { return c == ',' || c == ' ' || c == '\t' || c == '\n'; }

@@ -32,7 +32,8 @@ typedef uint32_t attnx_cpu_set;
 /* the features this CPU and operating system have (asked on the first call) */
 attnx_cpu_set attnx_cpu_detected(void);
 /* the bytes of one core's level-2 cache, 0 where this build cannot ask
- * (CPUID leaf 0x80000006, which Intel and AMD both fill; x86-64 only) */
+ * (CPUID leaf 0x80000006, which Intel and AMD both fill; x86-64 only),
+ * asked on the first call */
 long attnx_cpu_l2_bytes(void);
 /* numpy's spelling of a feature: "AVX512F", "AVX512_BF16", "ASIMD", ... */
 const char *attnx_cpu_feature_name(int feature);
