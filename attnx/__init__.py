@@ -287,7 +287,8 @@ def show_config():
     print(f"  BLAS:     {info['blas']}, {info['blas_core']} kernels "
           f"(single-threaded inside attnx's OpenMP pool)")
     print(f"  SIMD:     {info['simd']}")
-    print(f"  CPU:      {', '.join(info['cpu_features']) or 'no features attnx dispatches on'}")
+    features = ", ".join(info["cpu_features"]) or "no features attnx dispatches on"
+    print(f"  CPU:      {features} ({info['cpu_vendor']})")
     disabled = ", ".join(info["disabled_cpu_features"]) or "none"
     print(f"  disabled: {disabled} (ATTNX_DISABLE_CPU_FEATURES)")
     print("  kernels:  " + ", ".join(f"{family} {kernels}"

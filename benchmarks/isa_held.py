@@ -1,7 +1,7 @@
 """attnx beside torch with both held to one instruction set, in the same
 interleaved rounds (harness.py): what a machine without AVX-512 gets.
 
-    python benchmarks/isa_held.py --isa avx2 [--threads 2] [--quick] [--only softmax|linear]
+    python benchmarks/isa_held.py --isa avx2|avx512|native [--threads 2] [--quick] [--only softmax|linear|decoding]
                                   [--json FILE]
 
 `--isa avx2` runs the script again in an environment that holds both
@@ -10,14 +10,21 @@ ATTNX_DISABLE_CPU_FEATURES=AVX512F (every family then chooses its AVX2
 kernels, or plain C + BLAS where it has none: docs/architecture.md) and
 OPENBLAS_CORETYPE=Haswell (OpenBLAS's AVX2 kernels, for attnx and numpy), torch
 by ATEN_CPU_CAPABILITY=avx2 (its own kernels), MKL_ENABLE_INSTRUCTIONS=AVX2
-(MKL's) and DNNL_MAX_CPU_ISA=AVX2 (oneDNN's). `--isa native` leaves the
-environment as it is. The run prints what each library chose.
+(MKL's) and DNNL_MAX_CPU_ISA=AVX2 (oneDNN's). `--isa avx512` holds both to
+AVX-512 without AMX and avx512_bf16 (a VM that hides them: attnx by
+ATTNX_DISABLE_CPU_FEATURES=AMX,AVX512_BF16, torch by ATEN_CPU_CAPABILITY=avx512,
+MKL_ENABLE_INSTRUCTIONS=AVX512 and DNNL_MAX_CPU_ISA=AVX512_CORE). `--isa
+native` leaves the environment as it is. The run prints what each library
+chose.
 
 Float32, shapes (1, 8, n, 64):
 - softmax attention forward, and forward + backward (attnx.softmax_attention
   with return_lse=True, then softmax_attention_backward; torch's
   scaled_dot_product_attention, then torch.autograd.grad), n = 1024, 2048,
-  4096, causal and not;
+  4096, causal and not, with both FLOP rates (4 n m d a head for the
+  forward's two products, 14 n m d for forward + backward's seven, over the
+  visible pairs only when causal) as shares of the machine's float32
+  multiply-add peak;
 - causal linear attention (elu + 1) forward + backward at n = 4096: attnx
   (linear_attention, linear_attention_backward, into the same outputs every
   call) beside linear_grad.py's two torch chunk-64 formulations under
@@ -49,6 +56,11 @@ ISA_ENVIRONMENTS = {
     "avx2": {"ATTNX_DISABLE_CPU_FEATURES": "AVX512F", "OPENBLAS_CORETYPE": "Haswell",
              "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "DNNL_MAX_CPU_ISA": "AVX2"},
+    # the AVX-512 of a CPU whose VM hides AMX and avx512_bf16 (issue 34's
+    # Intel kind), on a CPU that has them: float32 stays on AVX-512 FMAs
+    "avx512": {"ATTNX_DISABLE_CPU_FEATURES": "AMX,AVX512_BF16", "OPENBLAS_CORETYPE": "SkylakeX",
+               "ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "DNNL_MAX_CPU_ISA": "AVX512_CORE"},
     "native": {},
 }
 # set in the process run again with an ISA's environment
@@ -86,14 +98,17 @@ def main():
     attnx.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     settings = Settings(max_rounds=5, budget_s=5.0) if args.quick else Settings()
-    print(f"isa {args.isa}: "
-          + ", ".join(f"{name}={os.environ.get(name, '')}" for name in ISA_ENVIRONMENTS["avx2"]))
+    variables = sorted({name for environment in ISA_ENVIRONMENTS.values() for name in environment})
+    print(f"isa {args.isa}: " + ", ".join(f"{name}={os.environ.get(name, '')}" for name in variables))
     print(f"attnx {attnx.__version__}, {args.threads} threads: {attnx.cpu_dispatch()}, "
           f"OpenBLAS core {attnx._C.build_info()['blas_core']}")
     print(f"torch {torch.__version__}, {args.threads} threads: cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"load average before: {os.getloadavg()}")
     rows = []
+    peak = machine_peak(args.threads)
+    if peak is not None:
+        print(peak.describe())
 
     def report(case, stats, attnx_name, torch_names):
         best = min(stats[name].min for name in torch_names)
@@ -107,6 +122,18 @@ def main():
         print(f"{case:42s} attnx {row['attnx_min_ms']:8.2f} ms (median "
               f"{row['attnx_median_ms']:.2f})  torch {row['torch_min_ms']:8.2f} ms  "
               f"torch/attnx {row['torch_over_attnx']:.2f}x", flush=True)
+
+    def peak_shares(flops):
+        """the last row's FLOP rates, attnx's and torch's, as shares of the peak"""
+        row = rows[-1]
+        for side in ("attnx", "torch"):
+            row[f"{side}_gflops"] = flops / row[f"{side}_min_ms"] / 1e6
+        if peak is not None:
+            row["peak_gflops"] = peak.fma_f32_gflops
+            print(f"{'':42s} attnx {row['attnx_gflops']:.0f} GFLOP/s "
+                  f"({row['attnx_gflops'] / peak.fma_f32_gflops:.0%} of the peak), torch "
+                  f"{row['torch_gflops']:.0f} ({row['torch_gflops'] / peak.fma_f32_gflops:.0%})",
+                  flush=True)
 
     rng = np.random.default_rng(0)
     for n in (1024, 2048, 4096) if args.only in (None, "softmax") else ():
@@ -137,13 +164,15 @@ def main():
             np.testing.assert_allclose(first["attnx"], first["torch"].numpy(), rtol=1e-3,
                                        atol=1e-4)
             report(name + " forward", stats, "attnx", ["torch"])
+            visible_pairs = n * (n + 1) // 2 if causal else n * n
+            peak_shares(8 * 4 * visible_pairs * 64)
             stats, first, failed = measure({"attnx": attnx_step, "torch": torch_step}, settings)
             assert not failed, failed
             for mine, theirs in zip(first["attnx"][:3], first["torch"]):
                 np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-3)
             report(name + " forward + backward", stats, "attnx", ["torch"])
+            peak_shares(8 * 14 * visible_pairs * 64)
 
-    peak = machine_peak(args.threads) if args.only in (None, "linear", "decoding") else None
     if args.only in (None, "linear"):
         _, forms = torch_forms()
         n = 4096
@@ -180,8 +209,6 @@ def main():
         # one query row per head against a KV cache (softmax_decode.c), memory
         # bound: the rate is the bytes of K and V read per second, beside the
         # read bandwidth measured on the same threads (harness.machine_peak)
-        if peak:
-            print(peak.describe())
         single = dict(min_sample_s=0.0, pause_s=0.02)
         decode_settings = (Settings(min_rounds=20, max_rounds=60, budget_s=3.0, **single)
                            if args.quick else

@@ -135,6 +135,34 @@ long attnx_cpu_l2_bytes(void)
     return l2_bytes;
 }
 
+int attnx_cpu_vendor(void)
+{
+    static int asked = 0;
+    static int vendor = ATTNX_VENDOR_OTHER;
+    if (asked) return vendor;
+#if defined(CPU_X86)
+    unsigned r[4];
+    char name[13];
+    cpuid(0, 0, r);
+    /* the vendor string is EBX, EDX, ECX */
+    memcpy(name, &r[1], 4);
+    memcpy(name + 4, &r[3], 4);
+    memcpy(name + 8, &r[2], 4);
+    name[12] = '\0';
+    if (strcmp(name, "GenuineIntel") == 0) vendor = ATTNX_VENDOR_INTEL;
+    if (strcmp(name, "AuthenticAMD") == 0) vendor = ATTNX_VENDOR_AMD;
+#endif
+    asked = 1;
+    return vendor;
+}
+
+const char *attnx_cpu_vendor_name(int vendor)
+{
+    static const char *const names[ATTNX_VENDORS] = {
+        [ATTNX_VENDOR_OTHER] = "other", [ATTNX_VENDOR_INTEL] = "intel", [ATTNX_VENDOR_AMD] = "amd"};
+    return names[vendor];
+}
+
 static int is_separator(char c) { return c == ',' || c == ' ' || c == '\t' || c == '\n'; }
 
 attnx_cpu_set attnx_cpu_parse(const char *list, char *unknown, int unknown_size)

@@ -35,6 +35,14 @@ attnx_cpu_set attnx_cpu_detected(void);
  * (CPUID leaf 0x80000006, which Intel and AMD both fill; x86-64 only),
  * asked on the first call */
 long attnx_cpu_l2_bytes(void);
+/* Who made the CPU, for the choices between kernels that the features
+ * alone do not settle: the same instruction runs at different rates on
+ * Intel's and AMD's cores (dispatch.c's slower_on). Asked on the first
+ * call (CPUID leaf 0's vendor string); ATTNX_VENDOR_OTHER off x86-64. */
+enum { ATTNX_VENDOR_OTHER, ATTNX_VENDOR_INTEL, ATTNX_VENDOR_AMD, ATTNX_VENDORS };
+int attnx_cpu_vendor(void);
+/* "intel", "amd", "other" */
+const char *attnx_cpu_vendor_name(int vendor);
 /* numpy's spelling of a feature: "AVX512F", "AVX512_BF16", "ASIMD", ... */
 const char *attnx_cpu_feature_name(int feature);
 

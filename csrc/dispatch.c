@@ -43,25 +43,35 @@
 #define NEEDS_AMX (NEEDS_AVX512_BF16 | BIT(ATTNX_CPU_AVX512BW) | BIT(ATTNX_CPU_AMX_TILE) | \
                    BIT(ATTNX_CPU_AMX_BF16))
 
+/* A row: the set, the features it needs, whether this build compiled it,
+ * and the CPU makers (1 << ATTNX_VENDOR_*) on whose cores it is slower than
+ * the rows below it although the features are there: passed over there
+ * unless a limit names it (so tests and measurements still run it). */
 typedef struct {
     int set;
     attnx_cpu_set needs;
     int built;
+    unsigned slower_on;
 } kernel_row;
 
-#define PLAIN_ROW {ATTNX_KERNELS_PLAIN, 0, 1}
-#define END_ROW {-1, 0, 0}
+/* VDPBF16PS does half the flops of the two FMAs a cycle on Intel's cores
+ * (benchmarks/bf16_dot_throughput.c: 0.50 on a Xeon with AMX, 1.86 on AMD
+ * Zen 5), so bfloat16 operands go faster widened to float32 there */
+#define SLOWER_ON_INTEL (1u << ATTNX_VENDOR_INTEL)
+
+#define PLAIN_ROW {ATTNX_KERNELS_PLAIN, 0, 1, 0}
+#define END_ROW {-1, 0, 0, 0}
 
 static const kernel_row softmax_fwd_table[] = {
     {ATTNX_KERNELS_AMX, NEEDS_AMX, BUILT_AMX},
-    {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86},
+    {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86, SLOWER_ON_INTEL},
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
     PLAIN_ROW, END_ROW,
 };
 static const kernel_row softmax_bwd_table[] = {
-    {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86},
+    {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86, SLOWER_ON_INTEL},
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},
     {ATTNX_KERNELS_NEON, BIT(ATTNX_CPU_ASIMD), BUILT_NEON},
@@ -138,11 +148,13 @@ int attnx_dispatch_fill(attnx_cpu_set disabled, const int *limits)
     for (int f = 0; f < ATTNX_FAMILIES; f++)
         if (limits && limits[f] >= 0 && !table_holds(tables[f], limits[f])) return -1 - f;
     attnx_cpu_set usable = attnx_cpu_detected() & ~disabled;
+    unsigned vendor = 1u << attnx_cpu_vendor();
     for (int f = 0; f < ATTNX_FAMILIES; f++) {
         int limit = limits ? limits[f] : -1, reached = limit < 0;
         for (const kernel_row *row = tables[f]; row->set >= 0; row++) {
             reached = reached || row->set == limit;
-            if (reached && row->built && (row->needs & ~usable) == 0) {
+            int slower = (row->slower_on & vendor) && row->set != limit;
+            if (reached && row->built && (row->needs & ~usable) == 0 && !slower) {
                 attnx_dispatch_table[f] = row->set;
                 break;
             }

@@ -27,8 +27,9 @@ enum {
 
 /* The kernel sets. avx512_bf16: AVX-512 with the bfloat16 dot products
  * (microkernel.h, mk_dot_pairs) where the operands are bfloat16 values;
- * amx: the AMX tiles for float32 softmax (amx.h), those dot products in
- * the calls AMX does not take; avx512_group: AVX-512 decoding steps of four
+ * amx: the AMX tiles for float32 softmax (amx.h), AVX-512's FMAs in the
+ * calls AMX does not take (AMX is Intel's, whose cores run those dot
+ * products at half the FMAs' rate: dispatch.c); avx512_group: AVX-512 decoding steps of four
  * heads at once where one of them takes its turn (linear.c, decode_group). */
 enum {
     ATTNX_KERNELS_PLAIN,
@@ -59,7 +60,7 @@ static inline int attnx_kernels_width(int set)
 /* 1 for the sets with the bfloat16 dot products */
 static inline int attnx_kernels_bf16_dot(int set)
 {
-    return set == ATTNX_KERNELS_AVX512_BF16 || set == ATTNX_KERNELS_AMX;
+    return set == ATTNX_KERNELS_AVX512_BF16;
 }
 
 /* Fill every family's choice: its table's first set this build has whose

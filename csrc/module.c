@@ -179,11 +179,12 @@ static PyObject *build_info(PyObject *self, PyObject *unused)
     const int optimized = 0;
 #endif
     int amx = attnx_kernels(ATTNX_FAMILY_SOFTMAX_FWD) == ATTNX_KERNELS_AMX;
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:N,s:N,s:N,s:i,s:l,s:n,s:s,s:N}", "blas",
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:N,s:N,s:s,s:N,s:i,s:l,s:n,s:s,s:N}", "blas",
                          attnx_blas_name(),
                          "blas_core", attnx_blas_core(), "simd", attnx_simd_level(), "amx",
                          PyBool_FromLong(amx), "dispatch",
                          family_dict(0), "cpu_features", feature_list(attnx_cpu_detected()),
+                         "cpu_vendor", attnx_cpu_vendor_name(attnx_cpu_vendor()),
                          "disabled_cpu_features", feature_list(attnx_dispatch_disabled()),
                          "num_threads", attnx_get_num_threads(), "l2_cache_bytes",
                          attnx_cpu_l2_bytes(), "softmax_backward_block", attnx_softmax_bwd_block(),

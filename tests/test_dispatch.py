@@ -208,6 +208,40 @@ def _sysfs_l2_bytes():
     return None
 
 
+def _proc_cpuinfo_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
+def test_cpu_vendor_and_the_sets_slower_on_its_cores():
+    """build_info's cpu_vendor is the maker Linux names too; the bfloat16
+    dot products' set (avx512_bf16) is passed over on Intel's cores, whose
+    VDPBF16PS does half the flops of their FMAs (csrc/dispatch.c's
+    slower_on), and chosen elsewhere; held to it, a family runs it on any
+    maker's CPU, so the tests still run it there."""
+    vendor = attnx._C.build_info()["cpu_vendor"]
+    assert vendor in ("intel", "amd", "other")
+    named = _proc_cpuinfo_vendor()
+    if named is not None and re.match(r"x86_64|AMD64", platform.machine()):
+        assert vendor == {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(named, "other")
+    elif not re.match(r"x86_64|AMD64", platform.machine()):
+        assert vendor == "other"
+    for family in ("softmax_forward", "softmax_backward"):
+        if "avx512_bf16" not in kernels_here(family):
+            continue
+        with dispatched(**{family: "avx512_bf16"}) as chosen:
+            assert chosen[family] == "avx512_bf16"
+        with dispatched() as chosen:
+            if vendor == "intel":
+                assert chosen[family] in ("amx", "avx512")
+            else:
+                assert chosen[family] == "avx512_bf16"
+
+
 def test_softmax_backward_blocks_follow_the_l2():
     info = attnx._C.build_info()
     l2 = info["l2_cache_bytes"]
