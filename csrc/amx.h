@@ -16,6 +16,13 @@
  * inputs under 2^-126 count as 0 and those under ~2^-110 keep fewer than 24
  * bits (their products are below 2^-220 relative to the normal ones).
  *
+ * A number that is a bfloat16 value splits into hi alone: its mid and lo
+ * are 0, and their products add nothing, so an operand all of whose
+ * numbers are bfloat16 values (bfloat16 tensors widened, or float32 data
+ * of that precision) needs its hi plane only, and a product of two such
+ * operands one instruction per tile pair instead of six. The splits say
+ * how many planes their operand needs; amx_product multiplies those only.
+ *
  * Operands, three planes each (hi, mid, lo), `plane` numbers apart:
  *   rows   (rows, k) bfloat16, k a multiple of 32, rows `ld` numbers apart:
  *          the left operand (K for the scores, V^T for P V)
@@ -77,13 +84,21 @@ static inline void amx_split(__m512 x, __m512i part[AMX_PLANES])
     part[2] = amx_bf16_bits(_mm512_sub_ps(rest, amx_bf16_value(part[1])));
 }
 
+/* the planes an operand needs: 1 when the lower ones it was split into
+ * (their bits OR-ed into `lower`) are all 0 */
+static inline int amx_planes_needed(__m512i lower)
+{
+    return _mm512_test_epi32_mask(lower, lower) ? AMX_PLANES : 1;
+}
+
 /* rows operand: dst row r, numbers [0, k_pad) <- x[r][0 .. k), zero from
  * k on, for rows [0, count) (x's rows x_row apart); rows [count,
- * rows_pad) zero */
-static inline void amx_split_rows(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
-                                  ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t rows_pad,
-                                  ptrdiff_t k, ptrdiff_t k_pad)
+ * rows_pad) zero. Returns the planes it needs. */
+static inline int amx_split_rows(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
+                                 ptrdiff_t x_row, ptrdiff_t count, ptrdiff_t rows_pad, ptrdiff_t k,
+                                 ptrdiff_t k_pad)
 {
+    __m512i lower = _mm512_setzero_si512();
     for (int s = 0; s < AMX_PLANES; s++)
         for (ptrdiff_t r = count; r < rows_pad; r++)
             memset(dst + s * plane + r * ld, 0, (size_t)k_pad * sizeof *dst);
@@ -94,36 +109,53 @@ static inline void amx_split_rows(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, 
                                           : 0;
             __m512i part[AMX_PLANES];
             amx_split(_mm512_maskz_loadu_ps(valid, x + r * x_row + c), part);
+            lower = _mm512_or_si512(lower, _mm512_or_si512(part[1], part[2]));
             for (int s = 0; s < AMX_PLANES; s++)
                 _mm256_storeu_si256((__m256i *)(dst + s * plane + r * ld + c),
                                     _mm512_cvtepi32_epi16(part[s]));
         }
+    return amx_planes_needed(lower);
 }
 
 /* pairs operand of 16 lanes: dst rows [0, pairs) <- rows 2p and 2p + 1 of
- * x (16 floats each, x_row apart) times `scale`, interleaved lane by lane */
-static inline void amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
-                                   ptrdiff_t x_row, ptrdiff_t pairs, float scale)
+ * x (16 floats each, x_row apart), interleaved lane by lane: split into
+ * all planes (returns the planes it needs), or with planes 1 rounded to
+ * bfloat16 (the hi plane alone; returns 1) */
+static inline int amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
+                                  ptrdiff_t x_row, ptrdiff_t pairs, int planes)
 {
-    const __m512 factor = _mm512_set1_ps(scale);
+    __m512i lower = _mm512_setzero_si512();
     for (ptrdiff_t p = 0; p < pairs; p++) {
+        __m512 even_x = _mm512_loadu_ps(x + 2 * p * x_row);
+        __m512 odd_x = _mm512_loadu_ps(x + (2 * p + 1) * x_row);
+        if (planes == 1) {
+            _mm512_storeu_si512(dst + p * ld,
+                                _mm512_or_si512(amx_bf16_bits(even_x),
+                                                _mm512_slli_epi32(amx_bf16_bits(odd_x), 16)));
+            continue;
+        }
         __m512i even[AMX_PLANES], odd[AMX_PLANES];
-        amx_split(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * p * x_row), factor), even);
-        amx_split(_mm512_mul_ps(_mm512_loadu_ps(x + (2 * p + 1) * x_row), factor), odd);
+        amx_split(even_x, even);
+        amx_split(odd_x, odd);
         for (int s = 0; s < AMX_PLANES; s++)
             _mm512_storeu_si512(dst + s * plane + p * ld,
                                 _mm512_or_si512(even[s], _mm512_slli_epi32(odd[s], 16)));
+        lower = _mm512_or_si512(lower, _mm512_or_si512(_mm512_or_si512(even[1], even[2]),
+                                                       _mm512_or_si512(odd[1], odd[2])));
     }
+    return planes == 1 ? 1 : amx_planes_needed(lower);
 }
 
 /* c (32 x 32, rows c_ld floats apart) = (c if accumulate, else 0) +
  * a (rows operand, rows 0-31) times b (pairs operand, lanes 0-31), over
- * `steps` x 32 of k, the next 32 of k a_step numbers on in a. The six
- * plane products, each operand tile loaded once per plane pairing it
- * serves: hi with hi, mid, lo; mid with hi, mid; lo with hi. */
+ * `steps` x 32 of k, the next 32 of k a_step numbers on in a. The plane
+ * products, each operand tile loaded once per plane pairing it serves: hi
+ * with hi, mid, lo; mid with hi, mid; lo with hi; of those the first
+ * a_planes of a and b_planes of b (1 or AMX_PLANES) hold. */
 static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrdiff_t a_ld,
-                               ptrdiff_t a_step, ptrdiff_t a_plane, const uint16_t *b,
-                               ptrdiff_t b_ld, ptrdiff_t b_plane, ptrdiff_t steps, int accumulate)
+                               ptrdiff_t a_step, ptrdiff_t a_plane, int a_planes,
+                               const uint16_t *b, ptrdiff_t b_ld, ptrdiff_t b_plane, int b_planes,
+                               ptrdiff_t steps, int accumulate)
 {
     const ptrdiff_t c_stride = c_ld * 4, a_stride = a_ld * 2, b_stride = b_ld * 2;
     if (accumulate) {
@@ -139,11 +171,11 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
     }
     for (ptrdiff_t step = 0; step < steps; step++) {
         const uint16_t *a_at = a + step * a_step, *b_at = b + step * 16 * b_ld;
-        for (int sa = 0; sa < AMX_PLANES; sa++) {
+        for (int sa = 0; sa < a_planes; sa++) {
             const uint16_t *a_plane_at = a_at + sa * a_plane;
             _tile_loadd(4, a_plane_at, a_stride);
             _tile_loadd(5, a_plane_at + 16 * a_ld, a_stride);
-            for (int sb = 0; sa + sb < AMX_PLANES; sb++) {
+            for (int sb = 0; sb < b_planes && sa + sb < AMX_PLANES; sb++) {
                 const uint16_t *b_plane_at = b_at + sb * b_plane;
                 _tile_loadd(6, b_plane_at, b_stride);
                 _tile_loadd(7, b_plane_at + 32, b_stride);
@@ -161,12 +193,16 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
 }
 
 /* The scores block st[j][r] for keys [c0, c0 + 32), rows [r0, r0 + 32)
- * of the tile, as the product left it: add each key's term (a key whose
- * term is -inf scores -inf, whatever q . k is), hide what the band hides
- * and raise the rows' tile_max. */
+ * of the tile, as the product left it (q . k): times `scale`, plus each
+ * key's term (a key whose term is -inf scores -inf, whatever q . k is),
+ * hide what the band hides and raise the rows' tile_max. The scale is
+ * applied here, not to Q, so that queries that are bfloat16 values stay
+ * one plane. */
 static inline void amx_finish_scores(const mk_tile *t, float *st, ptrdiff_t st_ld, ptrdiff_t r0,
-                                     ptrdiff_t c0, const float *key_term, float *tile_max)
+                                     ptrdiff_t c0, float scale, const float *key_term,
+                                     float *tile_max)
 {
+    const __m512 factor = _mm512_set1_ps(scale);
     ptrdiff_t all_lo, all_hi;
     mk_block_all_keys(t, r0, 32, &all_lo, &all_hi);
     int whole = all_lo <= c0 && c0 + 32 <= all_hi && c0 + 32 <= t->cols;
@@ -174,8 +210,11 @@ static inline void amx_finish_scores(const mk_tile *t, float *st, ptrdiff_t st_l
     for (ptrdiff_t j = c0; j < c0 + 32; j++) {
         float *s_j = st + j * st_ld + r0;
         __m512 term = _mm512_set1_ps(key_term[j]);
-        __m512 lo = key_term[j] == -INFINITY ? term : _mm512_add_ps(_mm512_loadu_ps(s_j), term);
-        __m512 hi = key_term[j] == -INFINITY ? term : _mm512_add_ps(_mm512_loadu_ps(s_j + 16), term);
+        __m512 lo = key_term[j] == -INFINITY ? term
+                                             : _mm512_fmadd_ps(_mm512_loadu_ps(s_j), factor, term);
+        __m512 hi = key_term[j] == -INFINITY
+                        ? term
+                        : _mm512_fmadd_ps(_mm512_loadu_ps(s_j + 16), factor, term);
         _mm512_storeu_ps(s_j, lo);
         _mm512_storeu_ps(s_j + 16, hi);
         max_lo = _mm512_max_ps(max_lo, lo);

@@ -99,8 +99,9 @@ typedef struct {
      * softmax_backward.c, their gradients) rounded to bfloat16 and every
      * product on the bfloat16 dot products, float32 sums (float32 kernels
      * with those products only: dispatch.h's attnx_kernels_bf16_dot; in
-     * the forward the AVX-512 micro-kernels, softmax_mk.c, not AMX's);
-     * 0: float32 accuracy */
+     * the forward the AVX-512 micro-kernels, softmax_mk.c, and AMX's
+     * one-plane products, softmax_amx.c, where the values are bfloat16
+     * values); 0: float32 accuracy */
     int bf16_products;
     /* 0: k and v hold numbers of the call's type; ATTNX_BF16 or ATTNX_F16
      * (convert.h's attnx_half_format): they hold half-precision bits

@@ -1,5 +1,8 @@
 /* softmax_amx.c - the softmax backend on AMX tiles, float32 only (amx.h:
- * Q K^T and P V as bfloat16 x 3 splits, accumulated in float32).
+ * Q K^T and P V as bfloat16 x 3 splits, accumulated in float32; one plane
+ * for an operand whose numbers are bfloat16 values, per block of 32 keys
+ * for K and V, per tile for Q, and for P where the caller asks for
+ * bfloat16 arithmetic: bf16_products, attnx.h).
  *
  * A query tile of AMX_Q_TILE rows is walked block of 32 rows by block,
  * each through its scores, online softmax and P V in turn, per key tile.
@@ -33,7 +36,10 @@ typedef struct {
     uint16_t *q_op;          /* pairs (st_ld / 32, d_pad / 2, 64) by blocks of rows */
     uint16_t *p_op;          /* pairs (KEY_TILE / 2, 64) */
     float *v_t;              /* (e, 32) V^T of one block of keys, to split */
-    unsigned char *packed;   /* per block of 32 keys: 1 when k_op, v_op hold it */
+    /* per block of 32 keys, the planes its keys' and V^T's operands need
+     * (1 or AMX_PLANES); 0 while k_op, v_op do not hold it */
+    unsigned char *key_planes, *value_planes;
+    int query_planes;        /* those of the tile's Q^T */
     const void *k, *v;       /* the keys and values they hold */
     ptrdiff_t d_pad, e_pad, m_pad;
 } amx_operands;
@@ -45,21 +51,21 @@ static void amx_pack_keys(const attnx_softmax_args *a, amx_operands *x, const fl
 {
     const ptrdiff_t d_pad = x->d_pad, m_pad = x->m_pad;
     for (ptrdiff_t b = j0 / 32; b < j1 / 32; b++) {
-        if (x->packed[b]) continue;
+        if (x->key_planes[b]) continue;
         ptrdiff_t first = b * 32, count = ATTNX_MIN(32, a->m - first);
-        amx_split_rows(x->k_op + first * d_pad, d_pad, m_pad * d_pad, k + first * a->k_row,
-                       a->k_row, count, 32, a->d, d_pad);
+        x->key_planes[b] = (unsigned char)amx_split_rows(x->k_op + first * d_pad, d_pad,
+                                                         m_pad * d_pad, k + first * a->k_row,
+                                                         a->k_row, count, 32, a->d, d_pad);
         mk_pack_f32(x->v_t, v + first * a->v_row, a->v_row, count, a->e, 32, 16);
-        amx_split_rows(x->v_op + first * x->e_pad, 32, x->e_pad * m_pad, x->v_t, 32, a->e,
-                       x->e_pad, 32, 32);
-        x->packed[b] = 1;
+        x->value_planes[b] = (unsigned char)amx_split_rows(
+            x->v_op + first * x->e_pad, 32, x->e_pad * m_pad, x->v_t, 32, a->e, x->e_pad, 32, 32);
     }
 }
 
 /* The tile's output (zero, e_pad rows of ot), the head's operands
  * forgotten when its keys or values are not the ones split, the tile
- * registers configured, and Q^T (rows d to d_pad stay 0), then its pairs,
- * in log2 units: the product gives the scores but for the key term. */
+ * registers configured, and Q^T (rows d to d_pad stay 0), then its pairs
+ * (unscaled: amx_finish_scores scales the products). */
 static void amx_prepare_tile(const softmax_backend_f32 *be, const attnx_softmax_args *a,
                              tile_work_f32 *w, const float *q, const float *k, const float *v,
                              float *out, ptrdiff_t rows, float scale2)
@@ -68,15 +74,18 @@ static void amx_prepare_tile(const softmax_backend_f32 *be, const attnx_softmax_
     const ptrdiff_t st_ld = w->st_ld, d_pad = x->d_pad, q_plane = d_pad * st_ld;
     memset(w->ot, 0, (size_t)(x->e_pad * st_ld) * sizeof(float));
     if (x->k != k || x->v != v) {
-        memset(x->packed, 0, (size_t)(x->m_pad / 32));
+        memset(x->key_planes, 0, (size_t)(x->m_pad / 32));
         x->k = k;
         x->v = v;
     }
     amx_configure();
     mk_pack_f32(w->qt, q, a->q_row, rows, a->d, st_ld, 16);
+    x->query_planes = 1;
     for (ptrdiff_t g = 0; g + 32 <= st_ld; g += 16)
-        amx_split_pairs(x->q_op + g / 32 * d_pad * 32 + g % 32 * 2, 64, q_plane, w->qt + g, st_ld,
-                        d_pad / 2, scale2);
+        x->query_planes = ATTNX_MAX(x->query_planes,
+                                    amx_split_pairs(x->q_op + g / 32 * d_pad * 32 + g % 32 * 2, 64,
+                                                    q_plane, w->qt + g, st_ld, d_pad / 2,
+                                                    AMX_PLANES));
 }
 
 /* The key tile t (j0 a multiple of 32) block of 32 rows by block: its
@@ -101,10 +110,14 @@ static void amx_key_tile(const softmax_backend_f32 *be, const attnx_softmax_args
         mk_strip_keys(t, r0, 32, 32, &lo, &hi);
         if (hi <= lo) continue; /* nothing to see: the rows' state stays */
         for (ptrdiff_t r = r0; r < r0 + 32; r++) w->tile_max[r] = -INFINITY;
+        int value_planes = 1;
         for (ptrdiff_t c0 = lo; c0 < hi; c0 += 32) {
+            ptrdiff_t block = (j0 + c0) / 32;
             amx_product(st + c0 * st_ld + r0, st_ld, x->k_op + (j0 + c0) * d_pad, d_pad, 32,
-                        k_plane, x->q_op + r0 * d_pad, 64, q_plane, d_pad / 32, 0);
-            amx_finish_scores(t, st, st_ld, r0, c0, w->key_term, w->tile_max);
+                        k_plane, x->key_planes[block], x->q_op + r0 * d_pad, 64, q_plane,
+                        x->query_planes, d_pad / 32, 0);
+            amx_finish_scores(t, st, st_ld, r0, c0, scale2, w->key_term, w->tile_max);
+            value_planes = ATTNX_MAX(value_planes, x->value_planes[block]);
         }
         if (per_query) softmax_apply_bias_mask_f32(a, t, w, bias, mask, r0, r1, lo, hi);
         mk_softmax_strip_w16(st + r0, st_ld, lo, hi, w->tile_max + r0, w->row_max + r0,
@@ -116,12 +129,18 @@ static void amx_key_tile(const softmax_backend_f32 *be, const attnx_softmax_args
                                            v + j0 * a->v_row, a->v_row, a->e, 0);
             continue;
         }
+        /* bfloat16 arithmetic: P rounded to bfloat16, as torch's flash
+         * attention rounds it for bfloat16 tensors, where the values are
+         * bfloat16 values (as the micro-kernels' pairs, softmax_mk.c) */
+        int p_planes = a->bf16_products && value_planes == 1 ? 1 : AMX_PLANES, planes = 1;
         for (ptrdiff_t g = 0; g < 32; g += 16)
-            amx_split_pairs(x->p_op + 2 * g, 64, p_plane, st + lo * st_ld + r0 + g, st_ld,
-                            (hi - lo) / 2, 1.0f);
+            planes = ATTNX_MAX(planes, amx_split_pairs(x->p_op + 2 * g, 64, p_plane,
+                                                       st + lo * st_ld + r0 + g, st_ld,
+                                                       (hi - lo) / 2, p_planes));
         for (ptrdiff_t c0 = 0; c0 < e_pad; c0 += 32)
             amx_product(ot + c0 * st_ld + r0, st_ld, x->v_op + (j0 + lo) * e_pad + c0 * 32, 32,
-                        e_pad * 32, v_plane, x->p_op, 64, p_plane, (hi - lo) / 32, 1);
+                        e_pad * 32, v_plane, value_planes, x->p_op, 64, p_plane, planes,
+                        (hi - lo) / 32, 1);
     }
 }
 
@@ -152,11 +171,12 @@ static int amx_setup(const softmax_backend_f32 *be, const attnx_softmax_args *a,
     ptrdiff_t v_t = softmax_lines(a->e * 32, size);
     ptrdiff_t per_thread = queries + outputs + k_op + v_op + q_op + p_op + v_t;
     float *scratch = NULL;
-    unsigned char *amx_packed = malloc((size_t)(threads * (m_pad / 32)) + 1);
+    /* per thread: the planes of its blocks' keys, then of their V^T */
+    unsigned char *planes = malloc((size_t)(2 * threads * (m_pad / 32)) + 1);
     amx_operands *amxs = calloc((size_t)threads, sizeof *amxs);
-    memory->blocks[1] = amx_packed;
+    memory->blocks[1] = planes;
     memory->blocks[2] = amxs;
-    if (!amx_packed || !amxs ||
+    if (!planes || !amxs ||
         !(scratch = attnx_aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(float))))
         return ATTNX_ENOMEM;
     memory->blocks[0] = scratch;
@@ -169,7 +189,8 @@ static int amx_setup(const softmax_backend_f32 *be, const attnx_softmax_args *a,
             .q_op = (uint16_t *)(ops + k_op + v_op),
             .p_op = (uint16_t *)(ops + k_op + v_op + q_op),
             .v_t = ops + k_op + v_op + q_op + p_op,
-            .packed = amx_packed + t * (m_pad / 32),
+            .key_planes = planes + 2 * t * (m_pad / 32),
+            .value_planes = planes + (2 * t + 1) * (m_pad / 32),
             .d_pad = d_pad,
             .e_pad = e_pad,
             .m_pad = m_pad,

@@ -27,6 +27,7 @@ from attnx.reference import (dropout_keep, gaussian_attention_grads, reduce_to,
 DOT = "avx512_bf16" in kernels_here("softmax_forward")
 NO_DOT = "this CPU has no avx512_bf16 (or no AVX-512 micro-kernels)"
 SETTINGS = ["off", pytest.param("avx512_bf16", marks=pytest.mark.skipif(not DOT, reason=NO_DOT))]
+AMX = "amx" in kernels_here("softmax_forward")
 needs_dot = pytest.mark.skipif(not DOT, reason=NO_DOT)
 
 # float32 results against the float64 references, relative to the largest
@@ -45,6 +46,8 @@ def bf16_dot(name):
     or held to the float32 AVX-512 kernels ("off")."""
     if name == "avx512_bf16":
         return dispatched(softmax_forward="avx512_bf16", softmax_backward="avx512_bf16")
+    if name == "amx":
+        return dispatched(softmax_forward="amx", softmax_backward="avx512")
     return dispatched(softmax_forward="avx512", softmax_backward="avx512")
 
 
@@ -300,14 +303,16 @@ def test_inputs_are_not_modified():
 
 # ----------------------------------------------- attnx.torch on bfloat16
 
-@pytest.mark.parametrize("setting_name", SETTINGS)
+@pytest.mark.parametrize("setting_name", SETTINGS + [
+    pytest.param("amx", marks=pytest.mark.skipif(not AMX, reason="this CPU has no AMX"))])
 @pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"mask": True}, {"gqa": True}])
 def test_torch_bf16_sdpa_is_torch_float32_sdpa_rounded(setting_name, options):
     """attnx.torch on bfloat16 tensors against torch's float32 SDPA of the
     same values: out and every gradient within one rounding to bfloat16
     (half a unit of the float32 result) plus float32 tolerance; with the
     dot products, plus the error of the rounded probabilities and their
-    gradients that bfloat16 tensors ask for (tests/test_bf16_products.py)."""
+    gradients that bfloat16 tensors ask for (tests/test_bf16_products.py);
+    on AMX, plus that of the forward's probabilities rounded for P V."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -337,7 +342,7 @@ def test_torch_bf16_sdpa_is_torch_float32_sdpa_rounded(setting_name, options):
         # attnx's float32 result is within `close` of want, and its rounding
         # to bfloat16 moves it by at most 2^-8 of itself
         close = GRAD_RTOL * max(float(np.max(np.abs(want))), 1.0)
-        if setting_name == "avx512_bf16":
+        if setting_name in ("avx512_bf16", "amx"):
             close += ROUNDED_RTOL * float(np.max(np.abs(want)))
         bound = 2.0**-8 * (np.abs(want) + close) + close
         assert np.all(np.abs(got - want) <= bound), (name, np.max(np.abs(got - want) - bound))

@@ -1,6 +1,6 @@
 """bfloat16 arithmetic for bfloat16 tensors (attnx.torch): where the softmax
-kernels have the bfloat16 dot products (the avx512_bf16 and amx sets of
-csrc/dispatch.c), attnx.torch asks the C kernels, by a private keyword
+kernels have the bfloat16 dot products (the avx512_bf16 set of
+csrc/dispatch.c; the forward on AMX too, csrc/softmax_amx.c), attnx.torch asks the C kernels, by a private keyword
 (_bf16_products; attnx.h's bf16_products), for what torch's own CPU flash
 attention computes for bfloat16: the probabilities p (the forward's P V)
 and their gradients dS (the backward's products) rounded to bfloat16 and
@@ -243,11 +243,18 @@ def rounded_p_reference(q, k, v, options):
     return rounded @ v / total, p @ v / total, allowance
 
 
-@needs_dot
+# the forward's sets that round p: the micro-kernels with the dot
+# products, and AMX (its one-plane products, csrc/amx.h)
+ROUNDING_SETS = [pytest.param(name, marks=pytest.mark.skipif(
+    name not in kernels_here("softmax_forward"), reason=f"this CPU has no {name} set"))
+    for name in ("avx512_bf16", "amx")]
+
+
+@pytest.mark.parametrize("rounding_set", ROUNDING_SETS)
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
-def test_forward_rounds_p_as_bfloat16_against_the_float64_reference(case):
+def test_forward_rounds_p_as_bfloat16_against_the_float64_reference(case, rounding_set):
     q, k, v, options = _forward_case(case)
-    with dispatched(softmax_forward="avx512_bf16"):
+    with dispatched(softmax_forward=rounding_set):
         got = attnx.softmax_attention(q, k, v, _bf16_products=True, **options)
     want, unrounded, allowance = rounded_p_reference(q, k, v, options)
     excess = np.abs(got - want) - allowance
@@ -256,26 +263,26 @@ def test_forward_rounds_p_as_bfloat16_against_the_float64_reference(case):
     assert relative_error(got, unrounded) > ROUNDED_AT_LEAST
 
 
-@needs_dot
-def test_forward_over_several_key_tiles_rounds_p_within_bfloat16s_error():
+@pytest.mark.parametrize("rounding_set", ROUNDING_SETS)
+def test_forward_over_several_key_tiles_rounds_p_within_bfloat16s_error(rounding_set):
     """Past one key tile, p is rounded against the running max (as torch's
     kernel does it per block of keys): within bfloat16's error of the
     unrounded float64 result, and away from float32's."""
     q, k, v, options = _forward_case((2, 260, 1100, 64, 64, {"causal": True}))
-    with dispatched(softmax_forward="avx512_bf16"):
+    with dispatched(softmax_forward=rounding_set):
         got = attnx.softmax_attention(q, k, v, _bf16_products=True, **options)
     _, unrounded, _ = rounded_p_reference(q, k, v, options)
     assert ROUNDED_AT_LEAST < relative_error(got, unrounded) < ROUNDED_RTOL
 
 
-@needs_dot
-def test_forward_values_that_are_no_bfloat16_values_keep_float32_p_v():
+@pytest.mark.parametrize("rounding_set", ROUNDING_SETS)
+def test_forward_values_that_are_no_bfloat16_values_keep_float32_p_v(rounding_set):
     """Queries and keys bfloat16 values, values not: P V stays float32 (its
     pairs would truncate them), bit for bit the call without the keyword."""
     rng = np.random.default_rng(7)
     q, k = bf16_values(rng, 2, 300, 64), bf16_values(rng, 2, 500, 64)
     v = rng.standard_normal((2, 500, 64)).astype(np.float32)
-    with dispatched(softmax_forward="avx512_bf16"):
+    with dispatched(softmax_forward=rounding_set):
         got = attnx.softmax_attention(q, k, v, _bf16_products=True)
         want = attnx.softmax_attention(q, k, v)
     np.testing.assert_array_equal(got, want)

@@ -1405,6 +1405,38 @@ def test_amx_split_keeps_float32_accuracy(kernels):
         assert_close(lse, wlse, np.float32, np.max(np.abs(wlse)))
 
 
+def _bf16_rounded(x):
+    """x (float32) rounded to the nearest bfloat16 value, as float32"""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("plain_block", ["none", "queries", "keys", "values"])
+def test_amx_one_plane_for_bfloat16_values(kernels, plain_block):
+    """Operands whose numbers are bfloat16 values take the AMX products'
+    hi plane only (csrc/amx.h), per block of 32 keys and per query tile,
+    and the others all three: inputs that are bfloat16 values but for one
+    block of plain float32 numbers (keys 32-63, values 64-95, or the
+    queries of the first tile) keep float32 accuracy at logits as large as
+    in test_amx_split_keeps_float32_accuracy, where a plain block taken as
+    one plane misses by about 1e-3."""
+    rng = np.random.default_rng(62)
+    q, k, v = qkv(rng, (2,), 256, 256, 128, 128, np.float32)
+    q, k, v = _bf16_rounded(q), _bf16_rounded(k), _bf16_rounded(v)
+    if plain_block == "queries":
+        q[:, :48] = make(rng, (2, 48, 128), np.float32)
+    elif plain_block == "keys":
+        k[:, 32:64] = make(rng, (2, 32, 128), np.float32)
+    elif plain_block == "values":
+        v[:, 64:96] = make(rng, (2, 32, 128), np.float32)
+    for causal in (False, True):
+        got, lse = attnx.softmax_attention(q, k, v, scale=1.0, causal=causal, return_lse=True)
+        want, wlse = ref_softmax(q, k, v, scale=1.0, causal=causal, return_lse=True)
+        assert_close(got, want, np.float32, vscale(v), err_msg=str(causal))
+        assert_close(lse, wlse, np.float32, np.max(np.abs(wlse)))
+
+
 # --------------------------------------------------------------------------
 # hypothesis properties (docs/testing.md)
 # --------------------------------------------------------------------------
