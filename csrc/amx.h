@@ -118,32 +118,36 @@ static inline int amx_split_rows(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, c
 }
 
 /* pairs operand of 16 lanes: dst rows [0, pairs) <- rows 2p and 2p + 1 of
- * x (16 floats each, x_row apart), interleaved lane by lane: split into
- * all planes (returns the planes it needs), or with planes 1 rounded to
- * bfloat16 (the hi plane alone; returns 1) */
-static inline int amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
-                                  ptrdiff_t x_row, ptrdiff_t pairs, int planes)
+ * x (16 floats each, x_row apart), interleaved lane by lane: rounded to
+ * bfloat16 (the hi plane alone) with planes 1, else split into all planes,
+ * and then, where `needed` is not NULL, the planes the operand needs there
+ * (inlined with NULL, the check costs nothing: P's is not asked for, as the
+ * probabilities are hardly ever bfloat16 values) */
+static inline void amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, const float *x,
+                                   ptrdiff_t x_row, ptrdiff_t pairs, int planes, int *needed)
 {
+    if (planes == 1) {
+        for (ptrdiff_t p = 0; p < pairs; p++)
+            _mm512_storeu_si512(
+                dst + p * ld,
+                _mm512_or_si512(amx_bf16_bits(_mm512_loadu_ps(x + 2 * p * x_row)),
+                                _mm512_slli_epi32(amx_bf16_bits(_mm512_loadu_ps(x + (2 * p + 1) * x_row)), 16)));
+        if (needed) *needed = 1;
+        return;
+    }
     __m512i lower = _mm512_setzero_si512();
     for (ptrdiff_t p = 0; p < pairs; p++) {
-        __m512 even_x = _mm512_loadu_ps(x + 2 * p * x_row);
-        __m512 odd_x = _mm512_loadu_ps(x + (2 * p + 1) * x_row);
-        if (planes == 1) {
-            _mm512_storeu_si512(dst + p * ld,
-                                _mm512_or_si512(amx_bf16_bits(even_x),
-                                                _mm512_slli_epi32(amx_bf16_bits(odd_x), 16)));
-            continue;
-        }
         __m512i even[AMX_PLANES], odd[AMX_PLANES];
-        amx_split(even_x, even);
-        amx_split(odd_x, odd);
+        amx_split(_mm512_loadu_ps(x + 2 * p * x_row), even);
+        amx_split(_mm512_loadu_ps(x + (2 * p + 1) * x_row), odd);
         for (int s = 0; s < AMX_PLANES; s++)
             _mm512_storeu_si512(dst + s * plane + p * ld,
                                 _mm512_or_si512(even[s], _mm512_slli_epi32(odd[s], 16)));
-        lower = _mm512_or_si512(lower, _mm512_or_si512(_mm512_or_si512(even[1], even[2]),
-                                                       _mm512_or_si512(odd[1], odd[2])));
+        if (needed)
+            lower = _mm512_or_si512(lower, _mm512_or_si512(_mm512_or_si512(even[1], even[2]),
+                                                           _mm512_or_si512(odd[1], odd[2])));
     }
-    return planes == 1 ? 1 : amx_planes_needed(lower);
+    if (needed) *needed = amx_planes_needed(lower);
 }
 
 /* c (32 x 32, rows c_ld floats apart) = (c if accumulate, else 0) +
@@ -152,10 +156,10 @@ static inline int amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane, 
  * products, each operand tile loaded once per plane pairing it serves: hi
  * with hi, mid, lo; mid with hi, mid; lo with hi; of those the first
  * a_planes of a and b_planes of b (1 or AMX_PLANES) hold. */
-static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrdiff_t a_ld,
-                               ptrdiff_t a_step, ptrdiff_t a_plane, int a_planes,
-                               const uint16_t *b, ptrdiff_t b_ld, ptrdiff_t b_plane, int b_planes,
-                               ptrdiff_t steps, int accumulate)
+static inline __attribute__((always_inline)) void amx_product_planes(
+    float *c, ptrdiff_t c_ld, const uint16_t *a, ptrdiff_t a_ld, ptrdiff_t a_step,
+    ptrdiff_t a_plane, const int a_planes, const uint16_t *b, ptrdiff_t b_ld, ptrdiff_t b_plane,
+    const int b_planes, ptrdiff_t steps, int accumulate)
 {
     const ptrdiff_t c_stride = c_ld * 4, a_stride = a_ld * 2, b_stride = b_ld * 2;
     if (accumulate) {
@@ -190,6 +194,27 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
     _tile_stored(1, c + 16, c_stride);
     _tile_stored(2, c + 16 * c_ld, c_stride);
     _tile_stored(3, c + 16 * c_ld + 16, c_stride);
+}
+
+/* amx_product_planes with the planes as constants, so that each pairing's
+ * tile loads and products are laid out in a line */
+static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrdiff_t a_ld,
+                               ptrdiff_t a_step, ptrdiff_t a_plane, int a_planes,
+                               const uint16_t *b, ptrdiff_t b_ld, ptrdiff_t b_plane, int b_planes,
+                               ptrdiff_t steps, int accumulate)
+{
+#define AMX_PRODUCT(a_count, b_count)                                                         \
+    amx_product_planes(c, c_ld, a, a_ld, a_step, a_plane, a_count, b, b_ld, b_plane, b_count, \
+                       steps, accumulate)
+    if (a_planes == 1 && b_planes == 1)
+        AMX_PRODUCT(1, 1);
+    else if (a_planes == 1)
+        AMX_PRODUCT(1, AMX_PLANES);
+    else if (b_planes == 1)
+        AMX_PRODUCT(AMX_PLANES, 1);
+    else
+        AMX_PRODUCT(AMX_PLANES, AMX_PLANES);
+#undef AMX_PRODUCT
 }
 
 /* The scores block st[j][r] for keys [c0, c0 + 32), rows [r0, r0 + 32)

@@ -81,11 +81,12 @@ static void amx_prepare_tile(const softmax_backend_f32 *be, const attnx_softmax_
     amx_configure();
     mk_pack_f32(w->qt, q, a->q_row, rows, a->d, st_ld, 16);
     x->query_planes = 1;
-    for (ptrdiff_t g = 0; g + 32 <= st_ld; g += 16)
-        x->query_planes = ATTNX_MAX(x->query_planes,
-                                    amx_split_pairs(x->q_op + g / 32 * d_pad * 32 + g % 32 * 2, 64,
-                                                    q_plane, w->qt + g, st_ld, d_pad / 2,
-                                                    AMX_PLANES));
+    for (ptrdiff_t g = 0; g + 32 <= st_ld; g += 16) {
+        int needed;
+        amx_split_pairs(x->q_op + g / 32 * d_pad * 32 + g % 32 * 2, 64, q_plane, w->qt + g, st_ld,
+                        d_pad / 2, AMX_PLANES, &needed);
+        x->query_planes = ATTNX_MAX(x->query_planes, needed);
+    }
 }
 
 /* The key tile t (j0 a multiple of 32) block of 32 rows by block: its
@@ -132,14 +133,13 @@ static void amx_key_tile(const softmax_backend_f32 *be, const attnx_softmax_args
         /* bfloat16 arithmetic: P rounded to bfloat16, as torch's flash
          * attention rounds it for bfloat16 tensors, where the values are
          * bfloat16 values (as the micro-kernels' pairs, softmax_mk.c) */
-        int p_planes = a->bf16_products && value_planes == 1 ? 1 : AMX_PLANES, planes = 1;
+        int p_planes = a->bf16_products && value_planes == 1 ? 1 : AMX_PLANES;
         for (ptrdiff_t g = 0; g < 32; g += 16)
-            planes = ATTNX_MAX(planes, amx_split_pairs(x->p_op + 2 * g, 64, p_plane,
-                                                       st + lo * st_ld + r0 + g, st_ld,
-                                                       (hi - lo) / 2, p_planes));
+            amx_split_pairs(x->p_op + 2 * g, 64, p_plane, st + lo * st_ld + r0 + g, st_ld,
+                            (hi - lo) / 2, p_planes, NULL);
         for (ptrdiff_t c0 = 0; c0 < e_pad; c0 += 32)
             amx_product(ot + c0 * st_ld + r0, st_ld, x->v_op + (j0 + lo) * e_pad + c0 * 32, 32,
-                        e_pad * 32, v_plane, value_planes, x->p_op, 64, p_plane, planes,
+                        e_pad * 32, v_plane, value_planes, x->p_op, 64, p_plane, p_planes,
                         (hi - lo) / 32, 1);
     }
 }
