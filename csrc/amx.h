@@ -217,6 +217,49 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
 #undef AMX_PRODUCT
 }
 
+/* c (rows, cols) = alpha a b, or c += alpha a b where accumulate, for
+ * rows, cols and depth_pairs multiples of 16: a (rows, depth_pairs) and b
+ * (depth_pairs, cols) bfloat16 pairs along the depth, rows a_row and
+ * b_row floats apart (the layouts of the softmax backward's bfloat16 dot
+ * products, mk_gemm_pairs_w16 with a_col 1: a's rows are AMX's rows
+ * operand, b's pair rows its pairs operand, read in place). Where alpha
+ * is not 1 each 16 x 16 block of the product goes through `block` (256
+ * floats) to be scaled. Configures the tiles and releases them. */
+static inline void amx_gemm_pairs(ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth_pairs,
+                                  float alpha, const float *a, ptrdiff_t a_row, const float *b,
+                                  ptrdiff_t b_row, int accumulate, float *c, ptrdiff_t c_row,
+                                  float *block)
+{
+    const ptrdiff_t a_stride = a_row * 4, b_stride = b_row * 4, c_stride = c_row * 4;
+    const __m512 factor = _mm512_set1_ps(alpha);
+    amx_configure();
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += 16)
+        for (ptrdiff_t c0 = 0; c0 < cols; c0 += 16) {
+            float *c_at = c + r0 * c_row + c0;
+            if (alpha == 1.0f && accumulate)
+                _tile_loadd(0, c_at, c_stride);
+            else
+                _tile_zero(0);
+            for (ptrdiff_t p0 = 0; p0 < depth_pairs; p0 += 16) {
+                _tile_loadd(1, a + r0 * a_row + p0, a_stride);
+                _tile_loadd(2, b + p0 * b_row + c0, b_stride);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            if (alpha == 1.0f) {
+                _tile_stored(0, c_at, c_stride);
+                continue;
+            }
+            _tile_stored(0, block, 64);
+            for (int r = 0; r < 16; r++) {
+                __m512 product = _mm512_mul_ps(_mm512_loadu_ps(block + 16 * r), factor);
+                float *c_r = c_at + r * c_row;
+                _mm512_storeu_ps(c_r, accumulate ? _mm512_add_ps(_mm512_loadu_ps(c_r), product)
+                                                 : product);
+            }
+        }
+    amx_release();
+}
+
 /* The scores block st[j][r] for keys [c0, c0 + 32), rows [r0, r0 + 32)
  * of the tile, as the product left it (q . k): times `scale`, plus each
  * key's term (a key whose term is -inf scores -inf, whatever q . k is),

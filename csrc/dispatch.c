@@ -71,6 +71,7 @@ static const kernel_row softmax_fwd_table[] = {
     PLAIN_ROW, END_ROW,
 };
 static const kernel_row softmax_bwd_table[] = {
+    {ATTNX_KERNELS_AMX, NEEDS_AMX, BUILT_AMX},
     {ATTNX_KERNELS_AVX512_BF16, NEEDS_AVX512_BF16, BUILT_X86, SLOWER_ON_INTEL},
     {ATTNX_KERNELS_AVX512, NEEDS_AVX512, BUILT_X86},
     {ATTNX_KERNELS_AVX2, NEEDS_AVX2, BUILT_X86},

@@ -51,6 +51,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "amx.h" /* ATTNX_HAVE_AMX */
 #include "attnx.h"
 #include "blas.h"
 #include "convert.h"
@@ -165,7 +166,52 @@ typedef struct {
     const REAL *k_j, *v_j;
     ptrdiff_t k_row, v_row;
     REAL *k_block, *v_block;
+    /* the products on pairs on AMX (the amx set) rather than VDPBF16PS:
+     * a_pairs (side, side / 2) holds an operand read transposed (p, dS)
+     * in AMX's rows, block one 16 x 16 product to scale */
+    int amx;
+    float *a_pairs, *block;
 } SFX(bwd_work);
+
+#ifdef BWD_PAIRS
+/* mk_gemm_pairs_w16's product, on AMX where the amx set runs the backward:
+ * its whole tiles (16 rows by 16 pairs of depth) on the tiles, the rows
+ * and depth left over on VDPBF16PS; an a read transposed (a_col not 1) is
+ * laid out in rows first. */
+static void SFX(bwd_pairs_gemm)(const SFX(bwd_work) *w, ptrdiff_t rows, ptrdiff_t cols,
+                                ptrdiff_t depth_pairs, float alpha, const float *a,
+                                ptrdiff_t a_row, ptrdiff_t a_col, const float *b, ptrdiff_t b_row,
+                                int accumulate, float *c, ptrdiff_t c_row)
+{
+#ifdef ATTNX_HAVE_AMX
+    if (w->amx) {
+        if (a_col != 1) {
+            SFX(mk_transpose)(w->a_pairs, w->side / 2, a, a_col, depth_pairs, rows, 16);
+            a = w->a_pairs;
+            a_row = w->side / 2;
+            a_col = 1;
+        }
+        ptrdiff_t tile_rows = rows / 16 * 16, tile_depth = depth_pairs / 16 * 16;
+        if (tile_rows && tile_depth) {
+            amx_gemm_pairs(tile_rows, cols, tile_depth, alpha, a, a_row, b, b_row, accumulate, c,
+                           c_row, w->block);
+            if (depth_pairs > tile_depth)
+                mk_gemm_pairs_w16(tile_rows, cols, depth_pairs - tile_depth, alpha, a + tile_depth,
+                                  a_row, 1, b + tile_depth * b_row, b_row, 1, c, c_row);
+            rows -= tile_rows;
+            a += tile_rows * a_row;
+            c += tile_rows * c_row;
+        }
+        if (rows)
+            mk_gemm_pairs_w16(rows, cols, depth_pairs, alpha, a, a_row, 1, b, b_row, accumulate, c,
+                              c_row);
+        return;
+    }
+#endif
+    mk_gemm_pairs_w16(rows, cols, depth_pairs, alpha, a, a_row, a_col, b, b_row, accumulate, c,
+                      c_row);
+}
+#endif
 
 /* The operands of one head, positioned once. */
 typedef struct {
@@ -348,8 +394,8 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     /* pass 1: scores in log2 units, then p */
 #ifdef BWD_PAIRS
     if (score_pairs)
-        mk_gemm_pairs_w16(rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2), d / 2,
-                          1, w->kt_pairs, side, 0, w->pt, side);
+        SFX(bwd_pairs_gemm)(w, rows, cols_pad, d / 2, scale * LOG2E, w->q_pairs + i0 * (d / 2),
+                            d / 2, 1, w->kt_pairs, side, 0, w->pt, side);
     else
 #endif
     if (mk)
@@ -392,16 +438,16 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
 #ifdef BWD_PAIRS
         if (rounded) {
             mk_pair_rows_rounded(w->pd_pairs, side, w->ptd, side, rows, cols);
-            mk_gemm_pairs_w16(cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, side, dout_rows, e, 1,
-                              dv_j, dv_row);
+            SFX(bwd_pairs_gemm)(w, cols, e, (rows + 1) / 2, 1, w->pd_pairs, 1, side, dout_rows, e,
+                                1, dv_j, dv_row);
         } else
 #endif
         SFX(bwd_gemm)(w->width, cols, e, rows, 1, w->ptd, 1, side, do_i, dout_row, 1, dv_j,
                       dv_row);
 #ifdef BWD_PAIRS
         if (dp_pairs)
-            mk_gemm_pairs_w16(rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2, 1,
-                              w->vt_pairs, side, 0, w->dpt, side);
+            SFX(bwd_pairs_gemm)(w, rows, cols_pad, e / 2, 1, w->dout_pairs + i0 * (e / 2), e / 2, 1,
+                                w->vt_pairs, side, 0, w->dpt, side);
         else
 #endif
         SFX(bwd_gemm)(w->width, rows, cols_pad, e, 1, do_i, dout_row, 1, w->vt, side, 0, w->dpt,
@@ -439,10 +485,10 @@ static void SFX(bwd_block_pair)(const attnx_softmax_args *a, const SFX(bwd_head)
     /* dK_j += scale dS^T Q_i;  dQ_i += scale dS K_j */
 #ifdef BWD_PAIRS
     if (rounded) {
-        mk_gemm_pairs_w16(cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, side, q_rows, d, 1,
-                          dk_j, dk_row);
-        mk_gemm_pairs_w16(rows, d, (cols + 1) / 2, scale, w->ds_along, side / 2, 1, w->k_rows, d, 1,
-                          dq_i, dq_row);
+        SFX(bwd_pairs_gemm)(w, cols, d, (rows + 1) / 2, scale, w->ds_pairs, 1, side, q_rows, d, 1,
+                            dk_j, dk_row);
+        SFX(bwd_pairs_gemm)(w, rows, d, (cols + 1) / 2, scale, w->ds_along, side / 2, 1, w->k_rows,
+                            d, 1, dq_i, dq_row);
     } else
 #endif
     if (mk) {
@@ -677,9 +723,12 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     ptrdiff_t transposed = width ? LINES(d * side) + LINES(a->e * side) : 0;
     /* the bfloat16 dot products: the key block's and the item's query
      * blocks' pair rows (float32, so the numbers are the pairs' size) */
-    int pairs = 0;
+    int pairs = 0, amx = 0;
 #ifdef BWD_PAIRS
-    pairs = width && attnx_kernels_bf16_dot(set);
+#ifdef ATTNX_HAVE_AMX
+    amx = width && set == ATTNX_KERNELS_AMX;
+#endif
+    pairs = width && (attnx_kernels_bf16_dot(set) || amx);
 #endif
     ptrdiff_t paired = pairs ? LINES((d + a->e) / 2 * (side + n)) : 0;
     /* and with the caller's bfloat16 arithmetic, the pairs of p, dS and
@@ -689,13 +738,15 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
     ptrdiff_t rounded_pairs = rounded ? 3 * LINES(side / 2 * side) + LINES(side / 2 * (d + a->e)) +
                                             LINES(side / 2 * d) + LINES(block_rows * (d + a->e))
                                       : 0;
+    /* on AMX, p or dS transposed into rows, and one product block */
+    ptrdiff_t amx_pairs = amx ? LINES(side * (side / 2)) + LINES(256) : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
     ptrdiff_t widened_keys = a->kv_half ? LINES(side * d) : 0;
     ptrdiff_t widened = a->kv_half ? widened_keys + LINES(side * a->e) : 0;
     ptrdiff_t dropped = dropout * LINES(side * side);
     ptrdiff_t per_thread = (2 + dropout) * LINES(side * side) + 2 * LINES(side) + transposed +
-                           paired + rounded_pairs + widened;
+                           paired + rounded_pairs + widened + amx_pairs;
     ptrdiff_t partial = groups > 1 ? LINES(n * d) : 0;
 #undef LINES
     REAL *head_rows = NULL, *tiles = NULL, *partials = NULL;
@@ -724,6 +775,13 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
             works[t].k_block = kt + transposed + paired + rounded_pairs + dropped;
             works[t].v_block = works[t].k_block + widened_keys;
         }
+#ifdef BWD_PAIRS
+        if (amx) {
+            works[t].amx = 1;
+            works[t].a_pairs = kt + transposed + paired + rounded_pairs + dropped + widened;
+            works[t].block = works[t].a_pairs + side * (side / 2);
+        }
+#endif
 #ifdef BWD_PAIRS
         if (pairs) {
             float *pair_base = kt + transposed;

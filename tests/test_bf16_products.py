@@ -89,11 +89,18 @@ def _case(case, seed=0):
     return q, k, v, dout, options
 
 
+# the sets whose backward takes the pairs: VDPBF16PS, and AMX's tiles
+PAIR_SETS = [pytest.param(name, marks=pytest.mark.skipif(
+    name not in kernels_here("softmax_backward"), reason=f"this CPU has no {name} set"))
+    for name in ("avx512_bf16", "amx")]
+
+
 @needs_dot
+@pytest.mark.parametrize("pair_set", PAIR_SETS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_rounded_products_against_the_float64_reference(case, softmax_backward_side):
+def test_rounded_products_against_the_float64_reference(case, pair_set, softmax_backward_side):
     q, k, v, dout, options = _case(case)
-    with dispatched(softmax_forward="avx512_bf16", softmax_backward="avx512_bf16"):
+    with dispatched(softmax_forward=pair_set, softmax_backward=pair_set):
         got = kernel_results(q, k, v, dout, True, **dict(options))
         float32 = kernel_results(q, k, v, dout, False, **dict(options))
     wide = [x.astype(np.float64) for x in (q, k, v, dout)]
