@@ -217,46 +217,100 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
 #undef AMX_PRODUCT
 }
 
+/* c's 16 x 16 block at c_at (rows c_row apart) = alpha times the product
+ * block (16 rows of 16 floats), or += where accumulate */
+static inline void amx_scaled_block(float *c_at, ptrdiff_t c_row, const float *block, float alpha,
+                                    int accumulate)
+{
+    const __m512 factor = _mm512_set1_ps(alpha);
+    for (int r = 0; r < 16; r++) {
+        __m512 product = _mm512_mul_ps(_mm512_loadu_ps(block + 16 * r), factor);
+        float *c_r = c_at + r * c_row;
+        _mm512_storeu_ps(c_r, accumulate ? _mm512_add_ps(_mm512_loadu_ps(c_r), product) : product);
+    }
+}
+
 /* c (rows, cols) = alpha a b, or c += alpha a b where accumulate, for
  * rows, cols and depth_pairs multiples of 16: a (rows, depth_pairs) and b
  * (depth_pairs, cols) bfloat16 pairs along the depth, rows a_row and
  * b_row floats apart (the layouts of the softmax backward's bfloat16 dot
  * products, mk_gemm_pairs_w16 with a_col 1: a's rows are AMX's rows
- * operand, b's pair rows its pairs operand, read in place). Where alpha
- * is not 1 each 16 x 16 block of the product goes through `block` (256
- * floats) to be scaled. Configures the tiles and releases them. */
+ * operand, b's pair rows its pairs operand, read in place). Blocks of 32 x
+ * 32 (four tiles, each operand tile loaded once for two products), 16 x 16
+ * at the edges. Where alpha is not 1 the product's blocks go through
+ * `block` (1024 floats) to be scaled. Configures the tiles and releases
+ * them. */
 static inline void amx_gemm_pairs(ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t depth_pairs,
                                   float alpha, const float *a, ptrdiff_t a_row, const float *b,
                                   ptrdiff_t b_row, int accumulate, float *c, ptrdiff_t c_row,
                                   float *block)
 {
     const ptrdiff_t a_stride = a_row * 4, b_stride = b_row * 4, c_stride = c_row * 4;
-    const __m512 factor = _mm512_set1_ps(alpha);
+    const int in_place = alpha == 1.0f;
     amx_configure();
-    for (ptrdiff_t r0 = 0; r0 < rows; r0 += 16)
-        for (ptrdiff_t c0 = 0; c0 < cols; c0 += 16) {
-            float *c_at = c + r0 * c_row + c0;
-            if (alpha == 1.0f && accumulate)
-                _tile_loadd(0, c_at, c_stride);
-            else
-                _tile_zero(0);
-            for (ptrdiff_t p0 = 0; p0 < depth_pairs; p0 += 16) {
-                _tile_loadd(1, a + r0 * a_row + p0, a_stride);
-                _tile_loadd(2, b + p0 * b_row + c0, b_stride);
-                _tile_dpbf16ps(0, 1, 2);
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += 32) {
+        ptrdiff_t c0 = 0;
+        if (r0 + 32 <= rows)
+            for (; c0 + 32 <= cols; c0 += 32) {
+                float *c_at = c + r0 * c_row + c0;
+                if (in_place && accumulate) {
+                    _tile_loadd(0, c_at, c_stride);
+                    _tile_loadd(1, c_at + 16, c_stride);
+                    _tile_loadd(2, c_at + 16 * c_row, c_stride);
+                    _tile_loadd(3, c_at + 16 * c_row + 16, c_stride);
+                } else {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (ptrdiff_t p0 = 0; p0 < depth_pairs; p0 += 16) {
+                    _tile_loadd(4, a + r0 * a_row + p0, a_stride);
+                    _tile_loadd(5, a + (r0 + 16) * a_row + p0, a_stride);
+                    _tile_loadd(6, b + p0 * b_row + c0, b_stride);
+                    _tile_loadd(7, b + p0 * b_row + c0 + 16, b_stride);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                if (in_place) {
+                    _tile_stored(0, c_at, c_stride);
+                    _tile_stored(1, c_at + 16, c_stride);
+                    _tile_stored(2, c_at + 16 * c_row, c_stride);
+                    _tile_stored(3, c_at + 16 * c_row + 16, c_stride);
+                    continue;
+                }
+                _tile_stored(0, block, 64);
+                _tile_stored(1, block + 256, 64);
+                _tile_stored(2, block + 512, 64);
+                _tile_stored(3, block + 768, 64);
+                amx_scaled_block(c_at, c_row, block, alpha, accumulate);
+                amx_scaled_block(c_at + 16, c_row, block + 256, alpha, accumulate);
+                amx_scaled_block(c_at + 16 * c_row, c_row, block + 512, alpha, accumulate);
+                amx_scaled_block(c_at + 16 * c_row + 16, c_row, block + 768, alpha, accumulate);
             }
-            if (alpha == 1.0f) {
-                _tile_stored(0, c_at, c_stride);
-                continue;
+        /* the edges: the columns left in these 32 rows, or the last 16 rows */
+        for (ptrdiff_t r = r0; r < rows && r < r0 + 32; r += 16)
+            for (ptrdiff_t col = c0; col < cols; col += 16) {
+                float *c_at = c + r * c_row + col;
+                if (in_place && accumulate)
+                    _tile_loadd(0, c_at, c_stride);
+                else
+                    _tile_zero(0);
+                for (ptrdiff_t p0 = 0; p0 < depth_pairs; p0 += 16) {
+                    _tile_loadd(4, a + r * a_row + p0, a_stride);
+                    _tile_loadd(6, b + p0 * b_row + col, b_stride);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
+                if (in_place) {
+                    _tile_stored(0, c_at, c_stride);
+                } else {
+                    _tile_stored(0, block, 64);
+                    amx_scaled_block(c_at, c_row, block, alpha, accumulate);
+                }
             }
-            _tile_stored(0, block, 64);
-            for (int r = 0; r < 16; r++) {
-                __m512 product = _mm512_mul_ps(_mm512_loadu_ps(block + 16 * r), factor);
-                float *c_r = c_at + r * c_row;
-                _mm512_storeu_ps(c_r, accumulate ? _mm512_add_ps(_mm512_loadu_ps(c_r), product)
-                                                 : product);
-            }
-        }
+    }
     amx_release();
 }
 

@@ -168,7 +168,7 @@ typedef struct {
     REAL *k_block, *v_block;
     /* the products on pairs on AMX (the amx set) rather than VDPBF16PS:
      * a_pairs (side, side / 2) holds an operand read transposed (p, dS)
-     * in AMX's rows, block one 16 x 16 product to scale */
+     * in AMX's rows, block (1024) a 32 x 32 product to scale */
     int amx;
     float *a_pairs, *block;
 } SFX(bwd_work);
@@ -739,7 +739,7 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
                                             LINES(side / 2 * d) + LINES(block_rows * (d + a->e))
                                       : 0;
     /* on AMX, p or dS transposed into rows, and one product block */
-    ptrdiff_t amx_pairs = amx ? LINES(side * (side / 2)) + LINES(256) : 0;
+    ptrdiff_t amx_pairs = amx ? LINES(side * (side / 2)) + LINES(1024) : 0;
     int dropout = a->dropout_p > 0;
     ptrdiff_t per_head = LINES(2 * n);
     ptrdiff_t widened_keys = a->kv_half ? LINES(side * d) : 0;

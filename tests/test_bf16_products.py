@@ -66,9 +66,12 @@ def relative_error(got, want):
 # 128), odd n and m (a pair's second row 0), n < m, a causal band whose
 # blocks start at odd rows, a padding mask; d = 16 and 64 (whole zmm
 # vectors: the backward's products on AVX-512), d = 17 (an odd d: the
-# plain products, the keyword ignored there)
+# plain products, the keyword ignored there); last blocks of 48 rows and
+# keys (AMX's products: a 32-row block, a 16-row edge, 8 pairs of depth
+# left to VDPBF16PS)
 CASES = [
     (2, 300, 300, 64, {}),
+    (2, 176, 176, 64, {}),
     (2, 257, 257, 64, {"causal": True}),
     (1, 129, 391, 64, {"causal": True}),
     (3, 130, 129, 16, {}),
