@@ -150,6 +150,34 @@ static inline void amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane,
     if (needed) *needed = amx_planes_needed(lower);
 }
 
+/* tiles 0-3 <- the 32 x 32 float32 block at c (rows c_ld floats apart),
+ * or 0 */
+static inline void amx_block_load(const float *c, ptrdiff_t c_ld, int load)
+{
+    const ptrdiff_t c_stride = c_ld * 4;
+    if (load) {
+        _tile_loadd(0, c, c_stride);
+        _tile_loadd(1, c + 16, c_stride);
+        _tile_loadd(2, c + 16 * c_ld, c_stride);
+        _tile_loadd(3, c + 16 * c_ld + 16, c_stride);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+}
+
+/* the 32 x 32 float32 block at c (rows c_ld floats apart) <- tiles 0-3 */
+static inline void amx_block_store(float *c, ptrdiff_t c_ld)
+{
+    const ptrdiff_t c_stride = c_ld * 4;
+    _tile_stored(0, c, c_stride);
+    _tile_stored(1, c + 16, c_stride);
+    _tile_stored(2, c + 16 * c_ld, c_stride);
+    _tile_stored(3, c + 16 * c_ld + 16, c_stride);
+}
+
 /* c (32 x 32, rows c_ld floats apart) = (c if accumulate, else 0) +
  * a (rows operand, rows 0-31) times b (pairs operand, lanes 0-31), over
  * `steps` x 32 of k, the next 32 of k a_step numbers on in a. The plane
@@ -161,18 +189,8 @@ static inline __attribute__((always_inline)) void amx_product_planes(
     ptrdiff_t a_plane, const int a_planes, const uint16_t *b, ptrdiff_t b_ld, ptrdiff_t b_plane,
     const int b_planes, ptrdiff_t steps, int accumulate)
 {
-    const ptrdiff_t c_stride = c_ld * 4, a_stride = a_ld * 2, b_stride = b_ld * 2;
-    if (accumulate) {
-        _tile_loadd(0, c, c_stride);
-        _tile_loadd(1, c + 16, c_stride);
-        _tile_loadd(2, c + 16 * c_ld, c_stride);
-        _tile_loadd(3, c + 16 * c_ld + 16, c_stride);
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    }
+    const ptrdiff_t a_stride = a_ld * 2, b_stride = b_ld * 2;
+    amx_block_load(c, c_ld, accumulate);
     for (ptrdiff_t step = 0; step < steps; step++) {
         const uint16_t *a_at = a + step * a_step, *b_at = b + step * 16 * b_ld;
         for (int sa = 0; sa < a_planes; sa++) {
@@ -190,10 +208,7 @@ static inline __attribute__((always_inline)) void amx_product_planes(
             }
         }
     }
-    _tile_stored(0, c, c_stride);
-    _tile_stored(1, c + 16, c_stride);
-    _tile_stored(2, c + 16 * c_ld, c_stride);
-    _tile_stored(3, c + 16 * c_ld + 16, c_stride);
+    amx_block_store(c, c_ld);
 }
 
 /* amx_product_planes with the planes as constants, so that each pairing's
@@ -217,17 +232,21 @@ static inline void amx_product(float *c, ptrdiff_t c_ld, const uint16_t *a, ptrd
 #undef AMX_PRODUCT
 }
 
-/* c's 16 x 16 block at c_at (rows c_row apart) = alpha times the product
- * block (16 rows of 16 floats), or += where accumulate */
-static inline void amx_scaled_block(float *c_at, ptrdiff_t c_row, const float *block, float alpha,
+/* c's block of `rows` rows by `vectors` x 16 columns at c_at (rows c_row
+ * apart) = alpha times the product's block (rows block_ld floats apart),
+ * or += where accumulate */
+static inline void amx_scaled_block(float *c_at, ptrdiff_t c_row, const float *block,
+                                    ptrdiff_t block_ld, int rows, int vectors, float alpha,
                                     int accumulate)
 {
     const __m512 factor = _mm512_set1_ps(alpha);
-    for (int r = 0; r < 16; r++) {
-        __m512 product = _mm512_mul_ps(_mm512_loadu_ps(block + 16 * r), factor);
-        float *c_r = c_at + r * c_row;
-        _mm512_storeu_ps(c_r, accumulate ? _mm512_add_ps(_mm512_loadu_ps(c_r), product) : product);
-    }
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < vectors; x++) {
+            __m512 product = _mm512_mul_ps(_mm512_loadu_ps(block + r * block_ld + 16 * x), factor);
+            float *c_rx = c_at + r * c_row + 16 * x;
+            _mm512_storeu_ps(c_rx, accumulate ? _mm512_add_ps(_mm512_loadu_ps(c_rx), product)
+                                              : product);
+        }
 }
 
 /* c (rows, cols) = alpha a b, or c += alpha a b where accumulate, for
@@ -253,17 +272,7 @@ static inline void amx_gemm_pairs(ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t dept
         if (r0 + 32 <= rows)
             for (; c0 + 32 <= cols; c0 += 32) {
                 float *c_at = c + r0 * c_row + c0;
-                if (in_place && accumulate) {
-                    _tile_loadd(0, c_at, c_stride);
-                    _tile_loadd(1, c_at + 16, c_stride);
-                    _tile_loadd(2, c_at + 16 * c_row, c_stride);
-                    _tile_loadd(3, c_at + 16 * c_row + 16, c_stride);
-                } else {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                }
+                amx_block_load(c_at, c_row, in_place && accumulate);
                 for (ptrdiff_t p0 = 0; p0 < depth_pairs; p0 += 16) {
                     _tile_loadd(4, a + r0 * a_row + p0, a_stride);
                     _tile_loadd(5, a + (r0 + 16) * a_row + p0, a_stride);
@@ -275,20 +284,11 @@ static inline void amx_gemm_pairs(ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t dept
                     _tile_dpbf16ps(3, 5, 7);
                 }
                 if (in_place) {
-                    _tile_stored(0, c_at, c_stride);
-                    _tile_stored(1, c_at + 16, c_stride);
-                    _tile_stored(2, c_at + 16 * c_row, c_stride);
-                    _tile_stored(3, c_at + 16 * c_row + 16, c_stride);
-                    continue;
+                    amx_block_store(c_at, c_row);
+                } else {
+                    amx_block_store(block, 32);
+                    amx_scaled_block(c_at, c_row, block, 32, 32, 2, alpha, accumulate);
                 }
-                _tile_stored(0, block, 64);
-                _tile_stored(1, block + 256, 64);
-                _tile_stored(2, block + 512, 64);
-                _tile_stored(3, block + 768, 64);
-                amx_scaled_block(c_at, c_row, block, alpha, accumulate);
-                amx_scaled_block(c_at + 16, c_row, block + 256, alpha, accumulate);
-                amx_scaled_block(c_at + 16 * c_row, c_row, block + 512, alpha, accumulate);
-                amx_scaled_block(c_at + 16 * c_row + 16, c_row, block + 768, alpha, accumulate);
             }
         /* the edges: the columns left in these 32 rows, or the last 16 rows */
         for (ptrdiff_t r = r0; r < rows && r < r0 + 32; r += 16)
@@ -307,7 +307,7 @@ static inline void amx_gemm_pairs(ptrdiff_t rows, ptrdiff_t cols, ptrdiff_t dept
                     _tile_stored(0, c_at, c_stride);
                 } else {
                     _tile_stored(0, block, 64);
-                    amx_scaled_block(c_at, c_row, block, alpha, accumulate);
+                    amx_scaled_block(c_at, c_row, block, 16, 16, 1, alpha, accumulate);
                 }
             }
     }
