@@ -39,7 +39,9 @@
  * mk_score_grads_pairs_w16) and dV, dK, dQ run on the pairs too, where the
  * block's Q, dO and K are bfloat16 values. Each key block and (once per
  * work item) each query block is put in pair rows, which tells whether its
- * numbers all are bfloat16 values.
+ * numbers all are bfloat16 values. The amx set runs the same products on
+ * AMX tiles instead (amx.h's amx_gemm_pairs, reading those pair rows in
+ * place: bwd_pairs_gemm), and float32's on FMAs.
  *
  * Legend: n queries, m keys, d features, e value features;
  *   pt  (BR, BC)  log2-unit scores, then p, of a query block x key block
