@@ -1282,17 +1282,27 @@ def test_microkernel_path_nan_in_masked_keys_has_no_effect(kernels):
 
 def test_amx_used_where_the_cpu_has_it():
     """A CPU whose flags list AMX with bfloat16 (Linux) runs float32 softmax
-    on it unless ATTNX_DISABLE_CPU_FEATURES leaves AMX out, and filling the
-    tables again without AMX, or holding the family below it, takes it off."""
+    and the backward's bfloat16 products on it, in a build with the AMX
+    kernels (gcc 11 or later: csrc/amx.h; a clang build has none), unless
+    ATTNX_DISABLE_CPU_FEATURES leaves AMX out, and filling the tables again
+    without AMX, or holding the family below it, takes it off."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
-    has_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+    try:
+        with dispatched(softmax_forward="amx"):
+            built = True
+    except ValueError:          # "softmax_forward has no kernel set amx here"
+        built = False
+    if built:
+        assert attnx._C.build_info()["compiler"].startswith("gcc")
+    has_amx = built and {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
     with dispatched(""):
         assert attnx._C.build_info()["amx"] == has_amx
         assert ("amx" in kernels_here("softmax_forward")) == has_amx
+        assert ("amx" in kernels_here("softmax_backward")) == has_amx
     with dispatched("AMX"):
         assert attnx._C.build_info()["amx"] is False
         assert "AMX_TILE" in attnx._C.build_info()["disabled_cpu_features"]
