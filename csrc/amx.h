@@ -84,6 +84,13 @@ static inline void amx_split(__m512 x, __m512i part[AMX_PLANES])
     part[2] = amx_bf16_bits(_mm512_sub_ps(rest, amx_bf16_value(part[1])));
 }
 
+/* the 32-bit pairs of two rows' bfloat16 bits (one per 32-bit lane): the
+ * even row's in the low halves */
+static inline __m512i amx_pair_bits(__m512i even, __m512i odd)
+{
+    return _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+}
+
 /* the planes an operand needs: 1 when the lower ones it was split into
  * (their bits OR-ed into `lower`) are all 0 */
 static inline int amx_planes_needed(__m512i lower)
@@ -127,11 +134,11 @@ static inline void amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane,
                                    ptrdiff_t x_row, ptrdiff_t pairs, int planes, int *needed)
 {
     if (planes == 1) {
-        for (ptrdiff_t p = 0; p < pairs; p++)
-            _mm512_storeu_si512(
-                dst + p * ld,
-                _mm512_or_si512(amx_bf16_bits(_mm512_loadu_ps(x + 2 * p * x_row)),
-                                _mm512_slli_epi32(amx_bf16_bits(_mm512_loadu_ps(x + (2 * p + 1) * x_row)), 16)));
+        for (ptrdiff_t p = 0; p < pairs; p++) {
+            __m512i even = amx_bf16_bits(_mm512_loadu_ps(x + 2 * p * x_row));
+            __m512i odd = amx_bf16_bits(_mm512_loadu_ps(x + (2 * p + 1) * x_row));
+            _mm512_storeu_si512(dst + p * ld, amx_pair_bits(even, odd));
+        }
         if (needed) *needed = 1;
         return;
     }
@@ -141,8 +148,7 @@ static inline void amx_split_pairs(uint16_t *dst, ptrdiff_t ld, ptrdiff_t plane,
         amx_split(_mm512_loadu_ps(x + 2 * p * x_row), even);
         amx_split(_mm512_loadu_ps(x + (2 * p + 1) * x_row), odd);
         for (int s = 0; s < AMX_PLANES; s++)
-            _mm512_storeu_si512(dst + s * plane + p * ld,
-                                _mm512_or_si512(even[s], _mm512_slli_epi32(odd[s], 16)));
+            _mm512_storeu_si512(dst + s * plane + p * ld, amx_pair_bits(even[s], odd[s]));
         if (needed)
             lower = _mm512_or_si512(lower, _mm512_or_si512(_mm512_or_si512(even[1], even[2]),
                                                            _mm512_or_si512(odd[1], odd[2])));

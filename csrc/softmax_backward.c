@@ -170,8 +170,8 @@ typedef struct {
     REAL *k_block, *v_block;
     /* the products on pairs on AMX (the amx set) rather than VDPBF16PS:
      * a_pairs (side, side / 2) holds an operand read transposed (p, dS)
-     * in AMX's rows, block (1024) a 32 x 32 product to scale */
-    int amx;
+     * in AMX's rows, block (1024) a 32 x 32 product to scale; a_pairs
+     * NULL: VDPBF16PS */
     float *a_pairs, *block;
 } SFX(bwd_work);
 
@@ -186,7 +186,7 @@ static void SFX(bwd_pairs_gemm)(const SFX(bwd_work) *w, ptrdiff_t rows, ptrdiff_
                                 int accumulate, float *c, ptrdiff_t c_row)
 {
 #ifdef ATTNX_HAVE_AMX
-    if (w->amx) {
+    if (w->a_pairs) {
         if (a_col != 1) {
             SFX(mk_transpose)(w->a_pairs, w->side / 2, a, a_col, depth_pairs, rows, 16);
             a = w->a_pairs;
@@ -779,7 +779,6 @@ int TYPED(attnx_softmax_bwd_f32, attnx_softmax_bwd_f64)(const attnx_softmax_bwd_
         }
 #ifdef BWD_PAIRS
         if (amx) {
-            works[t].amx = 1;
             works[t].a_pairs = kt + transposed + paired + rounded_pairs + dropped + widened;
             works[t].block = works[t].a_pairs + side * (side / 2);
         }

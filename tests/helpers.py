@@ -228,6 +228,26 @@ def backward_blocks(side):
         attnx._C._softmax_backward_block(before)
 
 
+def cpuinfo_field(name):
+    """A field of Linux's /proc/cpuinfo for the first CPU ("flags",
+    "vendor_id", ...) as its text, or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo
+                         if line.split(":", 1)[0].strip() == name), None)
+    except OSError:
+        return None
+
+
+def kernel_set_params(family, *names):
+    """pytest params of the kernel sets `names` of `family`, each skipped
+    where this CPU or build does not have it."""
+    here = kernels_here(family)
+    return [pytest.param(name, marks=pytest.mark.skipif(
+        name not in here, reason=f"this CPU or build has no {name} set for {family}"))
+        for name in names]
+
+
 def kernels_here(family):
     """The kernel sets `family` can run on this CPU and build, best first,
     less those the features left out rule out: those its table gives when

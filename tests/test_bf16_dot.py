@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import attnx
 import attnx.reference as ref
-from helpers import dispatched, hypothesis_settings, kernels_here, tol
+from helpers import dispatched, hypothesis_settings, kernel_set_params, kernels_here, tol
 from attnx.reference import (dropout_keep, gaussian_attention_grads, reduce_to,
                             softmax_attention_grads)
 
@@ -29,7 +29,7 @@ NO_DOT = "this CPU has no avx512_bf16 (or no AVX-512 micro-kernels)"
 AMX = "amx" in kernels_here("softmax_backward")
 NO_AMX = "this CPU has no AMX"
 # the sets whose products take the pairs: VDPBF16PS, and AMX's tiles
-ON_SETS = ["avx512_bf16", pytest.param("amx", marks=pytest.mark.skipif(not AMX, reason=NO_AMX))]
+ON_SETS = kernel_set_params("softmax_backward", "avx512_bf16", "amx")
 SETTINGS = ["off", pytest.param("avx512_bf16", marks=pytest.mark.skipif(not DOT, reason=NO_DOT)),
             pytest.param("amx", marks=pytest.mark.skipif(not AMX, reason=NO_AMX))]
 needs_dot = pytest.mark.skipif(not DOT, reason=NO_DOT)

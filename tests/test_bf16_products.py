@@ -21,7 +21,7 @@ import pytest
 
 import attnx
 from attnx._softmax import _backward
-from helpers import dispatched, kernels_here
+from helpers import dispatched, kernel_set_params, kernels_here
 
 torch = pytest.importorskip("torch")
 import attnx.torch as at  # noqa: E402
@@ -93,9 +93,7 @@ def _case(case, seed=0):
 
 
 # the sets whose backward takes the pairs: VDPBF16PS, and AMX's tiles
-PAIR_SETS = [pytest.param(name, marks=pytest.mark.skipif(
-    name not in kernels_here("softmax_backward"), reason=f"this CPU has no {name} set"))
-    for name in ("avx512_bf16", "amx")]
+PAIR_SETS = kernel_set_params("softmax_backward", "avx512_bf16", "amx")
 
 
 @needs_dot
@@ -255,9 +253,7 @@ def rounded_p_reference(q, k, v, options):
 
 # the forward's sets that round p: the micro-kernels with the dot
 # products, and AMX (its one-plane products, csrc/amx.h)
-ROUNDING_SETS = [pytest.param(name, marks=pytest.mark.skipif(
-    name not in kernels_here("softmax_forward"), reason=f"this CPU has no {name} set"))
-    for name in ("avx512_bf16", "amx")]
+ROUNDING_SETS = kernel_set_params("softmax_forward", "avx512_bf16", "amx")
 
 
 @pytest.mark.parametrize("rounding_set", ROUNDING_SETS)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import attnx
-from helpers import dispatched, kernels_here
+from helpers import cpuinfo_field, dispatched, kernels_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import conftest  # noqa: E402
@@ -209,15 +209,6 @@ def _sysfs_l2_bytes():
     return None
 
 
-def _proc_cpuinfo_vendor():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("vendor_id")), None)
-    except OSError:
-        return None
-
-
 def test_cpu_vendor_and_the_sets_slower_on_its_cores():
     """build_info's cpu_vendor is the maker Linux names too; the bfloat16
     dot products' set (avx512_bf16) is passed over on Intel's cores, whose
@@ -226,7 +217,7 @@ def test_cpu_vendor_and_the_sets_slower_on_its_cores():
     maker's CPU, so the tests still run it there."""
     vendor = attnx._C.build_info()["cpu_vendor"]
     assert vendor in ("intel", "amd", "other")
-    named = _proc_cpuinfo_vendor()
+    named = cpuinfo_field("vendor_id")
     if named is not None and re.match(r"x86_64|AMD64", platform.machine()):
         assert vendor == {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(named, "other")
     elif not re.match(r"x86_64|AMD64", platform.machine()):

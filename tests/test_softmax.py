@@ -32,7 +32,7 @@ import attnx
 import attnx.reference as ref
 from helpers import (CAUSAL_MODES, assert_close, f64, hypothesis_settings, make,  # noqa: E402
                      mixed_dtype_qkv, qkv, run_isolated, tol, vscale)
-from helpers import dispatched, kernels_here  # noqa: E402
+from helpers import cpuinfo_field, dispatched, kernels_here  # noqa: E402
 
 HYP = hypothesis_settings(60)
 
@@ -1286,11 +1286,7 @@ def test_amx_used_where_the_cpu_has_it():
     kernels (gcc 11 or later: csrc/amx.h; a clang build has none), unless
     ATTNX_DISABLE_CPU_FEATURES leaves AMX out, and filling the tables again
     without AMX, or holding the family below it, takes it off."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = (cpuinfo_field("flags") or "").split()
     try:
         with dispatched(softmax_forward="amx"):
             built = True

@@ -5,7 +5,6 @@ instruction, the integer rounding in AVX2 or NEON vectors, the portable
 rounding) against a reference
 written from the definition of round-to-nearest-even, every layout, and the
 torch operators built on it."""
-import os
 
 import numpy as np
 import pytest
@@ -13,21 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-from helpers import (check_random_narrowing_on_every_path, dispatched, half_value, kernels_here,
-                     strided_layouts)
+from helpers import (check_random_narrowing_on_every_path, cpuinfo_field, dispatched, half_value,
+                     kernels_here, strided_layouts)
 
 CONVERT = attnx._C._convert_half
 
 
 def _cpu_flags():
     """The CPU's flags as Linux lists them (None elsewhere)."""
-    if not os.path.exists("/proc/cpuinfo"):
-        return None
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return None
+    flags = cpuinfo_field("flags")
+    return None if flags is None else set(flags.split())
 
 
 AVX512_BF16 = "avx512_bf16" in kernels_here("convert")
