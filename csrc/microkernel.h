@@ -1334,6 +1334,48 @@ static inline void mk_softmax_strip_w8(float *st, ptrdiff_t st_ld, ptrdiff_t lo,
     for (int h = 0; h < vectors; h++) _mm256_storeu_ps(row_sum + h * 8, sum[h]);
 }
 
+/* one vector of mk_probabilities_w8: 2^(p + term - offset), 0 where term
+ * is -inf or the exponent under -125 (NaN passes: the comparison is
+ * unordered), min(0, x) as on AVX-512 */
+static inline __attribute__((always_inline)) __m256 mk_probability_w8(__m256 score, __m256 term,
+                                                                       __m256 row_offset)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 x = _mm256_sub_ps(_mm256_add_ps(score, term), row_offset);
+    __m256 kept = _mm256_and_ps(_mm256_cmp_ps(term, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                _mm256_cmp_ps(x, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ));
+    return _mm256_and_ps(kept, mk_exp2_w8(_mm256_min_ps(zero, x)));
+}
+
+/* mk_probabilities_w16 on AVX2, the same numbers (mk_exp2_w8 is
+ * mk_exp2_w16's, and no result here is subnormal). The last count % 8
+ * go through a vector of their own, padded with hidden keys: AMD's masked
+ * stores are slow. */
+static inline int mk_probabilities_w8(float *p, const float *key_term, float offset,
+                                      ptrdiff_t count)
+{
+    const __m256 zero = _mm256_setzero_ps(), row_offset = _mm256_set1_ps(offset);
+    __m256 nonzero = zero;
+    ptrdiff_t c = 0;
+    for (; c + 8 <= count; c += 8) {
+        __m256 y = mk_probability_w8(_mm256_loadu_ps(p + c), _mm256_loadu_ps(key_term + c),
+                                     row_offset);
+        nonzero = _mm256_or_ps(nonzero, _mm256_cmp_ps(y, zero, _CMP_NEQ_UQ));
+        _mm256_storeu_ps(p + c, y);
+    }
+    if (c < count) {
+        float score[8] = {0}, term[8], y[8];
+        for (int lane = 0; lane < 8; lane++) term[lane] = -INFINITY;
+        memcpy(score, p + c, (size_t)(count - c) * sizeof *p);
+        memcpy(term, key_term + c, (size_t)(count - c) * sizeof *key_term);
+        __m256 last = mk_probability_w8(_mm256_loadu_ps(score), _mm256_loadu_ps(term), row_offset);
+        nonzero = _mm256_or_ps(nonzero, _mm256_cmp_ps(last, zero, _CMP_NEQ_UQ));
+        _mm256_storeu_ps(y, last);
+        memcpy(p + c, y, (size_t)(count - c) * sizeof *p);
+    }
+    return _mm256_movemask_ps(nonzero) != 0;
+}
+
 #endif
 
 #ifdef MK_F32

@@ -282,9 +282,11 @@ static ATTNX_HOT int SFX(bwd_probabilities)(const attnx_softmax_args *a, const S
             const REAL *bias_i = h->bias + i * a->bias_row + j0 * a->bias_col;
             for (ptrdiff_t c = lo; c < hi; c++) p_r[c] += LOG2E * bias_i[c * a->bias_col];
         }
-#ifdef BWD_PAIRS
+#if !REAL_IS_DOUBLE && defined(MK_HAVE_X86)
         if (w->width == 16)
             any |= mk_probabilities_w16(p_r + lo, key_term + lo, offset, hi - lo);
+        else if (w->width == 8)
+            any |= mk_probabilities_w8(p_r + lo, key_term + lo, offset, hi - lo);
         else
 #endif
         {

@@ -405,6 +405,27 @@ def test_grads_on_every_backend(backend, dtype, causal, softmax_backward_side):
         check_softmax(q, k, v, dtype, rng, causal=causal, mask=rng.random((1, 300)) < 0.8)
 
 
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("causal", [False, True])
+def test_probabilities_at_the_extremes_on_every_backend(backend, causal, softmax_backward_side):
+    """The backward's probabilities 2^(s - lse) (csrc/microkernel.h:
+    mk_probabilities_w16 on AVX-512, mk_probabilities_w8 on AVX2, vexp2
+    elsewhere) where they are most fragile: scores spread over a hundred
+    log2 units, so that many fall under 2^-125 (taken as 0) or just above
+    it, keys masked out (-inf terms, whatever their scores), rows of 1 to
+    7 keys past whole vectors (m = 300, causal), on every backward kernel
+    set against the float64 reference."""
+    rng = np.random.default_rng(72)
+    # small integers: exact float32 dot products, so the scores' rounding
+    # is not at issue; scores of std ~27 log2 units
+    q, k = (rng.integers(-7, 8, (2, count, 64)).astype(np.float32) for count in (200, 300))
+    v = rng.standard_normal((2, 300, 64)).astype(np.float32)
+    mask = rng.random((2, 1, 300)) < 0.8
+    with held_to(backend):
+        g = check_softmax(q, k, v, np.float32, rng, causal=causal, mask=mask)
+    assert np.all(g.k[~mask[:, 0]] == 0) and np.all(g.v[~mask[:, 0]] == 0)
+
+
 # --------------------------------------------------------------------------
 # Dropout
 # --------------------------------------------------------------------------
