@@ -27,11 +27,9 @@ from attnx.reference import (dropout_keep, gaussian_attention_grads, reduce_to,
 DOT = "avx512_bf16" in kernels_here("softmax_forward")
 NO_DOT = "this CPU has no avx512_bf16 (or no AVX-512 micro-kernels)"
 AMX = "amx" in kernels_here("softmax_backward")
-NO_AMX = "this CPU has no AMX"
 # the sets whose products take the pairs: VDPBF16PS, and AMX's tiles
 ON_SETS = kernel_set_params("softmax_backward", "avx512_bf16", "amx")
-SETTINGS = ["off", pytest.param("avx512_bf16", marks=pytest.mark.skipif(not DOT, reason=NO_DOT)),
-            pytest.param("amx", marks=pytest.mark.skipif(not AMX, reason=NO_AMX))]
+SETTINGS = ["off"] + kernel_set_params("softmax_forward", "avx512_bf16", "amx")
 needs_dot = pytest.mark.skipif(not DOT, reason=NO_DOT)
 
 # float32 results against the float64 references, relative to the largest
